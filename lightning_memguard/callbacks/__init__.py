@@ -1,0 +1,5 @@
+"""Lightning callbacks: thin adapters between the Trainer and the pure core."""
+
+from lightning_memguard.callbacks.memguard import MemGuard
+
+__all__ = ["MemGuard"]

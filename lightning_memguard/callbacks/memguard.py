@@ -1,0 +1,394 @@
+"""MemGuard: peak memory against throughput every epoch, and a loud stop when memory spills into system RAM."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_memguard.callbacks._agreement import StopVote
+from lightning_memguard.core.detector import (
+    FIXES,
+    SpillDetector,
+    SpillReport,
+    SysmemSpillError,
+    Verdict,
+    fallback_possible,
+    format_spill_message,
+)
+from lightning_memguard.core.report import EpochRecord, format_epoch_table
+from lightning_memguard.core.throughput import summarize_steps
+from lightning_memguard.core.units import parse_bytes, to_gb
+from lightning_memguard.probes import MemoryProbe, MemoryReading, probe_for
+
+_ON_SPILL = ("raise", "stop", "warn")
+# key -> how ranks combine it under DDP
+_LOGGED = {
+    "memguard/peak_allocated_gb": "max",
+    "memguard/peak_reserved_gb": "max",
+    "memguard/capacity_gb": "min",
+    "memguard/samples_per_sec": "sum",
+    "memguard/step_ms": "max",
+}
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be >= {minimum}, got {value!r}")
+    return value
+
+
+class MemGuard(Callback):
+    """Logs peak memory against throughput every epoch and stops a run whose memory spills into system RAM.
+
+    On Windows with WDDM drivers, a CUDA allocation that does not fit is silently moved to system RAM, and
+    training goes on 7x-45x slower instead of raising an out-of-memory error. MemGuard watches for it: a peak
+    above the physical capacity, or memory at the capacity while throughput collapses against the run's own
+    start. Step times are taken on the host without synchronising the device; memory is read every ``read_every``
+    steps (and at once when a step is slow), never on every step.
+
+    Logged once per epoch through the Trainer's loggers (memory in decimal GB):
+    ``memguard/peak_allocated_gb``, ``memguard/peak_reserved_gb`` (that epoch's own peaks),
+    ``memguard/capacity_gb``, ``memguard/samples_per_sec`` (samples of the real batches over the summed step
+    time; all ranks together under DDP) and ``memguard/step_ms`` (median time of one training batch). The progress
+    bar shows ``peak/cap`` (peak as a share of capacity) and ``samples/s``. At the end of ``fit`` rank zero prints
+    a table with one row per epoch.
+
+    Args:
+        capacity: physical memory to judge against: bytes or a string such as ``"16GB"``, ``"16GiB"``;
+            default: the device's (or the probe's) capacity.
+        headroom: fraction of capacity that counts as "at the capacity", in [0, 1).
+        on_spill: ``"raise"`` raises :class:`SysmemSpillError`, ``"stop"`` stops the Trainer cleanly,
+            ``"warn"`` only warns. Before raising or stopping after training progress, a checkpoint is saved.
+        prevent: cap PyTorch's CUDA allocator at the capacity (minus other processes' use), so an overflow is a
+            real, immediate out-of-memory error instead of a spill.
+        probe: the memory reader (see :mod:`lightning_memguard.probes`); default: the one for the Trainer's device.
+        preflight: at fit start, try to allocate more than is free; if that succeeds, fallback is on (warns).
+        warmup_steps: steps left out of the throughput reference.
+        reference_steps: steps whose median throughput is the run's reference.
+        collapse: a step this many times slower than the reference counts as collapsed.
+        read_every: read memory every this many steps (plus every step during warm-up and after a slow step).
+        clock: seconds as a float; ``time.perf_counter`` unless a test injects another.
+
+    Raises:
+        TypeError: for arguments of the wrong type.
+        ValueError: for out-of-range arguments, naming the argument and the value.
+        SysmemSpillError: during ``fit`` with ``on_spill="raise"``, when memory spills.
+
+    Example:
+        >>> from lightning import Trainer
+        >>> from lightning_memguard import MemGuard
+        >>> guard = MemGuard(capacity="16GB", on_spill="stop")
+        >>> trainer = Trainer(callbacks=[guard], logger=False, enable_progress_bar=False)
+        >>> guard.capacity
+        16000000000
+        >>> MemGuard(headroom=1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: `headroom` must be in [0, 1), got 1.5
+    """
+
+    def __init__(
+        self,
+        capacity: int | str | None = None,
+        headroom: float = 0.05,
+        on_spill: str = "raise",
+        prevent: bool = False,
+        probe: MemoryProbe | None = None,
+        *,
+        preflight: bool = False,
+        warmup_steps: int = 3,
+        reference_steps: int = 5,
+        collapse: float = 2.5,
+        read_every: int = 25,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.capacity = None if capacity is None else parse_bytes(capacity, "capacity")
+        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)):
+            raise TypeError(f"`headroom` must be a float, got {headroom!r}")
+        if not 0 <= headroom < 1:
+            raise ValueError(f"`headroom` must be in [0, 1), got {headroom!r}")
+        if on_spill not in _ON_SPILL:
+            raise ValueError(f"`on_spill` must be one of {_ON_SPILL}, got {on_spill!r}")
+        if not isinstance(prevent, bool):
+            raise TypeError(f"`prevent` must be a bool, got {prevent!r}")
+        if not isinstance(preflight, bool):
+            raise TypeError(f"`preflight` must be a bool, got {preflight!r}")
+        if probe is not None and not isinstance(probe, MemoryProbe):
+            raise TypeError(f"`probe` must have capacity(), reset_peak() and read() methods, got {probe!r}")
+        if isinstance(collapse, bool) or not isinstance(collapse, (int, float)) or not collapse > 1:
+            raise ValueError(f"`collapse` must be a number > 1, got {collapse!r}")
+        if not callable(clock):
+            raise TypeError(f"`clock` must be callable, got {clock!r}")
+        self.headroom = float(headroom)
+        self.on_spill = on_spill
+        self.prevent = prevent
+        self.preflight = preflight
+        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
+        self.reference_steps = _check_int("reference_steps", reference_steps, 1)
+        self.collapse = float(collapse)
+        self.read_every = _check_int("read_every", read_every, 1)
+        self._user_probe = probe
+        self._clock = clock
+
+        # what the run taught us (saved in checkpoints)
+        self.epochs: list[EpochRecord] = []
+        self.spill: SpillReport | None = None
+        self.fallback_enabled: bool | None = None  # the preflight's answer, when it ran
+        self.checkpoint_path: str | None = None
+
+        # per-run and per-epoch working state
+        self._probe: MemoryProbe | None = None
+        self._detector: SpillDetector | None = None
+        self._vote: StopVote | None = None
+        self._restored_reference: float | None = None
+        self._prevent_fraction: float | None = None
+        self._warned_spill = False
+        self._durations: list[float] = []
+        self._samples: list[int] = []
+        self._last_start: float | None = None
+        self._last_end: float | None = None
+        self._last_samples = 0
+        self._gap = False
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        device = trainer.strategy.root_device
+        self._probe = self._user_probe if self._user_probe is not None else probe_for(device)
+        if self.prevent and device.type != "cuda":
+            raise ValueError(f"`prevent=True` caps the CUDA allocator, but this Trainer runs on {device.type!r}")
+        if device.type == "cuda" and self._user_probe is None:
+            self._notice_platform()
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        probe = self._require_probe()
+        capacity = self.capacity if self.capacity is not None else probe.capacity()
+        self._detector = SpillDetector(
+            capacity, self.headroom, self.warmup_steps, self.reference_steps, self.collapse, patience=2
+        )
+        if self._restored_reference is not None:
+            self._detector.reference_rate = self._restored_reference
+        self._vote = StopVote(trainer.strategy.root_device, trainer.world_size)
+        if self.preflight:
+            self._run_preflight(probe)
+        if self.prevent:
+            self._cap_allocator(trainer.strategy.root_device, capacity, probe)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._reset_epoch()
+        self._require_probe().reset_peak()
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        now = self._clock()
+        if self._last_start is not None and not self._gap:
+            self._finish_step(now - self._last_start, trainer, pl_module)
+        self._gap = False
+        if self._vote is not None and self._vote.cast(self.spill is not None and self.on_spill != "warn"):
+            self._act(trainer)
+        self._last_samples = self._batch_size(batch)
+        self._last_start = now
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._last_end = self._clock()
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_step_early()
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._close_step_early()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_step_early()
+        probe = self._require_probe()
+        reading = probe.read()
+        stats = summarize_steps(self._durations, self._samples)
+        capacity = self.capacity if self.capacity is not None else reading.capacity
+        record = EpochRecord(
+            epoch=trainer.current_epoch,
+            step_ms=stats.step_ms if stats else float("nan"),
+            peak_allocated_gb=round(to_gb(reading.peak_allocated), 6),
+            peak_reserved_gb=round(to_gb(reading.peak_reserved), 6),
+            capacity_gb=round(to_gb(capacity), 6),
+            samples_per_sec=stats.samples_per_sec if stats else float("nan"),
+        )
+        self.epochs.append(record)
+        values = {
+            "memguard/peak_allocated_gb": record.peak_allocated_gb,
+            "memguard/peak_reserved_gb": record.peak_reserved_gb,
+            "memguard/capacity_gb": record.capacity_gb,
+            "memguard/samples_per_sec": record.samples_per_sec,
+            "memguard/step_ms": record.step_ms,
+        }
+        sync = trainer.world_size > 1
+        for key, value in values.items():
+            pl_module.log(
+                key, value, on_step=False, on_epoch=True, sync_dist=sync, reduce_fx=_LOGGED[key], batch_size=1
+            )
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.epochs:
+            rank_zero_info("MemGuard: peak memory against throughput\n" + format_epoch_table(self.epochs))
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._prevent_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, trainer.strategy.root_device)
+            self._prevent_fraction = None
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self._prevent_fraction is not None and isinstance(exception, torch.OutOfMemoryError) and exception.args:
+            detector = self._detector
+            capacity = detector.capacity if detector is not None else 0
+            exception.args = (
+                f"{exception.args[0]}\n\nMemGuard(prevent=True) capped PyTorch at {self._prevent_fraction:.1%} of"
+                f" this GPU ({to_gb(capacity):.2f} GB capacity less other processes' use) so that this overflow"
+                " fails now instead of spilling into system RAM and running many times slower. "
+                "Use less memory per step:\n" + FIXES,
+                *exception.args[1:],
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        reference = self._detector.reference_rate if self._detector is not None else self._restored_reference
+        return {
+            "epochs": [r.to_dict() for r in self.epochs],
+            "reference_rate": reference,
+            "fallback_enabled": self.fallback_enabled,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.epochs = [EpochRecord(**row) for row in state_dict.get("epochs", [])]
+        self._restored_reference = state_dict.get("reference_rate")
+        self.fallback_enabled = state_dict.get("fallback_enabled", self.fallback_enabled)
+
+    # ------------------------------------------------------------------ steps and memory
+
+    def _reset_epoch(self) -> None:
+        self._durations = []
+        self._samples = []
+        self._last_start = None
+        self._last_end = None
+        self._last_samples = 0
+        self._gap = False
+
+    def _close_step_early(self) -> None:
+        """The next batch starts after validation or a checkpoint: time the open step by its own end instead."""
+        if self._last_start is not None and self._last_end is not None and not self._gap:
+            self._durations.append(self._last_end - self._last_start)
+            self._samples.append(self._last_samples)
+        self._gap = True
+
+    def _finish_step(self, seconds: float, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._durations.append(seconds)
+        self._samples.append(self._last_samples)
+        detector = self._detector
+        if detector is None or self.spill is not None:
+            return
+        wants_read = detector.observe_step(seconds, self._last_samples)
+        if wants_read or len(self._durations) % self.read_every == 0:
+            reading = self._require_probe().read()
+            report = detector.observe_memory(self._used(reading))
+            if report.verdict is Verdict.SPILL:
+                self._on_spill_detected(replace(report, step=trainer.global_step), trainer)
+            self._show_progress(pl_module, reading, detector.capacity)
+
+    def _show_progress(self, pl_module: LightningModule, reading: MemoryReading, capacity: int) -> None:
+        stats = summarize_steps(self._durations[-self.read_every :], self._samples[-self.read_every :])
+        bar = {"peak/cap": round(reading.peak_allocated / capacity, 3)}
+        if stats is not None:
+            bar["samples/s"] = round(stats.samples_per_sec, 1)
+        pl_module.log_dict(bar, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
+
+    @staticmethod
+    def _used(reading: MemoryReading) -> int:
+        return max(reading.peak_allocated, reading.peak_reserved) + reading.other_processes
+
+    def _batch_size(self, batch: Any) -> int:
+        try:
+            return extract_batch_size(batch)
+        except Exception:  # a batch Lightning cannot size counts as one sample per step
+            return 1
+
+    # ------------------------------------------------------------------ acting on a spill
+
+    def _on_spill_detected(self, report: SpillReport, trainer: Trainer) -> None:
+        self.spill = report
+        if self.on_spill == "warn" and not self._warned_spill:
+            self._warned_spill = True
+            rank_zero_warn(format_spill_message(report, self._last_samples or None), category=RuntimeWarning)
+
+    def _act(self, trainer: Trainer) -> None:
+        """Every rank arrives here at the same step: save if there is progress to keep, then raise or stop."""
+        if self.checkpoint_path is None and trainer.global_step > 0:
+            root = trainer.log_dir or trainer.default_root_dir
+            self.checkpoint_path = os.path.join(root, f"memguard-spill-step={trainer.global_step}.ckpt")
+            trainer.save_checkpoint(self.checkpoint_path)
+        report = self.spill
+        if report is None:
+            message = "Another rank's GPU memory spilled into system RAM; every rank stops with it."
+            if self.checkpoint_path:
+                message += f" A checkpoint was saved to {self.checkpoint_path}."
+            message += "\n" + FIXES
+        else:
+            message = format_spill_message(report, self._last_samples or None, self.checkpoint_path)
+        if self.on_spill == "raise":
+            raise SysmemSpillError(message, report, self.checkpoint_path)
+        if not trainer.should_stop:
+            rank_zero_warn(message + "\nMemGuard stopped the Trainer.", category=RuntimeWarning)
+        trainer.should_stop = True
+
+    # ------------------------------------------------------------------ platform, preflight, prevention
+
+    def _notice_platform(self) -> None:
+        probe = self._require_probe()
+        driver = probe.driver_info() if hasattr(probe, "driver_info") else {}
+        if fallback_possible(platform.system(), platform.release(), driver.get("driver_model")):
+            rank_zero_warn(
+                "This GPU runs under a WDDM driver, where the CUDA Sysmem Fallback Policy can move memory into"
+                " system RAM instead of raising out-of-memory. MemGuard watches for it; to rule it out, set NVIDIA"
+                " Control Panel -> Manage 3D Settings -> CUDA - Sysmem Fallback Policy -> Prefer No Sysmem Fallback,"
+                " or use MemGuard(prevent=True).",
+                category=UserWarning,
+            )
+
+    def _run_preflight(self, probe: MemoryProbe) -> None:
+        trial = getattr(probe, "overallocation_succeeds", None)
+        if trial is None:
+            rank_zero_info(f"MemGuard: no preflight on {type(probe).__name__}: it cannot overallocate")
+            return
+        self.fallback_enabled = bool(trial())
+        if self.fallback_enabled:
+            rank_zero_warn(
+                "MemGuard preflight: allocating more GPU memory than is free succeeded, so the driver's sysmem"
+                " fallback is on and an overflow will slow this run down instead of failing. MemGuard will stop the"
+                " run if it spills.\n" + FIXES,
+                category=RuntimeWarning,
+            )
+
+    def _cap_allocator(self, device: torch.device, capacity: int, probe: MemoryProbe) -> None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        allowed = min(capacity, total) - probe.read().other_processes
+        if allowed <= 0:
+            raise ValueError(
+                f"`prevent=True` leaves no memory: capacity {to_gb(capacity):.2f} GB is used up by other processes"
+            )
+        self._prevent_fraction = allowed / total
+        torch.cuda.set_per_process_memory_fraction(self._prevent_fraction, device)
+
+    def _require_probe(self) -> MemoryProbe:
+        if self._probe is None:
+            self._probe = self._user_probe if self._user_probe is not None else probe_for(torch.device("cpu"))
+        return self._probe

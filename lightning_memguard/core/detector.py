@@ -1,0 +1,249 @@
+"""Spill detection: per-step figures in, ok / suspect / spill out, with the evidence."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+
+from lightning_memguard.core.units import to_gb
+
+
+class Verdict(str, Enum):
+    """How a window looks. ``SPILL`` is acted on; ``SUSPECT`` only makes the detector look closer."""
+
+    OK = "ok"
+    SUSPECT = "suspect"
+    SPILL = "spill"
+
+
+@dataclass(frozen=True)
+class SpillReport:
+    """A verdict and the figures behind it.
+
+    Attributes:
+        verdict: ok, suspect or spill.
+        reason: what decided it, in words ("" when ok).
+        step: the training step (counted by the detector) the verdict belongs to.
+        used_bytes: peak memory plus other processes' use.
+        capacity: the device's physical memory, in bytes.
+        reference_rate: the run's own samples/s after warm-up, or None before it is known.
+        current_rate: samples/s of the latest step, or None.
+    """
+
+    verdict: Verdict
+    reason: str
+    step: int
+    used_bytes: int
+    capacity: int
+    reference_rate: float | None = None
+    current_rate: float | None = None
+
+    @property
+    def slowdown(self) -> float | None:
+        """How many times slower the latest step ran than the reference (e.g. 7.0)."""
+        if not self.reference_rate or not self.current_rate:
+            return None
+        return self.reference_rate / self.current_rate
+
+
+def detect_spill(
+    used_bytes: int,
+    capacity: int,
+    headroom: float,
+    reference_rate: float | None,
+    recent_rates: list[float],
+    collapse: float,
+    patience: int,
+) -> tuple[Verdict, str]:
+    """Judge one window from plain numbers.
+
+    Signals, in order: (a) memory above the physical capacity, impossible without spill, is decisive;
+    (b) memory within ``headroom`` of capacity *and* the last ``patience`` steps each ``collapse`` times slower
+    than the reference is a spill; either half alone is only suspect.
+
+    Example:
+        >>> detect_spill(17 * 10**9, 16 * 10**9, 0.05, None, [], 2.5, 2)
+        (<Verdict.SPILL: 'spill'>, 'peak memory above the physical capacity')
+        >>> detect_spill(15_500_000_000, 16 * 10**9, 0.05, 1000.0, [300.0, 290.0], 2.5, 2)[0].value
+        'spill'
+        >>> detect_spill(15_500_000_000, 16 * 10**9, 0.05, 1000.0, [990.0, 300.0], 2.5, 2)[0].value
+        'suspect'
+        >>> detect_spill(8 * 10**9, 16 * 10**9, 0.05, 1000.0, [300.0, 290.0], 2.5, 2)[0].value
+        'suspect'
+    """
+    if used_bytes > capacity:
+        return Verdict.SPILL, "peak memory above the physical capacity"
+    near = used_bytes >= capacity * (1.0 - headroom)
+    slow = [r < reference_rate / collapse for r in recent_rates[-patience:]] if reference_rate else []
+    collapsed = len(slow) >= patience and all(slow)
+    if near and collapsed:
+        return Verdict.SPILL, "throughput collapsed with memory at the capacity"
+    if near or any(slow):
+        return Verdict.SUSPECT, "memory at the capacity" if near else "slow steps, memory below the capacity"
+    return Verdict.OK, ""
+
+
+class SpillDetector:
+    """Follows a run step by step and says when to read memory and whether it spills.
+
+    Feed it every training step's duration and samples with :meth:`observe_step`; it answers whether memory
+    should be read now (every step while warming up and measuring the reference, then only when a step is
+    slow). Feed the reading to :meth:`observe_memory`. Steps that a validation loop, a checkpoint or a
+    dataloader stall slowed down are judged by memory as well, so one slow step never stops a healthy run.
+
+    Args:
+        capacity: physical memory in bytes.
+        headroom: fraction of capacity counted as "at the capacity".
+        warmup_steps: steps ignored for the reference (cudnn autotuning, allocator growth).
+        reference_steps: steps whose median throughput becomes the reference.
+        collapse: a step this many times slower than the reference counts as collapsed.
+        patience: consecutive collapsed steps needed, with memory at capacity, to call a spill.
+
+    Example:
+        >>> det = SpillDetector(capacity=16 * 10**9, warmup_steps=1, reference_steps=2)
+        >>> [det.observe_step(0.1, 100) for _ in range(3)]
+        [True, True, True]
+        >>> det.reference_rate
+        1000.0
+        >>> det.observe_memory(15_900_000_000).verdict.value
+        'suspect'
+        >>> det.observe_step(0.5, 100), det.observe_step(0.5, 100)
+        (True, True)
+        >>> report = det.observe_memory(15_900_000_000)
+        >>> report.verdict.value, report.step, report.slowdown
+        ('spill', 5, 5.0)
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        headroom: float = 0.05,
+        warmup_steps: int = 3,
+        reference_steps: int = 5,
+        collapse: float = 2.5,
+        patience: int = 2,
+    ) -> None:
+        self.capacity = capacity
+        self.headroom = headroom
+        self.warmup_steps = warmup_steps
+        self.reference_steps = reference_steps
+        self.collapse = collapse
+        self.patience = patience
+        self.steps = 0
+        self.reference_rate: float | None = None
+        self._reference: list[float] = []
+        self._recent: deque[float] = deque(maxlen=patience)
+
+    def observe_step(self, seconds: float, samples: int) -> bool:
+        """Record one step; return True when memory should be read before the next one."""
+        self.steps += 1
+        rate = samples / seconds if seconds > 0 else float("inf")
+        self._recent.append(rate)
+        if self.reference_rate is None and self.steps > self.warmup_steps:
+            self._reference.append(rate)
+            if len(self._reference) >= self.reference_steps:
+                self.reference_rate = statistics.median(self._reference)
+        if self.reference_rate is None:
+            return True
+        return self.steps <= self.warmup_steps + self.reference_steps + self.patience or (
+            rate < self.reference_rate / self.collapse
+        )
+
+    def observe_memory(self, used_bytes: int) -> SpillReport:
+        """Judge the latest steps against a memory reading (peak plus other processes, in bytes)."""
+        recent = list(self._recent)
+        verdict, reason = detect_spill(
+            used_bytes, self.capacity, self.headroom, self.reference_rate, recent, self.collapse, self.patience
+        )
+        return SpillReport(
+            verdict=verdict,
+            reason=reason,
+            step=self.steps,
+            used_bytes=used_bytes,
+            capacity=self.capacity,
+            reference_rate=self.reference_rate,
+            current_rate=recent[-1] if recent else None,
+        )
+
+    def state_dict(self) -> dict[str, float | None]:
+        return {"reference_rate": self.reference_rate}
+
+    def load_state_dict(self, state: dict[str, float | None]) -> None:
+        if state.get("reference_rate") is not None:
+            self.reference_rate = float(state["reference_rate"])  # type: ignore[arg-type]
+
+
+FIXES = (
+    "Fixes, most direct first:\n"
+    "  - Windows: NVIDIA Control Panel -> Manage 3D Settings -> CUDA - Sysmem Fallback Policy -> "
+    "Prefer No Sysmem Fallback (then an overflow raises a real OOM at once);\n"
+    "  - keep the effective batch with less memory: `AccumulationTuner(effective_batch_size=...)`;\n"
+    "  - activation checkpointing: `ActivationCheckpointing()` or `checkpoint_resnet(model)`;\n"
+    "  - a smaller batch size (`BatchSizeTuner()` measures the fastest one that fits);\n"
+    "  - `MemGuard(prevent=True)` turns any future overflow into an immediate out-of-memory error."
+)
+
+
+def format_spill_message(report: SpillReport, batch_size: int | None, checkpoint_path: str | None = None) -> str:
+    """The message a user sees when a run is stopped for spilling: the numbers, then the fixes.
+
+    Example:
+        >>> r = SpillReport(Verdict.SPILL, "peak memory above the physical capacity", 12, 18_900_000_000,
+        ...                 16_000_000_000, 1094.0, 24.0)
+        >>> message = format_spill_message(r, 448)
+        >>> print(message[:107])
+        GPU memory is spilling into system RAM at training step 12 (batch size 448): peak 18.90 GB against 16.00 GB
+        >>> "(45.6x slower)" in message, "Prefer No Sysmem Fallback" in message
+        (True, True)
+    """
+    parts = [f"GPU memory is spilling into system RAM at training step {report.step}"]
+    if batch_size is not None:
+        parts.append(f" (batch size {batch_size})")
+    parts.append(f": peak {to_gb(report.used_bytes):.2f} GB against {to_gb(report.capacity):.2f} GB of physical memory")
+    if report.reference_rate and report.current_rate:
+        parts.append(
+            f"; throughput {report.current_rate:.1f} samples/s against {report.reference_rate:.1f} at the start"
+            f" of the run ({report.slowdown:.1f}x slower)"
+        )
+    parts.append(".")
+    lines = ["".join(parts), f"Detected by: {report.reason}."]
+    lines.append(
+        "The driver's sysmem fallback keeps such a run alive at a fraction of its speed instead of raising an"
+        " out-of-memory error."
+    )
+    if checkpoint_path:
+        lines.append(f"Nothing is lost: a checkpoint was saved to {checkpoint_path} (resume with ckpt_path=...).")
+    lines.append(FIXES)
+    return "\n".join(lines)
+
+
+class SysmemSpillError(RuntimeError):
+    """Raised when a run is aborted because GPU memory spilled into system RAM.
+
+    Attributes:
+        report: the :class:`SpillReport` behind the decision (None on ranks that only heard of it).
+        checkpoint_path: where the run was saved before aborting, if it was.
+    """
+
+    def __init__(self, message: str, report: SpillReport | None = None, checkpoint_path: str | None = None):
+        super().__init__(message)
+        self.report = report
+        self.checkpoint_path = checkpoint_path
+
+
+def fallback_possible(system: str, release: str, driver_model: str | None) -> bool:
+    """Whether the driver's sysmem fallback can exist here: Windows with WDDM, or WSL2 (always WDDM underneath).
+
+    Example:
+        >>> fallback_possible("Windows", "10", "WDDM"), fallback_possible("Windows", "10", "TCC")
+        (True, False)
+        >>> fallback_possible("Linux", "5.15.90.1-microsoft-standard-WSL2", None)
+        True
+        >>> fallback_possible("Linux", "6.8.0-generic", None)
+        False
+    """
+    if system == "Windows":
+        return driver_model in (None, "WDDM")
+    return system == "Linux" and "microsoft" in release.lower()

@@ -1,0 +1,66 @@
+"""Memory sizes: parsing user input and formatting for people."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+GB = 10**9
+
+
+def parse_bytes(value: int | float | str, name: str = "capacity") -> int:
+    """Turn ``16000000000``, ``"16GB"``, ``"16GiB"`` or ``"512MB"`` into a number of bytes.
+
+    Decimal units (``KB``, ``MB``, ``GB``, ``TB``) are powers of 1000, binary units (``KiB`` ... ``TiB``)
+    powers of 1024; unit letters are case-insensitive.
+
+    Args:
+        value: a positive number of bytes, or a string with a number and a unit.
+        name: the argument's name, quoted in the error message.
+
+    Raises:
+        TypeError: if ``value`` is neither a number nor a string.
+        ValueError: if the string cannot be read or the size is not positive.
+
+    Example:
+        >>> parse_bytes("16GB"), parse_bytes("16GiB"), parse_bytes("512MB"), parse_bytes(1024)
+        (16000000000, 17179869184, 512000000, 1024)
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"`{name}` must be a number of bytes or a string such as '16GB', got {value!r}")
+    if isinstance(value, str):
+        match = _PATTERN.match(value)
+        unit = match.group(2).upper() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"`{name}` must be a number of bytes or a size such as '16GB', '16GiB' or '512MB', got {value!r}"
+            )
+        size = float(match.group(1)) * _UNITS[unit]
+    else:
+        size = float(value)
+    if not size > 0 or size != size or size == float("inf"):
+        raise ValueError(f"`{name}` must be a positive size, got {value!r}")
+    return int(size)
+
+
+def to_gb(num_bytes: float) -> float:
+    """Bytes to decimal gigabytes, the unit of every ``*_gb`` log key.
+
+    Example:
+        >>> to_gb(2_500_000_000)
+        2.5
+    """
+    return num_bytes / GB

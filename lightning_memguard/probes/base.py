@@ -1,0 +1,40 @@
+"""The one interface every memory reader implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """What a probe saw since its last ``reset_peak()``, in bytes.
+
+    Attributes:
+        peak_allocated: the highest memory held by tensors.
+        peak_reserved: the highest memory held by the allocator (tensors plus its cache).
+        capacity: the device's physical memory.
+        other_processes: memory that other processes hold on the same device now (0 where unknown).
+    """
+
+    peak_allocated: int
+    peak_reserved: int
+    capacity: int
+    other_processes: int = 0
+
+
+@runtime_checkable
+class MemoryProbe(Protocol):
+    """Reads a device's memory. Implementations must not synchronise the device."""
+
+    def capacity(self) -> int:
+        """The device's physical memory in bytes."""
+        ...
+
+    def reset_peak(self) -> None:
+        """Start a new peak: later readings report the highest use from now on."""
+        ...
+
+    def read(self) -> MemoryReading:
+        """The peak since the last reset, the capacity and other processes' use."""
+        ...

@@ -1,0 +1,136 @@
+"""NVIDIA GPUs: PyTorch's allocator counters, plus NVML for what other processes hold."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+from lightning_memguard.probes.base import MemoryReading
+
+
+class CudaProbe:
+    """Peak allocated and reserved memory from PyTorch; other processes' use from NVML (``nvidia-ml-py``).
+
+    If NVML is missing or fails, the probe warns once and goes on with PyTorch alone (other processes then
+    count as 0). Nothing here synchronises the device.
+
+    Args:
+        device: the CUDA device to watch (index, string or ``torch.device``); default: the current one.
+    """
+
+    def __init__(self, device: int | str | torch.device | None = None) -> None:
+        self._device = device
+        self._index: int | None = None
+        self._nvml: Any = None
+        self._handle: Any = None
+        self._nvml_state = "untried"  # "untried" | "ok" | "failed"
+        self._capacity: int | None = None
+
+    @property
+    def index(self) -> int:
+        if self._index is None:
+            if self._device is None:
+                self._index = torch.cuda.current_device()
+            else:
+                dev = torch.device(f"cuda:{self._device}" if isinstance(self._device, int) else self._device)
+                self._index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return self._index
+
+    def capacity(self) -> int:
+        if self._capacity is None:
+            self._capacity = int(torch.cuda.get_device_properties(self.index).total_memory)
+        return self._capacity
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.index)
+
+    def read(self) -> MemoryReading:
+        stats = torch.cuda.memory_stats(self.index)
+        return MemoryReading(
+            peak_allocated=int(stats.get("allocated_bytes.all.peak", 0)),
+            peak_reserved=int(stats.get("reserved_bytes.all.peak", 0)),
+            capacity=self.capacity(),
+            other_processes=self.other_processes(int(stats.get("reserved_bytes.all.current", 0))),
+        )
+
+    def other_processes(self, own_reserved: int | None = None) -> int:
+        """Bytes that other processes hold on this device, from NVML; 0 where NVML is unavailable."""
+        handle = self._nvml_handle()
+        if handle is None:
+            return 0
+        try:
+            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except Exception as err:  # NVML raises its own error classes; any failure means: fall back
+            self._fail(err)
+            return 0
+        used = {p.pid: int(p.usedGpuMemory or 0) for p in procs}
+        if os.getpid() in used:
+            used.pop(os.getpid())
+        elif used:
+            # In a container NVML reports host pids: take the process closest to our own use as ourselves.
+            own = torch.cuda.memory_reserved(self.index) if own_reserved is None else own_reserved
+            used.pop(min(used, key=lambda pid: abs(used[pid] - own)))
+        return sum(used.values())
+
+    def driver_info(self) -> dict[str, Any]:
+        """Driver version and driver model (WDDM / TCC / MCDM, or None where NVML does not say, as on Linux)."""
+        handle = self._nvml_handle()
+        info: dict[str, Any] = {"driver_version": None, "driver_model": None}
+        if handle is None:
+            return info
+        nvml = self._nvml
+        try:
+            version = nvml.nvmlSystemGetDriverVersion()
+            info["driver_version"] = version.decode() if isinstance(version, bytes) else version
+        except Exception:  # noqa: S110 - optional detail
+            pass
+        try:
+            current, _pending = nvml.nvmlDeviceGetDriverModel(handle)
+            names = {
+                getattr(nvml, "NVML_DRIVER_WDDM", 0): "WDDM",
+                getattr(nvml, "NVML_DRIVER_WDM", 1): "TCC",
+                getattr(nvml, "NVML_DRIVER_MCDM", 2): "MCDM",
+            }
+            info["driver_model"] = names.get(current, str(current))
+        except Exception:  # noqa: S110 - "not supported" on Linux
+            pass
+        return info
+
+    def _nvml_handle(self) -> Any:
+        if self._nvml_state == "untried":
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+                bus_id = self._pci_bus_id()
+                self._handle = (
+                    pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+                    if bus_id is not None
+                    else pynvml.nvmlDeviceGetHandleByIndex(self.index)
+                )
+                self._nvml_state = "ok"
+            except Exception as err:  # ImportError, NVMLError_*, or anything a broken driver raises
+                self._fail(err)
+        return self._handle if self._nvml_state == "ok" else None
+
+    def _pci_bus_id(self) -> str | None:
+        # NVML numbers devices without regard to CUDA_VISIBLE_DEVICES; the PCI address names the same card.
+        props = torch.cuda.get_device_properties(self.index)
+        bus = getattr(props, "pci_bus_id", None)
+        if bus is None:
+            return None
+        return f"{getattr(props, 'pci_domain_id', 0):08X}:{bus:02X}:{getattr(props, 'pci_device_id', 0):02X}.0"
+
+    def _fail(self, err: BaseException) -> None:
+        if self._nvml_state != "failed":
+            rank_zero_warn(
+                f"NVML is unavailable ({type(err).__name__}: {err}); memguard reads memory from PyTorch alone and"
+                " cannot see other processes on this GPU. Install `nvidia-ml-py` for the full picture.",
+                category=RuntimeWarning,
+            )
+        self._nvml_state = "failed"
+        self._handle = None

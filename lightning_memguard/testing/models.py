@@ -1,0 +1,99 @@
+"""A torchvision classifier on synthetic images, for the demo, the tests and the benchmarks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from lightning.pytorch import LightningModule
+from torch.utils.data import DataLoader
+
+
+class ImageClassifier(LightningModule):
+    """A torchvision classification model trained on random images.
+
+    The images live in a pool on the model's device; each batch from the data loader is a tensor of sample
+    indices into that pool. So the data loader costs nothing and timings measure the device, while batch size,
+    dataloaders and ``extract_batch_size`` work as in any Lightning project.
+
+    Args:
+        arch: any torchvision classification model name (``resnet18``, ``resnet50``, ...).
+        num_classes: output classes.
+        image_size: height and width of the square images.
+        batch_size: samples per batch (the attribute Lightning's tuners change).
+        steps_per_epoch: training batches per epoch.
+        val_steps: validation batches per epoch (0: no validation).
+        channels_last: keep the model and the images in channels_last memory format.
+        pool_size: distinct random images in the pool.
+        lr: SGD learning rate.
+        seed: seed for the weights and the images.
+
+    Example:
+        >>> model = ImageClassifier("resnet18", image_size=32, batch_size=4, steps_per_epoch=2)
+        >>> batch = next(iter(model.train_dataloader()))
+        >>> batch.shape, model.training_step(batch, 0).ndim
+        (torch.Size([4]), 0)
+    """
+
+    def __init__(
+        self,
+        arch: str = "resnet18",
+        num_classes: int = 10,
+        image_size: int = 32,
+        batch_size: int = 32,
+        steps_per_epoch: int = 20,
+        val_steps: int = 0,
+        channels_last: bool = False,
+        pool_size: int = 64,
+        lr: float = 0.05,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.batch_size = batch_size
+        try:
+            builder = torchvision.models.get_model_builder(arch)
+        except ValueError as err:
+            raise ValueError(f"`arch` must be a torchvision classification model name, got {arch!r}") from err
+        gen = torch.Generator().manual_seed(seed)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.net = builder(weights=None, num_classes=num_classes)
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        self.net = self.net.to(memory_format=fmt)
+        images = torch.randn(pool_size, 3, image_size, image_size, generator=gen).contiguous(memory_format=fmt)
+        self.register_buffer("images", images, persistent=False)
+        self.register_buffer("labels", torch.randint(0, num_classes, (pool_size,), generator=gen), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        images: torch.Tensor = self.images  # type: ignore[assignment]
+        labels: torch.Tensor = self.labels  # type: ignore[assignment]
+        idx = batch % images.shape[0]
+        return F.cross_entropy(self(images[idx]), labels[idx])
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True, batch_size=batch.shape[0])
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), batch_size=batch.shape[0])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return _index_loader(self.hparams["steps_per_epoch"] * self.batch_size, self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return _index_loader(max(self.hparams["val_steps"], 0) * self.batch_size, self.batch_size)
+
+
+def _index_loader(length: int, batch_size: int) -> DataLoader:
+    """Batches of sample indices: ``torch.arange`` is a map-style dataset of ``length`` items."""
+    return DataLoader(torch.arange(length), batch_size=batch_size)  # type: ignore[arg-type]
