@@ -1,7 +1,32 @@
-"""lightning-memguard: PyTorch Lightning callbacks that keep GPU training fast and honest about memory."""
+"""lightning-memguard: PyTorch Lightning callbacks that keep GPU training fast and honest about memory.
 
-from lightning_memguard.callbacks import MemGuard
-from lightning_memguard.core.detector import SysmemSpillError
+The public names are loaded on first use, so ``import lightning_memguard.core`` stays free of Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["MemGuard", "SysmemSpillError", "__version__"]
+
+_EXPORTS = {
+    "MemGuard": "lightning_memguard.callbacks",
+    "SysmemSpillError": "lightning_memguard.core.detector",
+}
+
+if TYPE_CHECKING:
+    from lightning_memguard.callbacks import MemGuard as MemGuard
+    from lightning_memguard.core.detector import SysmemSpillError as SysmemSpillError
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'lightning_memguard' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

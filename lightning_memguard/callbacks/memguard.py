@@ -160,6 +160,7 @@ class MemGuard(Callback):
         self._last_end: float | None = None
         self._last_samples = 0
         self._gap = False
+        self._open_steps: list[tuple[float, int]] = []
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -217,6 +218,8 @@ class MemGuard(Callback):
         probe = self._require_probe()
         reading = probe.read()
         stats = summarize_steps(self._durations, self._samples)
+        if stats is None and self._open_steps:
+            stats = summarize_steps([d for d, _ in self._open_steps], [n for _, n in self._open_steps])
         capacity = self.capacity if self.capacity is not None else reading.capacity
         record = EpochRecord(
             epoch=trainer.current_epoch,
@@ -283,12 +286,15 @@ class MemGuard(Callback):
         self._last_end = None
         self._last_samples = 0
         self._gap = False
+        self._open_steps = []
 
     def _close_step_early(self) -> None:
-        """The next batch starts after validation or a checkpoint: time the open step by its own end instead."""
+        """Validation or a checkpoint comes before the next batch: the open step has no honest interval.
+
+        It is kept aside, timed by its own start and end, and used only if the epoch has no complete interval.
+        """
         if self._last_start is not None and self._last_end is not None and not self._gap:
-            self._durations.append(self._last_end - self._last_start)
-            self._samples.append(self._last_samples)
+            self._open_steps.append((self._last_end - self._last_start, self._last_samples))
         self._gap = True
 
     def _finish_step(self, seconds: float, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_memguard.probes import MemoryReading
+
+warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
+
+
+class FakeProbe:
+    """A card whose peak memory the test sets; it counts resets."""
+
+    def __init__(self, capacity: int = 16 * 10**9, peak: int = 10**9, other: int = 0) -> None:
+        self._capacity = capacity
+        self.peak = peak
+        self.other = other
+        self.resets = 0
+        self.reads = 0
+
+    def capacity(self) -> int:
+        return self._capacity
+
+    def reset_peak(self) -> None:
+        self.resets += 1
+
+    def read(self) -> MemoryReading:
+        self.reads += 1
+        return MemoryReading(self.peak, self.peak + 1000, self._capacity, self.other)
+
+
+class StepClock:
+    """A clock that advances a fixed amount on every call: MemGuard calls it at batch start and batch end."""
+
+    def __init__(self, tick: float = 0.05) -> None:
+        self.tick = tick
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+class TinyModel(LightningModule):
+    """A two-layer MLP on random data: fast enough for many Trainers per test."""
+
+    def __init__(self, batch_size: int = 8, n: int = 64, val: bool = False) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.n = n
+        self.val = val
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 16, generator=gen)
+        self.y = torch.randint(0, 2, (n,), generator=gen)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size)
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(self.x[:16], self.y[:16]), batch_size=self.batch_size)
+
+
+@pytest.fixture
+def fake_probe() -> FakeProbe:
+    return FakeProbe()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_lightning() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+        yield
+
+
+def trainer_kwargs(tmp_path, **overrides):
+    kwargs = dict(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    kwargs.update(overrides)
+    return kwargs

@@ -1,0 +1,162 @@
+"""The pure core: exact numbers in, exact decisions out."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lightning_memguard.core import (
+    EpochRecord,
+    SpillDetector,
+    Verdict,
+    detect_spill,
+    fallback_possible,
+    format_epoch_table,
+    format_spill_message,
+    parse_bytes,
+    summarize_steps,
+)
+
+GB = 10**9
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("16GB", 16 * 10**9),
+        ("16GiB", 16 * 2**30),
+        ("16gib", 16 * 2**30),
+        ("512MB", 512 * 10**6),
+        ("1.5 GB", 1_500_000_000),
+        ("2048", 2048),
+        (17179869184, 17179869184),
+        (1.5e9, 1_500_000_000),
+    ],
+)
+def test_parse_bytes_reads_units(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["16XB", "GB", "", "-1GB", "16 G B", "0", "nan"])
+def test_parse_bytes_rejects_and_quotes_input(bad):
+    with pytest.raises(ValueError, match=f"`capacity`.*{bad!r}".replace("(", r"\(").replace(")", r"\)")):
+        parse_bytes(bad)
+
+
+@pytest.mark.parametrize("bad", [None, True, [16], {"gb": 16}])
+def test_parse_bytes_rejects_types(bad):
+    with pytest.raises(TypeError, match="`capacity` must be a number of bytes"):
+        parse_bytes(bad)
+
+
+def test_parse_bytes_rejects_zero_and_negative_numbers():
+    with pytest.raises(ValueError, match="positive size, got 0"):
+        parse_bytes(0)
+    with pytest.raises(ValueError, match="positive size, got -5"):
+        parse_bytes(-5)
+
+
+def test_summarize_steps_median_and_rate():
+    stats = summarize_steps([0.2, 0.1, 0.3, 5.0], [10, 10, 10, 10])
+    assert stats is not None
+    assert stats.step_ms == pytest.approx(250.0)  # median of 100, 200, 300, 5000
+    assert stats.samples_per_sec == pytest.approx(40 / 5.6)
+    assert summarize_steps([], []) is None
+    with pytest.raises(ValueError, match="2 durations but 1 sample"):
+        summarize_steps([0.1, 0.2], [3])
+
+
+def test_epoch_table_has_a_row_per_epoch():
+    table = format_epoch_table(
+        [EpochRecord(0, 10.0, 1.0, 1.5, 16.0, 100.0), EpochRecord(1, 12.5, 2.0, 2.5, 16.0, 80.0)]
+    )
+    lines = table.splitlines()
+    assert len(lines) == 3
+    assert "1.00 / 16.00" in lines[1] and "12.5" in lines[2] and "80.0" in lines[2]
+
+
+def test_detect_spill_signals():
+    cap = 16 * GB
+    assert detect_spill(cap + 1, cap, 0.05, None, [], 2.5, 2)[0] is Verdict.SPILL
+    assert detect_spill(cap - 1, cap, 0.05, None, [], 2.5, 2)[0] is Verdict.SUSPECT  # near, no reference yet
+    assert detect_spill(10 * GB, cap, 0.05, 100.0, [99.0, 98.0], 2.5, 2)[0] is Verdict.OK
+    # memory at capacity and two collapsed steps: spill; one collapsed step: only suspect
+    assert detect_spill(int(15.5 * GB), cap, 0.05, 100.0, [39.0, 39.0], 2.5, 2)[0] is Verdict.SPILL
+    assert detect_spill(int(15.5 * GB), cap, 0.05, 100.0, [100.0, 39.0], 2.5, 2)[0] is Verdict.SUSPECT
+    # collapsed throughput far from the capacity is a stall, not a spill
+    assert detect_spill(4 * GB, cap, 0.05, 100.0, [10.0, 10.0], 2.5, 2)[0] is Verdict.SUSPECT
+    # headroom 0: only strictly-at-capacity counts as near
+    assert detect_spill(int(15.5 * GB), cap, 0.0, 100.0, [10.0, 10.0], 2.5, 2)[0] is Verdict.SUSPECT
+
+
+def test_detector_reads_every_step_until_reference_then_only_slow_steps():
+    det = SpillDetector(16 * GB, warmup_steps=2, reference_steps=3, collapse=2.5, patience=2)
+    wants = [det.observe_step(0.1, 10) for _ in range(7)]  # 2 warm-up + 3 reference + 2 patience
+    assert wants == [True] * 7
+    assert det.reference_rate == pytest.approx(100.0)
+    assert [det.observe_step(0.1, 10) for _ in range(3)] == [False, False, False]
+    assert det.observe_step(0.5, 10) is True  # slow: read memory now
+
+
+def test_detector_reference_ignores_warmup_and_one_outlier():
+    det = SpillDetector(16 * GB, warmup_steps=2, reference_steps=5)
+    for seconds in [3.0, 1.0, 0.1, 0.1, 2.0, 0.1, 0.1]:
+        det.observe_step(seconds, 10)
+    assert det.reference_rate == pytest.approx(100.0)
+
+
+def test_detector_spills_on_second_collapsed_step_near_capacity():
+    det = SpillDetector(16 * GB, warmup_steps=0, reference_steps=2)
+    det.observe_step(0.1, 10)
+    det.observe_step(0.1, 10)
+    assert det.observe_memory(int(15.9 * GB)).verdict is Verdict.SUSPECT
+    det.observe_step(1.0, 10)
+    assert det.observe_memory(int(15.9 * GB)).verdict is Verdict.SUSPECT
+    det.observe_step(1.0, 10)
+    report = det.observe_memory(int(15.9 * GB))
+    assert report.verdict is Verdict.SPILL
+    assert report.slowdown == pytest.approx(10.0)
+    assert report.step == 4
+
+
+def test_detector_state_round_trip():
+    det = SpillDetector(GB, warmup_steps=0, reference_steps=1)
+    det.observe_step(0.5, 100)
+    fresh = SpillDetector(GB)
+    fresh.load_state_dict(det.state_dict())
+    assert fresh.reference_rate == 200.0
+    fresh.load_state_dict({})
+    assert fresh.reference_rate == 200.0
+
+
+def test_spill_message_names_numbers_and_fixes():
+    det = SpillDetector(16 * GB, warmup_steps=0, reference_steps=1)
+    det.observe_step(0.2, 256)
+    det.observe_step(2.0, 256)
+    det.observe_step(2.0, 256)
+    message = format_spill_message(det.observe_memory(17 * GB), 256, "/tmp/x.ckpt")
+    assert "batch size 256" in message
+    assert "peak 17.00 GB against 16.00 GB" in message
+    assert "128.0 samples/s against 1280.0" in message and "10.0x slower" in message
+    assert "Prefer No Sysmem Fallback" in message and "AccumulationTuner" in message
+    assert "/tmp/x.ckpt" in message
+
+
+def test_fallback_possible_by_platform():
+    assert fallback_possible("Windows", "11", "WDDM")
+    assert fallback_possible("Windows", "11", None)
+    assert not fallback_possible("Windows", "11", "TCC")
+    assert fallback_possible("Linux", "5.15.153.1-microsoft-standard-WSL2", None)
+    assert not fallback_possible("Linux", "6.8.0-45-generic", None)
+    assert not fallback_possible("Darwin", "23.0", None)
+
+
+def test_core_does_not_import_lightning():
+    code = (
+        "import sys, lightning_memguard.core\n"
+        "print(any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -1,0 +1,199 @@
+"""MemGuard's monitoring with real Trainers on the CPU."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+
+import pytest
+import torch
+from conftest import StepClock, TinyModel, trainer_kwargs
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_memguard import MemGuard
+from lightning_memguard.probes import CpuProbe
+
+KEYS = (
+    "memguard/peak_allocated_gb",
+    "memguard/peak_reserved_gb",
+    "memguard/capacity_gb",
+    "memguard/samples_per_sec",
+    "memguard/step_ms",
+)
+
+
+def _epoch_rows(log_dir):
+    with open(f"{log_dir}/metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    return [r for r in rows if r.get("memguard/step_ms")]
+
+
+def test_every_epoch_row_has_the_five_keys(tmp_path):
+    guard = MemGuard()
+    logger = CSVLogger(tmp_path, name="run")
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=3, logger=logger, callbacks=[guard]))
+    trainer.fit(TinyModel(batch_size=8, n=64))
+    rows = _epoch_rows(logger.log_dir)
+    assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
+    ram_gb = CpuProbe().capacity() / 1e9
+    for row in rows:
+        values = {k: float(row[k]) for k in KEYS}
+        assert 0 < values["memguard/peak_allocated_gb"] <= values["memguard/peak_reserved_gb"] + 1e-9
+        assert values["memguard/capacity_gb"] == pytest.approx(ram_gb, rel=1e-6)
+        assert values["memguard/samples_per_sec"] > 0
+        assert 0 < values["memguard/step_ms"] < 10_000
+    assert len(guard.epochs) == 3
+
+
+def test_step_time_and_throughput_follow_the_clock(tmp_path, fake_probe):
+    # 0.05 s per clock call, two calls per batch (start, end): every batch takes 0.1 s
+    guard = MemGuard(probe=fake_probe, clock=StepClock(0.05))
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, callbacks=[guard]))
+    trainer.fit(TinyModel(batch_size=8, n=64))
+    for record in guard.epochs:
+        assert record.step_ms == pytest.approx(100.0)
+        assert record.samples_per_sec == pytest.approx(80.0)  # 8 samples / 0.1 s
+    metrics = trainer.callback_metrics
+    assert float(metrics["memguard/step_ms"]) == pytest.approx(100.0)
+    assert float(metrics["memguard/peak_allocated_gb"]) == pytest.approx(1.0)
+    assert float(metrics["memguard/capacity_gb"]) == pytest.approx(16.0)
+
+
+class UnevenBatches(TinyModel):
+    def train_dataloader(self):
+        sizes = [8, 2, 8, 2, 8, 2]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        batches = [list(range(s, s + n)) for s, n in zip(starts, sizes, strict=True)]
+        return DataLoader(TensorDataset(self.x, self.y), batch_sampler=batches)
+
+
+def test_samples_come_from_the_real_batch(tmp_path, fake_probe):
+    guard = MemGuard(probe=fake_probe, clock=StepClock(0.05))
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[guard]))
+    trainer.fit(UnevenBatches())
+    # five complete intervals of 0.1 s carrying 8 + 2 + 8 + 2 + 8 samples
+    assert guard.epochs[0].samples_per_sec == pytest.approx(28 / 0.5)
+
+
+def test_single_batch_epochs_are_timed_by_the_batch_itself(tmp_path, fake_probe):
+    guard = MemGuard(probe=fake_probe, clock=StepClock(0.05))
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, limit_train_batches=1, callbacks=[guard]))
+    trainer.fit(TinyModel(batch_size=8))
+    assert [r.step_ms for r in guard.epochs] == [pytest.approx(50.0)] * 2
+
+
+def test_each_epoch_resets_the_peak(tmp_path, fake_probe):
+    guard = MemGuard(probe=fake_probe)
+    peaks = iter([2 * 10**9, 3 * 10**9])
+
+    from lightning.pytorch import Callback
+
+    class Bump(Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            fake_probe.peak = next(peaks)
+
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, callbacks=[guard, Bump()]))
+    trainer.fit(TinyModel())
+    assert fake_probe.resets == 2
+    assert [r.peak_allocated_gb for r in guard.epochs] == [2.0, 3.0]
+
+
+def test_no_memory_read_on_every_step(tmp_path, fake_probe):
+    guard = MemGuard(probe=fake_probe, read_every=25, warmup_steps=1, reference_steps=2)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[guard]))
+    trainer.fit(TinyModel(batch_size=1, n=200))
+    # warm-up, reference and patience steps, then every 25th step, plus one read at epoch end
+    assert fake_probe.reads < 20
+
+
+def test_logger_false_still_works_and_validation_is_not_timed(tmp_path, fake_probe):
+    clock = StepClock(0.05)
+    guard = MemGuard(probe=fake_probe, clock=clock)
+    trainer = Trainer(
+        **trainer_kwargs(tmp_path, max_epochs=2, limit_val_batches=2, val_check_interval=4, callbacks=[guard])
+    )
+    trainer.fit(TinyModel(batch_size=8, n=64, val=True))
+    # validation runs twice an epoch; its clock calls would show as slow steps if they were counted
+    assert all(r.step_ms == pytest.approx(100.0) for r in guard.epochs)
+
+
+def test_progress_bar_shows_peak_share_and_throughput(tmp_path, fake_probe):
+    guard = MemGuard(probe=fake_probe, clock=StepClock(0.05), read_every=2)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[guard]))
+    trainer.fit(TinyModel())
+    bar = trainer.progress_bar_metrics
+    assert bar["peak/cap"] == pytest.approx(1 / 16, abs=1e-3)
+    assert bar["samples/s"] == pytest.approx(80.0)
+
+
+def test_table_printed_at_fit_end(tmp_path, fake_probe, caplog):
+    guard = MemGuard(probe=fake_probe, clock=StepClock(0.05))
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, callbacks=[guard]))
+    with caplog.at_level(logging.INFO):
+        trainer.fit(TinyModel())
+    text = caplog.text
+    assert "peak GB / capacity GB" in text
+    assert "1.00 / 16.00" in text and "100.0" in text and "80.0" in text
+
+
+def test_resume_keeps_history_and_reference(tmp_path, fake_probe):
+    guard = MemGuard(probe=fake_probe, clock=StepClock(0.05), warmup_steps=0, reference_steps=2)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[guard]))
+    trainer.fit(TinyModel())
+    ckpt = trainer.checkpoint_callback.best_model_path
+    state = torch.load(ckpt, weights_only=False)["callbacks"]
+    (saved,) = [v for k, v in state.items() if k.startswith("MemGuard")]
+    assert saved["reference_rate"] == pytest.approx(80.0)
+    assert "headroom" not in saved  # configuration is not state
+
+    resumed = MemGuard(probe=fake_probe, clock=StepClock(0.05))
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, callbacks=[resumed]))
+    trainer.fit(TinyModel(), ckpt_path=ckpt)
+    assert [r.epoch for r in resumed.epochs] == [0, 1]
+    assert resumed._detector.reference_rate == pytest.approx(80.0)
+    resumed.load_state_dict({})  # tolerates missing keys
+    assert resumed.epochs == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"headroom": 1.0}, ValueError, r"`headroom` must be in \[0, 1\), got 1.0"),
+        ({"headroom": -0.1}, ValueError, r"`headroom` must be in \[0, 1\), got -0.1"),
+        ({"headroom": "5%"}, TypeError, r"`headroom` must be a float, got '5%'"),
+        ({"on_spill": "explode"}, ValueError, r"`on_spill` must be one of .*got 'explode'"),
+        ({"capacity": "16XB"}, ValueError, r"`capacity` must be .*got '16XB'"),
+        ({"capacity": 0}, ValueError, r"`capacity` must be a positive size, got 0"),
+        ({"prevent": "yes"}, TypeError, r"`prevent` must be a bool, got 'yes'"),
+        ({"probe": object()}, TypeError, r"`probe` must have capacity\(\), reset_peak\(\) and read\(\)"),
+        ({"read_every": 0}, ValueError, r"`read_every` must be >= 1, got 0"),
+        ({"warmup_steps": 1.5}, TypeError, r"`warmup_steps` must be an int, got 1.5"),
+        ({"collapse": 1.0}, ValueError, r"`collapse` must be a number > 1, got 1.0"),
+    ],
+)
+def test_bad_arguments_fail_at_once(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        MemGuard(**kwargs)
+
+
+def test_prevent_needs_cuda(tmp_path):
+    trainer = Trainer(**trainer_kwargs(tmp_path, callbacks=[MemGuard(prevent=True)]))
+    with pytest.raises(ValueError, match="`prevent=True` caps the CUDA allocator, but this Trainer runs on 'cpu'"):
+        trainer.fit(TinyModel())
+
+
+def test_capacity_argument_overrides_the_probe(tmp_path, fake_probe):
+    guard = MemGuard(capacity="8GiB", probe=fake_probe)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[guard]))
+    trainer.fit(TinyModel())
+    assert guard.epochs[0].capacity_gb == pytest.approx(8 * 2**30 / 1e9)
+
+
+def test_epoch_without_timed_steps_logs_nan_not_garbage(tmp_path, fake_probe):
+    guard = MemGuard(probe=fake_probe)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, limit_train_batches=0, callbacks=[guard]))
+    trainer.fit(TinyModel())
+    assert guard.epochs == [] or math.isnan(guard.epochs[0].step_ms)
