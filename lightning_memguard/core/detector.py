@@ -100,6 +100,7 @@ class SpillDetector:
         reference_steps: steps whose median throughput becomes the reference.
         collapse: a step this many times slower than the reference counts as collapsed.
         patience: consecutive collapsed steps needed, with memory at capacity, to call a spill.
+        read_trigger: a step this many times slower than the reference is reason enough to read memory.
 
     Example:
         >>> det = SpillDetector(capacity=16 * 10**9, warmup_steps=1, reference_steps=2)
@@ -124,8 +125,10 @@ class SpillDetector:
         reference_steps: int = 5,
         collapse: float = 2.5,
         patience: int = 2,
+        read_trigger: float = 1.5,
     ) -> None:
         self.capacity = capacity
+        self.read_trigger = read_trigger
         self.headroom = headroom
         self.warmup_steps = warmup_steps
         self.reference_steps = reference_steps
@@ -148,7 +151,7 @@ class SpillDetector:
         if self.reference_rate is None:
             return True
         return self.steps <= self.warmup_steps + self.reference_steps + self.patience or (
-            rate < self.reference_rate / self.collapse
+            rate < self.reference_rate / self.read_trigger
         )
 
     def observe_memory(self, used_bytes: int) -> SpillReport:

@@ -1,0 +1,30 @@
+"""Models for the spill tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lightning_memguard.testing import ImageClassifier
+
+
+class GrowingClassifier(ImageClassifier):
+    """From training step ``grow_at`` on, the images are upsampled: activation memory grows mid-run."""
+
+    def __init__(self, *args, grow_at: int = 10**9, scale: int = 4, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.grow_at = grow_at
+        self.scale = scale
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        idx = batch % self.images.shape[0]
+        images = self.images[idx]
+        if self.training and self.trainer.global_step >= self.grow_at:
+            images = F.interpolate(images, scale_factor=self.scale)
+        return F.cross_entropy(self(images), self.labels[idx])
+
+
+def small_classifier(**kwargs) -> ImageClassifier:
+    defaults = dict(arch="resnet18", image_size=16, batch_size=8, steps_per_epoch=12, pool_size=16)
+    defaults.update(kwargs)
+    return ImageClassifier(**defaults)

@@ -1,0 +1,51 @@
+"""Under DDP a spill on any rank stops every rank at the same step, without a hang (CPU, gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_spill_run.py")
+
+
+def _run(tmp_path, spill_rank: int, on_spill: str) -> dict[int, dict]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["PYTHONWARNINGS"] = "ignore"
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, str(tmp_path), str(spill_rank), on_spill],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=tmp_path,
+    )
+    results = {}
+    for rank in (0, 1):
+        path = tmp_path / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote nothing; stderr:\n{proc.stderr[-3000:]}"
+        results[rank] = json.loads(path.read_text())
+    return results
+
+
+@pytest.mark.parametrize("spill_rank", [0, 1])
+def test_spill_on_one_rank_raises_on_both(tmp_path, spill_rank):
+    results = _run(tmp_path, spill_rank, "raise")
+    other = 1 - spill_rank
+    assert results[spill_rank]["error"] == "SysmemSpillError"
+    assert results[spill_rank]["own_report"] is True
+    assert "spilling into system RAM" in results[spill_rank]["message"]
+    assert results[other]["error"] == "SysmemSpillError"
+    assert "Another rank's GPU memory spilled" in results[other]["message"]
+    # same step on both ranks, within 3 steps of the end of warm-up
+    assert results[0]["global_step"] == results[1]["global_step"] <= 2 + 3
+
+
+def test_stop_mode_stops_both_ranks(tmp_path):
+    results = _run(tmp_path, 1, "stop")
+    assert results[0]["error"] is None and results[1]["error"] is None
+    assert results[0]["should_stop"] and results[1]["should_stop"]
+    assert results[0]["global_step"] == results[1]["global_step"] <= 2 + 4
