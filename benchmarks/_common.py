@@ -1,0 +1,87 @@
+"""Shared pieces of the benchmark scripts: a device-side step timer and the standard Trainer."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import lightning
+import torch
+from lightning.pytorch import Callback, Trainer
+
+
+class EventTimer(Callback):
+    """Records a CUDA event at every batch start (no host sync); step times are read after ``fit``.
+
+    The same timer runs in every configuration, so its (tiny) cost cancels out of the ratios.
+    """
+
+    def __init__(self, skip: int) -> None:
+        self.skip = skip
+        self.events: list[torch.cuda.Event] = []
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.events.append(event)
+
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.events.append(event)
+
+    def step_ms(self) -> list[float]:
+        torch.cuda.synchronize()
+        times = [a.elapsed_time(b) for a, b in zip(self.events[:-1], self.events[1:], strict=True)]
+        return times[self.skip :]
+
+
+def make_trainer(callbacks: list[Callback], max_steps: int, root: str, precision: str = "bf16-mixed") -> Trainer:
+    return Trainer(
+        accelerator="cuda",
+        devices=1,
+        precision=precision,  # type: ignore[arg-type]
+        max_steps=max_steps,
+        max_epochs=1,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def free_memory() -> None:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    host_empty = getattr(torch._C, "_host_emptyCache", None)
+    if host_empty is not None:
+        host_empty()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    print(f"wrote {path}")

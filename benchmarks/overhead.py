@@ -1,0 +1,111 @@
+"""What MemGuard costs a training step. Run on a CUDA machine:
+
+    python benchmarks/overhead.py --out benchmarks/results/overhead.json
+
+ResNet50, bf16-mixed, channels_last. Trainers with and without MemGuard run interleaved (A B A B ...), each for
+warm-up plus timed steps; step times come from CUDA events recorded at every batch start. Also measured: the time
+spent inside MemGuard's own hooks per training step, at batch 256 and at batch 32 (where the step is short and
+the end-to-end ratio is noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import EventTimer, environment, free_memory, make_trainer, median, write_json  # noqa: E402
+
+from lightning_memguard import MemGuard  # noqa: E402
+from lightning_memguard.testing import ImageClassifier  # noqa: E402
+
+HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_train_epoch_start", "on_train_epoch_end")
+
+
+class TimedMemGuard(MemGuard):
+    """MemGuard whose hooks add up their own wall time."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.hook_seconds = 0.0
+        self.steps = 0
+        for name in HOOKS:
+            setattr(self, name, self._timed(name, getattr(self, name)))
+
+    def _timed(self, name: str, hook: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                self.hook_seconds += time.perf_counter() - start
+                self.steps += name == "on_train_batch_end"
+
+        return run
+
+
+def run_once(batch: int, guarded: bool, warmup: int, steps: int, root: str) -> dict[str, Any]:
+    free_memory()
+    model = ImageClassifier(
+        "resnet50",
+        image_size=224,
+        batch_size=batch,
+        steps_per_epoch=warmup + steps + 1,
+        channels_last=True,
+        pool_size=256,
+        num_classes=1000,
+    )
+    timer = EventTimer(skip=warmup)
+    callbacks: list[Any] = [timer]
+    guard = TimedMemGuard() if guarded else None
+    if guard is not None:
+        callbacks.insert(0, guard)
+    make_trainer(callbacks, warmup + steps, root).fit(model)
+    times = timer.step_ms()
+    row: dict[str, Any] = {"batch": batch, "memguard": guarded, "median_step_ms": median(times), "steps": len(times)}
+    if guard is not None:
+        row["hook_us_per_step"] = guard.hook_seconds / max(guard.steps, 1) * 1e6
+        row["peak_allocated_gb"] = guard.epochs[-1].peak_allocated_gb if guard.epochs else None
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results/overhead.json")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    args = parser.parse_args()
+    root = tempfile.mkdtemp()
+    rows = []
+    for batch, rounds in ((256, args.rounds), (32, 2)):
+        for r in range(rounds):
+            for guarded in (r % 2 == 0, r % 2 == 1):  # alternate which goes first
+                row = run_once(batch, guarded, args.warmup, args.steps, root)
+                row["round"] = r
+                rows.append(row)
+                print(row, flush=True)
+    summary = {}
+    for batch in (256, 32):
+        with_g = [r["median_step_ms"] for r in rows if r["batch"] == batch and r["memguard"]]
+        without = [r["median_step_ms"] for r in rows if r["batch"] == batch and not r["memguard"]]
+        hooks = [r["hook_us_per_step"] for r in rows if r["batch"] == batch and r["memguard"]]
+        summary[str(batch)] = {
+            "median_step_ms_with": median(with_g),
+            "median_step_ms_without": median(without),
+            "ratio": median(with_g) / median(without),
+            "hook_us_per_step": median(hooks),
+        }
+    result = {"environment": environment(), "config": vars(args), "summary": summary, "runs": rows}
+    print(summary)
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""GPU tests, run on a CUDA machine with `python -m pytest -m cuda`. Each has a CPU twin in the other files."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+
+from lightning_memguard import MemGuard, SysmemSpillError
+from lightning_memguard.probes import CudaProbe
+from lightning_memguard.testing import ImageClassifier, SysmemSpillEmulator
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _trainer(tmp_path, callbacks, **kwargs):
+    defaults = dict(
+        accelerator="cuda",
+        devices=1,
+        precision="bf16-mixed",
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+    )
+    defaults.update(kwargs)
+    return Trainer(**defaults)
+
+
+class TorchPeak(Callback):
+    """Reads PyTorch's own counters right after MemGuard, at the end of each epoch."""
+
+    def __init__(self):
+        self.peaks = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.peaks.append(torch.cuda.max_memory_allocated() / 1e9)
+
+
+def test_logged_peak_is_the_epochs_own_max_memory_allocated(tmp_path):
+    guard, torch_peak = MemGuard(), TorchPeak()
+    model = ImageClassifier("resnet50", image_size=224, batch_size=64, steps_per_epoch=10, channels_last=True)
+    # a larger second epoch would hide a missing reset; a smaller one shows it
+    _trainer(tmp_path, [guard, torch_peak], max_epochs=2).fit(model)
+    for record, expected in zip(guard.epochs, torch_peak.peaks, strict=True):
+        assert record.peak_allocated_gb == pytest.approx(expected, rel=0.01)
+    assert guard.epochs[0].capacity_gb == pytest.approx(torch.cuda.get_device_properties(0).total_memory / 1e9)
+    assert guard.epochs[-1].samples_per_sec > 0 and guard.epochs[-1].step_ms > 0
+
+
+def test_peak_resets_between_epochs(tmp_path):
+    class Shrink(Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            pl_module.batch_size = 16  # the dataloader is rebuilt for the next epoch
+
+    guard = MemGuard()
+    model = ImageClassifier("resnet50", image_size=224, batch_size=128, steps_per_epoch=5, channels_last=True)
+    _trainer(tmp_path, [guard, Shrink()], max_epochs=2, reload_dataloaders_every_n_epochs=1).fit(model)
+    assert guard.epochs[1].peak_allocated_gb < guard.epochs[0].peak_allocated_gb
+
+
+def test_nvml_works_here_without_warnings():
+    probe = CudaProbe(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reading = probe.read()
+        info = probe.driver_info()
+    assert reading.capacity == torch.cuda.get_device_properties(0).total_memory
+    assert reading.other_processes >= 0
+    assert info["driver_version"]
+
+
+def test_emulated_spill_is_stopped_within_three_steps(tmp_path):
+    emu = SysmemSpillEmulator(capacity="2GB")  # ResNet50 at batch 64 needs about 3.2 GB
+    guard = MemGuard(probe=emu.probe, warmup_steps=3)
+    model = ImageClassifier("resnet50", image_size=224, batch_size=64, steps_per_epoch=20, channels_last=True)
+    trainer = _trainer(tmp_path, [emu, guard])
+    with pytest.raises(SysmemSpillError, match="spilling into system RAM"):
+        trainer.fit(model)
+    assert trainer.global_step <= 3 + 3
+    assert emu.total_spilled_bytes > 0
+
+
+def test_prevent_turns_the_overflow_into_an_immediate_oom(tmp_path):
+    guard = MemGuard(capacity="2GB", prevent=True)
+    model = ImageClassifier("resnet50", image_size=224, batch_size=64, steps_per_epoch=20, channels_last=True)
+    trainer = _trainer(tmp_path, [guard])
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="MemGuard\\(prevent=True\\) capped PyTorch"):
+            trainer.fit(model)
+        assert trainer.global_step == 0
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
