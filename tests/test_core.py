@@ -107,18 +107,19 @@ def test_detector_reference_ignores_warmup_and_one_outlier():
     assert det.reference_rate == pytest.approx(100.0)
 
 
-def test_detector_spills_on_second_collapsed_step_near_capacity():
+def test_detector_spills_on_third_collapsed_step_near_capacity():
     det = SpillDetector(16 * GB, warmup_steps=0, reference_steps=2)
     det.observe_step(0.1, 10)
     det.observe_step(0.1, 10)
     assert det.observe_memory(int(15.9 * GB)).verdict is Verdict.SUSPECT
-    det.observe_step(1.0, 10)
-    assert det.observe_memory(int(15.9 * GB)).verdict is Verdict.SUSPECT
+    for _ in range(2):
+        det.observe_step(1.0, 10)
+        assert det.observe_memory(int(15.9 * GB)).verdict is Verdict.SUSPECT
     det.observe_step(1.0, 10)
     report = det.observe_memory(int(15.9 * GB))
     assert report.verdict is Verdict.SPILL
     assert report.slowdown == pytest.approx(10.0)
-    assert report.step == 4
+    assert report.step == 5
 
 
 def test_detector_state_round_trip():

@@ -51,15 +51,31 @@ class StepAtStop(Callback):
 def test_emulator_charges_transfer_time_both_ways_on_the_cpu():
     slept: list[float] = []
     emu = SysmemSpillEmulator(capacity="1MB", bandwidth="1GB", sleep=slept.append)
-    x = torch.randn(1024, 1024, requires_grad=True)  # 4 MB, saved by the product
+    x = torch.randn(1024, 1024, requires_grad=True)
     with emu:
-        (x * x).sum().backward()
+        y = x * 2  # a 4 MB activation; `y * y` saves it twice
+        (y * y).sum().backward()
     assert emu.spilled_bytes == 4 * 2**20
-    # out once in forward; `x * x` saves x twice, and each use in backward brings it back
+    # out once in forward; each of the two uses in backward brings it back
     assert slept == [pytest.approx(4 * 2**20 / 1e9)] * 3
     reading = emu.probe.read()
     assert reading.capacity == 10**6 and reading.peak_allocated == 4 * 2**20
-    torch.testing.assert_close(x.grad, 2 * x.detach())  # gradients unchanged by the detour
+    torch.testing.assert_close(x.grad, 8 * x.detach())  # d/dx (2x)^2: unchanged by the detour
+
+
+def test_emulator_leaves_parameters_and_their_views_alone():
+    slept: list[float] = []
+    emu = SysmemSpillEmulator(capacity=1, sleep=slept.append)
+    layer = torch.nn.Linear(64, 64)
+    x = torch.randn(8, 64)
+    with emu:
+        layer(x).sum().backward()  # saves the input and a transposed view of the weight
+    assert slept == [] and emu.spilled_bytes == 0  # input and weight exist before the step: not activations
+    with emu:
+        out = layer(torch.relu(x * 1.0).requires_grad_())
+        torch.relu(out).sum().backward()
+    assert emu.spilled_bytes > 0  # the ReLU output is an activation and spills
+    assert layer.weight.grad is not None
 
 
 def test_emulator_below_capacity_spills_nothing():
@@ -67,7 +83,8 @@ def test_emulator_below_capacity_spills_nothing():
     emu = SysmemSpillEmulator(capacity="1GB", sleep=slept.append)
     x = torch.randn(256, 256, requires_grad=True)
     with emu:
-        (x * x).sum().backward()
+        y = x * 2
+        (y * y).sum().backward()
     assert emu.spilled_bytes == 0 and slept == []
     assert 0 < emu.probe.read().peak_allocated < 10**9
 

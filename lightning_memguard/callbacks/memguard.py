@@ -61,8 +61,8 @@ class MemGuard(Callback):
     ``memguard/peak_allocated_gb``, ``memguard/peak_reserved_gb`` (that epoch's own peaks),
     ``memguard/capacity_gb``, ``memguard/samples_per_sec`` (samples of the real batches over the summed step
     time; all ranks together under DDP) and ``memguard/step_ms`` (median time of one training batch). The progress
-    bar shows ``peak/cap`` (peak as a share of capacity) and ``samples/s``. At the end of ``fit`` rank zero prints
-    a table with one row per epoch.
+    bar shows the last epoch's ``peak/cap`` (peak as a share of capacity) and ``samples/s``. At the end of ``fit``
+    rank zero prints a table with one row per epoch.
 
     Args:
         capacity: physical memory to judge against: bytes or a string such as ``"16GB"``, ``"16GiB"``;
@@ -178,7 +178,7 @@ class MemGuard(Callback):
         probe = self._require_probe()
         capacity = self.capacity if self.capacity is not None else probe.capacity()
         self._detector = SpillDetector(
-            capacity, self.headroom, self.warmup_steps, self.reference_steps, self.collapse, patience=2
+            capacity, self.headroom, self.warmup_steps, self.reference_steps, self.collapse, patience=3
         )
         if self._restored_reference is not None:
             self._detector.reference_rate = self._restored_reference
@@ -242,6 +242,9 @@ class MemGuard(Callback):
             pl_module.log(
                 key, value, on_step=False, on_epoch=True, sync_dist=sync, reduce_fx=_LOGGED[key], batch_size=1
             )
+        # the progress bar: epoch figures, so that no step pays for logging
+        bar = {"peak/cap": round(record.peak_allocated_gb / record.capacity_gb, 3), "samples/s": record.samples_per_sec}
+        pl_module.log_dict(bar, on_step=False, on_epoch=True, prog_bar=True, logger=False, batch_size=1)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.epochs:
@@ -309,14 +312,6 @@ class MemGuard(Callback):
             report = detector.observe_memory(self._used(reading))
             if report.verdict is Verdict.SPILL:
                 self._on_spill_detected(replace(report, step=trainer.global_step), trainer)
-            self._show_progress(pl_module, reading, detector.capacity)
-
-    def _show_progress(self, pl_module: LightningModule, reading: MemoryReading, capacity: int) -> None:
-        stats = summarize_steps(self._durations[-self.read_every :], self._samples[-self.read_every :])
-        bar = {"peak/cap": round(reading.peak_allocated / capacity, 3)}
-        if stats is not None:
-            bar["samples/s"] = round(stats.samples_per_sec, 1)
-        pl_module.log_dict(bar, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
 
     @staticmethod
     def _used(reading: MemoryReading) -> int:

@@ -110,11 +110,11 @@ class SpillDetector:
         1000.0
         >>> det.observe_memory(15_900_000_000).verdict.value
         'suspect'
-        >>> det.observe_step(0.5, 100), det.observe_step(0.5, 100)
-        (True, True)
+        >>> det.observe_step(0.5, 100), det.observe_step(0.5, 100), det.observe_step(0.5, 100)
+        (True, True, True)
         >>> report = det.observe_memory(15_900_000_000)
         >>> report.verdict.value, report.step, report.slowdown
-        ('spill', 5, 5.0)
+        ('spill', 6, 5.0)
     """
 
     def __init__(
@@ -124,7 +124,7 @@ class SpillDetector:
         warmup_steps: int = 3,
         reference_steps: int = 5,
         collapse: float = 2.5,
-        patience: int = 2,
+        patience: int = 3,
         read_trigger: float = 1.5,
     ) -> None:
         self.capacity = capacity

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -17,12 +18,18 @@ class CudaProbe:
     If NVML is missing or fails, the probe warns once and goes on with PyTorch alone (other processes then
     count as 0). Nothing here synchronises the device.
 
+    Other processes' use changes slowly and listing them through NVML costs far more than PyTorch's counters, so it
+    is asked for at most every ``others_every_s`` seconds.
+
     Args:
         device: the CUDA device to watch (index, string or ``torch.device``); default: the current one.
+        others_every_s: how long a reading of other processes' use is reused.
     """
 
-    def __init__(self, device: int | str | torch.device | None = None) -> None:
+    def __init__(self, device: int | str | torch.device | None = None, others_every_s: float = 5.0) -> None:
         self._device = device
+        self._others_every_s = others_every_s
+        self._others: tuple[float, int] | None = None  # (time read, bytes)
         self._index: int | None = None
         self._nvml: Any = None
         self._handle: Any = None
@@ -58,6 +65,14 @@ class CudaProbe:
 
     def other_processes(self, own_reserved: int | None = None) -> int:
         """Bytes that other processes hold on this device, from NVML; 0 where NVML is unavailable."""
+        now = time.monotonic()
+        if self._others is not None and now - self._others[0] < self._others_every_s:
+            return self._others[1]
+        others = self._query_other_processes(own_reserved)
+        self._others = (now, others)
+        return others
+
+    def _query_other_processes(self, own_reserved: int | None) -> int:
         handle = self._nvml_handle()
         if handle is None:
             return 0

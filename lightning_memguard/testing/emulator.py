@@ -22,7 +22,7 @@ class _Step:
         self.base = base
         self.resident = 0
         self.spilled = 0
-        self.seen: dict[tuple[int, int], Any] = {}
+        self.seen: dict[tuple[int, int], bool] = {}  # storage -> spilled?
 
     @property
     def total(self) -> int:
@@ -51,9 +51,10 @@ class SysmemSpillEmulator(Callback):
     Example:
         >>> import torch
         >>> emu = SysmemSpillEmulator(capacity="1MB")
-        >>> x = torch.randn(512, 1024, requires_grad=True)  # 2 MB saved by the product below
+        >>> x = torch.randn(512, 1024, requires_grad=True)
         >>> with emu:
-        ...     (x * x).sum().backward()
+        ...     y = x * 2  # an activation of 2 MB, saved twice by the product below
+        ...     (y * y).sum().backward()
         >>> reading = emu.probe.read()
         >>> reading.capacity, reading.peak_allocated > reading.capacity, emu.spilled_bytes > 0
         (1000000, True, True)
@@ -132,33 +133,36 @@ class SysmemSpillEmulator(Callback):
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         step = self._step
-        if step is None:
-            return tensor
+        root = tensor._base if tensor._base is not None else tensor
+        if step is None or root.is_leaf:
+            return tensor  # parameters, inputs and views of them exist before the step: counted in the base
         storage = tensor.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
-        if key in step.seen:  # the same memory saved twice (e.g. by two ops): count it once
-            return step.seen[key]
-        nbytes = storage.nbytes()
-        if step.total + nbytes <= self.capacity:
-            step.resident += nbytes
-            packed: Any = tensor
-        else:
-            step.spilled += nbytes
-            self.spilled_bytes += nbytes
-            self.total_spilled_bytes += nbytes
-            packed = self._to_host(tensor, nbytes)
-        step.seen[key] = packed
-        self._peak = max(self._peak, step.total)
-        self._peak_spilled = max(self._peak_spilled, step.spilled)
-        return packed
+        new = key not in step.seen  # the same memory saved twice (e.g. by two ops) is counted once
+        if new:
+            nbytes = storage.nbytes()
+            spill = step.total + nbytes > self.capacity
+            if spill:
+                step.spilled += nbytes
+                self.spilled_bytes += nbytes
+                self.total_spilled_bytes += nbytes
+            else:
+                step.resident += nbytes
+            step.seen[key] = spill
+            self._peak = max(self._peak, step.total)
+            self._peak_spilled = max(self._peak_spilled, step.spilled)
+        if not step.seen[key]:
+            return tensor
+        return self._to_host(tensor, storage.nbytes() if new else 0)
 
     def _to_host(self, tensor: torch.Tensor, nbytes: int) -> Any:
         if tensor.device.type == "cuda":
             host = torch.empty_like(tensor, device="cpu", pin_memory=True)
             host.copy_(tensor, non_blocking=True)
             return ("spilled", host, tensor.device)
-        self._sleep(nbytes / self.bandwidth)
-        return ("spilled", tensor, nbytes)
+        if nbytes:
+            self._sleep(nbytes / self.bandwidth)
+        return ("spilled", tensor, tensor.untyped_storage().nbytes())
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not (isinstance(packed, tuple) and len(packed) == 3 and packed[0] == "spilled"):
