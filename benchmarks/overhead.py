@@ -25,26 +25,29 @@ from _common import EventTimer, environment, free_memory, make_trainer, median, 
 from lightning_memguard import MemGuard  # noqa: E402
 from lightning_memguard.testing import ImageClassifier  # noqa: E402
 
-HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_train_epoch_start", "on_train_epoch_end")
+STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end")
+EPOCH_HOOKS = ("on_train_epoch_start", "on_train_epoch_end")
 
 
 class TimedMemGuard(MemGuard):
-    """MemGuard whose hooks add up their own wall time."""
+    """MemGuard whose hooks add up their own wall time: per-step hooks and once-per-epoch hooks apart."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.hook_seconds = 0.0
+        self.seconds = {"step": 0.0, "epoch": 0.0}
         self.steps = 0
-        for name in HOOKS:
+        for name in STEP_HOOKS + EPOCH_HOOKS:
             setattr(self, name, self._timed(name, getattr(self, name)))
 
     def _timed(self, name: str, hook: Any) -> Any:
+        kind = "step" if name in STEP_HOOKS else "epoch"
+
         def run(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
                 return hook(*args, **kwargs)
             finally:
-                self.hook_seconds += time.perf_counter() - start
+                self.seconds[kind] += time.perf_counter() - start
                 self.steps += name == "on_train_batch_end"
 
         return run
@@ -70,7 +73,10 @@ def run_once(batch: int, guarded: bool, warmup: int, steps: int, root: str) -> d
     times = timer.step_ms()
     row: dict[str, Any] = {"batch": batch, "memguard": guarded, "median_step_ms": median(times), "steps": len(times)}
     if guard is not None:
-        row["hook_us_per_step"] = guard.hook_seconds / max(guard.steps, 1) * 1e6
+        steps = max(guard.steps, 1)
+        row["step_hooks_us_per_step"] = guard.seconds["step"] / steps * 1e6
+        row["epoch_hooks_ms_per_epoch"] = guard.seconds["epoch"] * 1e3
+        row["all_hooks_us_per_step"] = (guard.seconds["step"] + guard.seconds["epoch"]) / steps * 1e6
         row["peak_allocated_gb"] = guard.epochs[-1].peak_allocated_gb if guard.epochs else None
     return row
 
@@ -84,7 +90,7 @@ def main() -> None:
     args = parser.parse_args()
     root = tempfile.mkdtemp()
     rows = []
-    for batch, rounds in ((256, args.rounds), (32, 2)):
+    for batch, rounds in ((256, args.rounds), (32, args.rounds)):
         for r in range(rounds):
             for guarded in (r % 2 == 0, r % 2 == 1):  # alternate which goes first
                 row = run_once(batch, guarded, args.warmup, args.steps, root)
@@ -95,12 +101,14 @@ def main() -> None:
     for batch in (256, 32):
         with_g = [r["median_step_ms"] for r in rows if r["batch"] == batch and r["memguard"]]
         without = [r["median_step_ms"] for r in rows if r["batch"] == batch and not r["memguard"]]
-        hooks = [r["hook_us_per_step"] for r in rows if r["batch"] == batch and r["memguard"]]
+        guarded = [r for r in rows if r["batch"] == batch and r["memguard"]]
         summary[str(batch)] = {
             "median_step_ms_with": median(with_g),
             "median_step_ms_without": median(without),
             "ratio": median(with_g) / median(without),
-            "hook_us_per_step": median(hooks),
+            "step_hooks_us_per_step": median([r["step_hooks_us_per_step"] for r in guarded]),
+            "epoch_hooks_ms_per_epoch": median([r["epoch_hooks_ms_per_epoch"] for r in guarded]),
+            "all_hooks_us_per_step": median([r["all_hooks_us_per_step"] for r in guarded]),
         }
     result = {"environment": environment(), "config": vars(args), "summary": summary, "runs": rows}
     print(summary)
