@@ -36,9 +36,9 @@ class FakeProbe:
 
 
 class StepClock:
-    """A clock that advances a fixed amount on every call: MemGuard calls it at batch start and batch end."""
+    """A clock that advances a fixed amount on every call: MemGuard calls it once at every batch start."""
 
-    def __init__(self, tick: float = 0.05) -> None:
+    def __init__(self, tick: float = 0.1) -> None:
         self.tick = tick
         self.now = 0.0
 

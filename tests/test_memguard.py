@@ -49,8 +49,8 @@ def test_every_epoch_row_has_the_five_keys(tmp_path):
 
 
 def test_step_time_and_throughput_follow_the_clock(tmp_path, fake_probe):
-    # 0.05 s per clock call, two calls per batch (start, end): every batch takes 0.1 s
-    guard = MemGuard(probe=fake_probe, clock=StepClock(0.05))
+    # the clock advances 0.1 s per call, one call per batch start: every batch takes 0.1 s
+    guard = MemGuard(probe=fake_probe, clock=StepClock(0.1))
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, callbacks=[guard]))
     trainer.fit(TinyModel(batch_size=8, n=64))
     for record in guard.epochs:
@@ -71,7 +71,7 @@ class UnevenBatches(TinyModel):
 
 
 def test_samples_come_from_the_real_batch(tmp_path, fake_probe):
-    guard = MemGuard(probe=fake_probe, clock=StepClock(0.05))
+    guard = MemGuard(probe=fake_probe, clock=StepClock(0.1))
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[guard]))
     trainer.fit(UnevenBatches())
     # five complete intervals of 0.1 s carrying 8 + 2 + 8 + 2 + 8 samples
@@ -79,10 +79,10 @@ def test_samples_come_from_the_real_batch(tmp_path, fake_probe):
 
 
 def test_single_batch_epochs_are_timed_by_the_batch_itself(tmp_path, fake_probe):
-    guard = MemGuard(probe=fake_probe, clock=StepClock(0.05))
+    guard = MemGuard(probe=fake_probe, clock=StepClock(0.1))
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, limit_train_batches=1, callbacks=[guard]))
     trainer.fit(TinyModel(batch_size=8))
-    assert [r.step_ms for r in guard.epochs] == [pytest.approx(50.0)] * 2
+    assert [r.step_ms for r in guard.epochs] == [pytest.approx(100.0)] * 2
 
 
 def test_each_epoch_resets_the_peak(tmp_path, fake_probe):
@@ -110,7 +110,7 @@ def test_no_memory_read_on_every_step(tmp_path, fake_probe):
 
 
 def test_logger_false_still_works_and_validation_is_not_timed(tmp_path, fake_probe):
-    clock = StepClock(0.05)
+    clock = StepClock(0.1)
     guard = MemGuard(probe=fake_probe, clock=clock)
     trainer = Trainer(
         **trainer_kwargs(tmp_path, max_epochs=2, limit_val_batches=2, val_check_interval=4, callbacks=[guard])
@@ -121,7 +121,7 @@ def test_logger_false_still_works_and_validation_is_not_timed(tmp_path, fake_pro
 
 
 def test_progress_bar_shows_peak_share_and_throughput(tmp_path, fake_probe):
-    guard = MemGuard(probe=fake_probe, clock=StepClock(0.05), read_every=2)
+    guard = MemGuard(probe=fake_probe, clock=StepClock(0.1), read_every=2)
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[guard]))
     trainer.fit(TinyModel())
     bar = trainer.progress_bar_metrics
@@ -130,7 +130,7 @@ def test_progress_bar_shows_peak_share_and_throughput(tmp_path, fake_probe):
 
 
 def test_table_printed_at_fit_end(tmp_path, fake_probe, caplog):
-    guard = MemGuard(probe=fake_probe, clock=StepClock(0.05))
+    guard = MemGuard(probe=fake_probe, clock=StepClock(0.1))
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, callbacks=[guard]))
     with caplog.at_level(logging.INFO):
         trainer.fit(TinyModel())
@@ -140,7 +140,7 @@ def test_table_printed_at_fit_end(tmp_path, fake_probe, caplog):
 
 
 def test_resume_keeps_history_and_reference(tmp_path, fake_probe):
-    guard = MemGuard(probe=fake_probe, clock=StepClock(0.05), warmup_steps=0, reference_steps=2)
+    guard = MemGuard(probe=fake_probe, clock=StepClock(0.1), warmup_steps=0, reference_steps=2)
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[guard]))
     trainer.fit(TinyModel())
     ckpt = trainer.checkpoint_callback.best_model_path
@@ -149,7 +149,7 @@ def test_resume_keeps_history_and_reference(tmp_path, fake_probe):
     assert saved["reference_rate"] == pytest.approx(80.0)
     assert "headroom" not in saved  # configuration is not state
 
-    resumed = MemGuard(probe=fake_probe, clock=StepClock(0.05))
+    resumed = MemGuard(probe=fake_probe, clock=StepClock(0.1))
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, callbacks=[resumed]))
     trainer.fit(TinyModel(), ckpt_path=ckpt)
     assert [r.epoch for r in resumed.epochs] == [0, 1]

@@ -157,7 +157,6 @@ class MemGuard(Callback):
         self._durations: list[float] = []
         self._samples: list[int] = []
         self._last_start: float | None = None
-        self._last_end: float | None = None
         self._last_samples = 0
         self._gap = False
         self._open_steps: list[tuple[float, int]] = []
@@ -201,11 +200,6 @@ class MemGuard(Callback):
             self._act(trainer)
         self._last_samples = self._batch_size(batch)
         self._last_start = now
-
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self._last_end = self._clock()
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close_step_early()
@@ -286,18 +280,15 @@ class MemGuard(Callback):
         self._durations = []
         self._samples = []
         self._last_start = None
-        self._last_end = None
         self._last_samples = 0
         self._gap = False
         self._open_steps = []
 
     def _close_step_early(self) -> None:
-        """Validation or a checkpoint comes before the next batch: the open step has no honest interval.
-
-        It is kept aside, timed by its own start and end, and used only if the epoch has no complete interval.
-        """
-        if self._last_start is not None and self._last_end is not None and not self._gap:
-            self._open_steps.append((self._last_end - self._last_start, self._last_samples))
+        """Validation, a checkpoint or the epoch's end comes before the next batch: the open step has no clean
+        interval. It is timed up to now, kept aside, and used only if the epoch has no complete interval."""
+        if self._last_start is not None and not self._gap:
+            self._open_steps.append((self._clock() - self._last_start, self._last_samples))
         self._gap = True
 
     def _finish_step(self, seconds: float, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -16,30 +16,33 @@ _DEFAULT_BANDWIDTH = 25e9  # bytes/s, about PCIe 4.0 x16 in practice
 
 
 class _Step:
-    """Memory accounting of one training step."""
+    """Memory accounting of one training step, in bytes."""
 
-    def __init__(self, base: int) -> None:
-        self.base = base
-        self.resident = 0
-        self.spilled = 0
+    def __init__(self, device: torch.device | None, base: int, transient: int) -> None:
+        self.device = device
+        self.base = base  # held before the step: weights, gradients, optimizer state, the batch
+        self.transient = transient  # what the last step needed beyond its saved activations (backward buffers)
+        self.resident = 0  # saved activations kept on the device
+        self.spilled = 0  # saved activations moved to the host
         self.seen: dict[tuple[int, int], bool] = {}  # storage -> spilled?
 
     @property
-    def total(self) -> int:
-        return self.base + self.resident + self.spilled
+    def on_device(self) -> int:
+        return self.base + self.resident + self.transient
 
 
 class SysmemSpillEmulator(Callback):
     """A card of ``capacity`` bytes whose driver spills into system RAM instead of raising out-of-memory.
 
-    Activations that autograd saves for the backward pass are counted on top of the memory allocated when the
-    step starts; once the sum passes ``capacity``, further saved activations "spill":
+    Every activation that autograd saves for the backward pass is counted on top of what the step started with
+    (and, on CUDA, on top of what the previous step needed beyond its activations). Once the sum would pass
+    ``capacity``, further saved activations "spill":
 
     - on CUDA they really go to pinned host memory and come back for the backward pass, crossing PCIe twice, as
       the Windows driver's fallback does;
     - on the CPU the transfer time of the spilled bytes at ``bandwidth`` is charged (as a sleep) both ways.
 
-    Its :attr:`probe` reports what PyTorch reports on such a card: allocated memory *plus* the spilled bytes, and
+    Its :attr:`probe` reports what PyTorch reports on such a card: the step's peak *plus* the spilled bytes, and
     ``capacity`` as the physical memory. Use it as a callback (put it before :class:`~lightning_memguard.MemGuard`)
     or, without Lightning, as a context manager around one step's forward and backward.
 
@@ -71,9 +74,9 @@ class SysmemSpillEmulator(Callback):
         self._sleep = sleep
         self._step: _Step | None = None
         self._hooks: Any = None
-        self._module: torch.nn.Module | None = None
-        self._peak = 0
-        self._peak_spilled = 0
+        self._module: LightningModule | None = None
+        self._transient = 0
+        self.peak = 0  # the highest per-step figure (peak plus spilled) since the probe's last reset
         self.spilled_bytes = 0  # spilled during the last step
         self.total_spilled_bytes = 0
         self.probe = EmulatedProbe(self)
@@ -81,7 +84,8 @@ class SysmemSpillEmulator(Callback):
     # ------------------------------------------------------------------ as a context manager
 
     def __enter__(self) -> SysmemSpillEmulator:
-        self._begin(self._base_bytes())
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self._begin(device)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -91,7 +95,8 @@ class SysmemSpillEmulator(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._module = pl_module
-        self._begin(self._base_bytes(trainer))
+        device = trainer.strategy.root_device
+        self._begin(device if device.type == "cuda" else None, trainer)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -103,33 +108,44 @@ class SysmemSpillEmulator(Callback):
 
     # ------------------------------------------------------------------ accounting
 
-    def _base_bytes(self, trainer: Trainer | None = None) -> int:
-        """Memory held before the step's activations: the allocator's count on CUDA, the model's state on the CPU."""
-        if torch.cuda.is_available() and (trainer is None or trainer.strategy.root_device.type == "cuda"):
-            return int(torch.cuda.memory_allocated())
+    def _cpu_base(self, trainer: Trainer | None) -> int:
+        """On the CPU: the bytes of the model's weights, gradients and optimizer state."""
         if self._module is None:
             return 0
-        params = [p for p in self._module.parameters()]
+        params = list(self._module.parameters())
         total = sum(p.numel() * p.element_size() for p in params)
         total += sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-        if trainer is not None:
-            for opt in trainer.optimizers:
-                for state in opt.state.values():
-                    total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+        for opt in trainer.optimizers if trainer is not None else []:
+            for state in opt.state.values():
+                total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
         return total
 
-    def _begin(self, base: int) -> None:
+    def _begin(self, device: torch.device | None, trainer: Trainer | None = None) -> None:
         self._end()
-        self._step = _Step(base)
+        if device is not None:
+            base = int(torch.cuda.memory_allocated(device))
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            base = self._cpu_base(trainer)
+        self._step = _Step(device, base, self._transient)
         self.spilled_bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
-        self._peak = max(self._peak, base)
 
     def _end(self) -> None:
-        if self._hooks is not None:
-            self._hooks.__exit__(None, None, None)
-            self._hooks = None
+        if self._hooks is None:
+            return
+        self._hooks.__exit__(None, None, None)
+        self._hooks = None
+        step = self._step
+        if step is None:
+            return
+        if step.device is not None:
+            real_peak = int(torch.cuda.max_memory_allocated(step.device))
+            self._transient = max(0, real_peak - step.base - step.resident)
+            self.peak = max(self.peak, real_peak + step.spilled)
+        else:
+            self.peak = max(self.peak, step.base + step.resident + step.spilled)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         step = self._step
@@ -141,7 +157,7 @@ class SysmemSpillEmulator(Callback):
         new = key not in step.seen  # the same memory saved twice (e.g. by two ops) is counted once
         if new:
             nbytes = storage.nbytes()
-            spill = step.total + nbytes > self.capacity
+            spill = step.on_device + nbytes > self.capacity
             if spill:
                 step.spilled += nbytes
                 self.spilled_bytes += nbytes
@@ -149,8 +165,6 @@ class SysmemSpillEmulator(Callback):
             else:
                 step.resident += nbytes
             step.seen[key] = spill
-            self._peak = max(self._peak, step.total)
-            self._peak_spilled = max(self._peak_spilled, step.spilled)
         if not step.seen[key]:
             return tensor
         return self._to_host(tensor, storage.nbytes() if new else 0)
@@ -175,7 +189,7 @@ class SysmemSpillEmulator(Callback):
 
 
 class EmulatedProbe:
-    """What PyTorch reports on the emulated card: real allocated memory plus the bytes that spilled."""
+    """What PyTorch reports on the emulated card: each step's peak plus the bytes that spilled."""
 
     def __init__(self, emulator: SysmemSpillEmulator) -> None:
         self._emu = emulator
@@ -184,20 +198,11 @@ class EmulatedProbe:
         return self._emu.capacity
 
     def reset_peak(self) -> None:
-        emu = self._emu
-        emu._peak = emu._step.total if emu._step is not None else 0
-        emu._peak_spilled = 0
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        self._emu.peak = 0
 
     def read(self) -> MemoryReading:
-        emu = self._emu
-        if torch.cuda.is_available() and torch.cuda.memory_allocated() > 0:
-            stats = torch.cuda.memory_stats()
-            allocated = int(stats["allocated_bytes.all.peak"]) + emu._peak_spilled
-            reserved = int(stats["reserved_bytes.all.peak"]) + emu._peak_spilled
-            return MemoryReading(max(allocated, emu._peak), max(reserved, emu._peak), emu.capacity)
-        return MemoryReading(emu._peak, emu._peak, emu.capacity)
+        peak = self._emu.peak
+        return MemoryReading(peak, peak, self._emu.capacity)
 
     def overallocation_succeeds(self) -> bool:
         """On a card with sysmem fallback, allocating more than is free succeeds."""
