@@ -101,3 +101,30 @@ def test_prevent_turns_the_overflow_into_an_immediate_oom(tmp_path):
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+def test_checkpointed_resnet_is_bit_identical_on_cuda_fp32():
+    import copy
+
+    import torchvision
+
+    from lightning_memguard import checkpoint_resnet
+
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet18(num_classes=10).cuda()
+    ours = copy.deepcopy(plain)
+    checkpoint_resnet(ours)
+    batches = [
+        (torch.randn(16, 3, 64, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")) for _ in range(3)
+    ]
+
+    def train(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return [p.grad for p in model.parameters()] + list(model.buffers())
+
+    assert all(torch.equal(a, b) for a, b in zip(train(plain), train(ours), strict=True))

@@ -1,0 +1,90 @@
+"""ActivationCheckpointing: checkpoint a LightningModule's blocks before training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_memguard.checkpointing.plan import CheckpointPlan, checkpoint_blocks
+from lightning_memguard.checkpointing.wrap import Units, apply_checkpointing, find_units
+from lightning_memguard.core.units import parse_bytes
+
+
+class ActivationCheckpointing(Callback):
+    """Checkpoints the model's residual blocks (``use_reentrant=False``), BatchNorm-correct, before training.
+
+    Without ``memory_budget`` every block is checkpointed in ``setup``, before the optimizer is built. With a budget,
+    the blocks are measured at fit start on the module's ``example_input_array`` (under the Trainer's precision) and
+    only those that buy the most memory per millisecond of recomputation are checkpointed. ``state_dict`` keys of
+    the model do not change; the chosen blocks are kept in the callback's state, so a resumed run re-applies them
+    without measuring again.
+
+    Args:
+        units: ``"auto"``, a set of module classes, or a predicate ``(name, module) -> bool``.
+        memory_budget: a fraction in (0, 1] of the un-checkpointed peak, or bytes (``"6GB"``); None: every block.
+        bn_correct: recomputation leaves BatchNorm running statistics alone (they update once per step).
+
+    Raises:
+        ValueError: bad ``memory_budget``; at fit start, no blocks found or a budget without
+            ``example_input_array``.
+
+    Example:
+        >>> from lightning import Trainer
+        >>> trainer = Trainer(callbacks=[ActivationCheckpointing(memory_budget=0.6)], logger=False)
+        >>> ActivationCheckpointing(memory_budget=1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: `memory_budget` as a fraction must be in (0, 1], got 1.5
+    """
+
+    def __init__(self, units: Units = "auto", memory_budget: float | int | str | None = None, bn_correct: bool = True):
+        if isinstance(memory_budget, float) and not 0 < memory_budget <= 1:
+            raise ValueError(f"`memory_budget` as a fraction must be in (0, 1], got {memory_budget!r}")
+        if memory_budget is not None and not isinstance(memory_budget, float):
+            parse_bytes(memory_budget, "memory_budget")
+        if not isinstance(bn_correct, bool):
+            raise TypeError(f"`bn_correct` must be a bool, got {bn_correct!r}")
+        if isinstance(units, str) and units != "auto":
+            raise ValueError(f"`units` must be 'auto', a set of module classes or a callable, got {units!r}")
+        self.units = units
+        self.memory_budget = memory_budget
+        self.bn_correct = bn_correct
+        self.plan: CheckpointPlan | None = None
+        self.blocks: list[str] | None = None  # chosen blocks: learned state
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.memory_budget is None:
+            self.plan = checkpoint_blocks(pl_module, self.units, bn_correct=self.bn_correct)
+            self.blocks = self.plan.blocks
+            rank_zero_info(f"ActivationCheckpointing: {self.plan.summary()}")
+        elif pl_module.example_input_array is None:
+            raise ValueError(
+                "ActivationCheckpointing(memory_budget=...) measures the blocks on the module's"
+                " `example_input_array`; set it to a real batch of inputs"
+            )
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.memory_budget is None or self.plan is not None:
+            return
+        if self.blocks is not None:  # resumed: apply what was chosen before
+            chosen = [(n, m) for n, m in find_units(pl_module, self.units) if n in set(self.blocks)]
+            apply_checkpointing(chosen, self.bn_correct)
+            return
+        example = move_data_to_device(pl_module.example_input_array, trainer.strategy.root_device)
+        with trainer.precision_plugin.train_step_context():
+            self.plan = checkpoint_blocks(
+                pl_module, self.units, self.memory_budget, example_input=example, bn_correct=self.bn_correct
+            )
+        self.blocks = self.plan.blocks
+        rank_zero_info(f"ActivationCheckpointing: {self.plan.summary()}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"blocks": self.blocks}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.blocks = state_dict.get("blocks", self.blocks)

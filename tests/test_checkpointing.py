@@ -1,0 +1,225 @@
+"""Activation checkpointing: exact gradients and BatchNorm buffers, unchanged state_dict keys, budgets."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torchvision
+from conftest import trainer_kwargs
+from lightning.pytorch import Trainer
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
+
+from lightning_memguard import ActivationCheckpointing, checkpoint_resnet
+from lightning_memguard.checkpointing import checkpoint_blocks, find_units, is_checkpointed, remove_checkpointing
+from lightning_memguard.testing import ImageClassifier
+
+
+def _train(model: nn.Module, steps: int = 3, forward=None) -> dict[str, torch.Tensor]:
+    """A few SGD steps on fixed random batches; returns gradients of the last step and all buffers."""
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = [(torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))) for _ in range(steps)]
+    model.train()
+    for x, y in batches:
+        opt.zero_grad()
+        out = forward(x) if forward else model(x)
+        nn.functional.cross_entropy(out, y).backward()
+        opt.step()
+    state = {f"grad:{n}": p.grad.clone() for n, p in model.named_parameters()}
+    state.update({f"buf:{n}": b.clone() for n, b in model.named_buffers()})
+    return state
+
+
+def _identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "resnext50_32x4d"])
+def test_gradients_and_batchnorm_buffers_are_bit_identical(arch):
+    torch.manual_seed(1)
+    plain = torchvision.models.get_model(arch, num_classes=10)
+    ours = copy.deepcopy(plain)
+    plan = checkpoint_resnet(ours)
+    assert len(plan.blocks) == plan.candidates > 0
+    assert _identical(_train(plain), _train(ours))
+
+
+def test_plain_checkpoint_sequential_fails_the_same_test():
+    torch.manual_seed(1)
+    plain = torchvision.models.resnet18(num_classes=10)
+    theirs = copy.deepcopy(plain)
+    body = nn.Sequential(theirs.layer1, theirs.layer2, theirs.layer3, theirs.layer4)
+
+    def forward(x):
+        x = theirs.maxpool(theirs.relu(theirs.bn1(theirs.conv1(x))))
+        x = checkpoint_sequential(body, 4, x, use_reentrant=False)
+        return theirs.fc(torch.flatten(theirs.avgpool(x), 1))
+
+    a, b = _train(plain), _train(theirs, forward=forward)
+    assert not _identical(a, b)
+    # the recomputed forward counts every batch twice
+    assert int(b["buf:layer1.0.bn1.num_batches_tracked"]) == 2 * int(a["buf:layer1.0.bn1.num_batches_tracked"])
+
+
+def test_without_bn_correction_buffers_drift():
+    torch.manual_seed(1)
+    plain = torchvision.models.resnet18(num_classes=10)
+    ours = copy.deepcopy(plain)
+    checkpoint_resnet(ours, bn_correct=False)
+    assert not _identical(_train(plain), _train(ours))
+
+
+def test_state_dict_keys_unchanged_and_round_trip():
+    plain = torchvision.models.resnet18(num_classes=10)
+    ours = torchvision.models.resnet18(num_classes=10)
+    checkpoint_resnet(ours)
+    assert list(ours.state_dict()) == list(plain.state_dict())
+    plain.load_state_dict(ours.state_dict())
+    ours.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    plain.eval(), ours.eval()
+    torch.testing.assert_close(plain(x), ours(x), rtol=0, atol=0)
+
+
+def test_deepcopy_and_removal():
+    model = torchvision.models.resnet18(num_classes=10)
+    checkpoint_resnet(model)
+    twin = copy.deepcopy(model)
+    assert all(is_checkpointed(m) for _, m in find_units(twin))
+    assert remove_checkpointing(twin) == 8
+    assert not any(is_checkpointed(m) for m in twin.modules())
+    assert type(twin.layer1[0]) is torchvision.models.resnet.BasicBlock
+
+
+def test_applying_twice_warns_and_changes_nothing():
+    model = torchvision.models.resnet18(num_classes=10)
+    checkpoint_resnet(model)
+    with pytest.warns(UserWarning, match="already checkpointed.*applying twice changes nothing"):
+        plan = checkpoint_resnet(model)
+    assert plan.blocks == []
+    assert type(model.layer1[0]).__mro__.count(type(model.layer1[0]).__mro__[1]) == 1  # not wrapped twice
+
+
+def test_someone_elses_wrapper_is_left_alone():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = torchvision.models.resnet18(num_classes=10)
+    model.layer1[0] = checkpoint_wrapper(model.layer1[0])
+    with pytest.warns(UserWarning, match="already wrapped by other code \\(layer1.0"):
+        plan = checkpoint_blocks(model)
+    assert "layer1.0" not in plan.blocks and len(plan.blocks) == 7
+    assert not any(is_checkpointed(m) for m in model.layer1[0].modules())
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="no blocks to checkpoint found in Sequential"):
+        checkpoint_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    with pytest.raises(TypeError, match="checkpoint_resnet needs a torchvision ResNet, got Sequential"):
+        checkpoint_resnet(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="`memory_budget` needs `example_input`"):
+        checkpoint_resnet(torchvision.models.resnet18(), memory_budget=0.5)
+    with pytest.raises(ValueError, match="`memory_budget` as a fraction must be in \\(0, 1\\], got 1.5"):
+        checkpoint_resnet(torchvision.models.resnet18(), memory_budget=1.5, example_input=torch.randn(1, 3, 32, 32))
+    with pytest.raises(TypeError, match="`units` must be 'auto', a set of module classes or a callable"):
+        checkpoint_blocks(torchvision.models.resnet18(), units=42)
+    with pytest.raises(ValueError, match="`units` must be 'auto'.*'everything'"):
+        checkpoint_blocks(torchvision.models.resnet18(), units="everything")
+
+
+def test_units_by_class_and_by_name():
+    model = torchvision.models.resnet18(num_classes=10)
+    plan = checkpoint_blocks(model, units=lambda name, m: name in ("layer3", "layer4"))
+    assert plan.blocks == ["layer3", "layer4"]
+    model = torchvision.models.resnet18(num_classes=10)
+    assert checkpoint_blocks(model, units={torchvision.models.resnet.BasicBlock}).candidates == 8
+
+
+@pytest.mark.parametrize("budget", [0.8, 0.7, 0.6])
+def test_budget_holds_and_uses_fewer_blocks_when_it_can(budget):
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    plan = checkpoint_resnet(model, memory_budget=budget, example_input=torch.randn(8, 3, 64, 64))
+    assert plan.held, plan.summary()
+    assert plan.measured_bytes <= plan.budget_bytes == int(plan.baseline_bytes * budget)
+    assert 0 < len(plan.blocks) <= plan.candidates
+    assert len(plan.profiles) == 8 and all(p.saved_bytes > 0 for p in plan.profiles)
+    # profiling left no trace on BatchNorm statistics or gradients
+    assert all(torch.equal(before[n], b) for n, b in model.named_buffers())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_loose_budget_checkpoints_less_than_tight_budget():
+    x = torch.randn(8, 3, 64, 64)
+    loose = checkpoint_resnet(torchvision.models.resnet18(num_classes=10), memory_budget=0.9, example_input=x)
+    tight = checkpoint_resnet(torchvision.models.resnet18(num_classes=10), memory_budget=0.5, example_input=x)
+    assert len(loose.blocks) < len(tight.blocks)
+
+
+def test_budget_in_bytes_that_cannot_be_met_warns():
+    with pytest.warns(UserWarning, match="memory budget not met"):
+        plan = checkpoint_resnet(
+            torchvision.models.resnet18(), memory_budget=1000, example_input=torch.randn(2, 3, 32, 32)
+        )
+    assert plan.held is False and len(plan.blocks) == 8
+
+
+class ExampleClassifier(ImageClassifier):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.example_input_array = torch.randn(4, 3, 32, 32)
+
+
+def test_callback_checkpoints_before_training_and_resumes_the_same_blocks(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cb = ActivationCheckpointing(memory_budget=0.6)
+        model = ExampleClassifier(image_size=32, batch_size=4, steps_per_epoch=3)
+        trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[cb]))
+        trainer.fit(model)
+    assert cb.plan is not None and cb.plan.held and cb.blocks
+    assert sorted(n for n, m in model.named_modules() if is_checkpointed(m)) == sorted(cb.blocks)
+    ckpt = trainer.checkpoint_callback.best_model_path
+
+    resumed_cb = ActivationCheckpointing(memory_budget=0.6)
+    model2 = ExampleClassifier(image_size=32, batch_size=4, steps_per_epoch=3)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, callbacks=[resumed_cb]))
+    trainer.fit(model2, ckpt_path=ckpt)
+    assert resumed_cb.plan is None  # nothing measured again
+    assert sorted(n for n, m in model2.named_modules() if is_checkpointed(m)) == sorted(cb.blocks)
+
+
+def test_callback_without_budget_checkpoints_every_block(tmp_path):
+    cb = ActivationCheckpointing()
+    model = ImageClassifier(image_size=32, batch_size=4, steps_per_epoch=2)
+    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[cb])).fit(model)
+    assert len(cb.blocks) == 8
+
+
+def test_callback_errors(tmp_path):
+    with pytest.raises(ValueError, match="`memory_budget` as a fraction must be in \\(0, 1\\], got 0.0"):
+        ActivationCheckpointing(memory_budget=0.0)
+    with pytest.raises(ValueError, match="`memory_budget` must be .*'lots'"):
+        ActivationCheckpointing(memory_budget="lots")
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[ActivationCheckpointing(memory_budget=0.5)]))
+    with pytest.raises(ValueError, match="measures the blocks on the module's `example_input_array`"):
+        trainer.fit(ImageClassifier(image_size=32, batch_size=4, steps_per_epoch=2))
+
+
+def test_budget_mode_on_a_checkpointed_model_is_a_noop_with_warning():
+    model = torchvision.models.resnet18(num_classes=10)
+    checkpoint_resnet(model)
+    with pytest.warns(UserWarning, match="already checkpointed; applying twice changes nothing"):
+        plan = checkpoint_resnet(model, memory_budget=0.7, example_input=torch.randn(2, 3, 32, 32))
+    assert plan.blocks == [] and sum(is_checkpointed(m) for m in model.modules()) == 8
