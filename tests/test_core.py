@@ -161,3 +161,25 @@ def test_core_does_not_import_lightning():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_detector_ignores_host_side_jitter_of_an_asynchronous_gpu():
+    det = SpillDetector(16 * GB, warmup_steps=2, reference_steps=4, patience=3)
+    for _ in range(9):
+        det.observe_step(0.1, 10)
+    # the host runs ahead, then waits: single intervals swing 5x around the same mean
+    wants = [det.observe_step(seconds, 10) for seconds in [0.02, 0.25, 0.03, 0.02, 0.25, 0.03] * 5]
+    assert not any(wants)
+
+
+def test_detector_reads_on_a_slowdown_then_rests_after_an_ok_reading():
+    det = SpillDetector(16 * GB, warmup_steps=0, reference_steps=2, patience=3)
+    for _ in range(5):
+        det.observe_step(0.1, 10)
+    assert det.observe_step(0.4, 10) is True  # the window of three runs at 30 / 0.6 s = 50/s, under 100 / 1.5
+    assert det.observe_memory(GB).verdict is Verdict.SUSPECT  # slow, far from capacity
+    assert det.observe_step(0.4, 10) is True  # suspect: no rest
+    assert det.observe_memory(GB).verdict is Verdict.SUSPECT
+    det._recent.clear()
+    assert det.observe_memory(GB).verdict is Verdict.OK
+    assert [det.observe_step(0.4, 10) for _ in range(3)] == [False, False, True]

@@ -89,9 +89,11 @@ class SpillDetector:
     """Follows a run step by step and says when to read memory and whether it spills.
 
     Feed it every training step's duration and samples with :meth:`observe_step`; it answers whether memory
-    should be read now (every step while warming up and measuring the reference, then only when a step is
-    slow). Feed the reading to :meth:`observe_memory`. Steps that a validation loop, a checkpoint or a
-    dataloader stall slowed down are judged by memory as well, so one slow step never stops a healthy run.
+    should be read now: every step while warming up and measuring the reference, then only when the last
+    ``patience`` steps together run ``read_trigger`` times slower than the reference (host-side step times of an
+    asynchronous GPU jitter from step to step; their sum over a few steps does not), at most once per ``patience``
+    steps unless the last reading was suspect. Feed the reading to :meth:`observe_memory`. A validation loop, a
+    checkpoint or a dataloader stall makes one step slow, and one slow step never stops a healthy run.
 
     Args:
         capacity: physical memory in bytes.
@@ -138,21 +140,27 @@ class SpillDetector:
         self.reference_rate: float | None = None
         self._reference: list[float] = []
         self._recent: deque[float] = deque(maxlen=patience)
+        self._window: deque[tuple[float, int]] = deque(maxlen=patience)
+        self._quiet = 0  # steps left before a slow window may trigger another read
 
     def observe_step(self, seconds: float, samples: int) -> bool:
         """Record one step; return True when memory should be read before the next one."""
         self.steps += 1
         rate = samples / seconds if seconds > 0 else float("inf")
         self._recent.append(rate)
+        self._window.append((seconds, samples))
         if self.reference_rate is None and self.steps > self.warmup_steps:
             self._reference.append(rate)
             if len(self._reference) >= self.reference_steps:
                 self.reference_rate = statistics.median(self._reference)
-        if self.reference_rate is None:
+        if self.reference_rate is None or self.steps <= self.warmup_steps + self.reference_steps + self.patience:
             return True
-        return self.steps <= self.warmup_steps + self.reference_steps + self.patience or (
-            rate < self.reference_rate / self.read_trigger
-        )
+        if self._quiet > 0:
+            self._quiet -= 1
+            return False
+        total = sum(s for s, _ in self._window)
+        window_rate = sum(n for _, n in self._window) / total if total > 0 else float("inf")
+        return window_rate < self.reference_rate / self.read_trigger
 
     def observe_memory(self, used_bytes: int) -> SpillReport:
         """Judge the latest steps against a memory reading (peak plus other processes, in bytes)."""
@@ -160,6 +168,7 @@ class SpillDetector:
         verdict, reason = detect_spill(
             used_bytes, self.capacity, self.headroom, self.reference_rate, recent, self.collapse, self.patience
         )
+        self._quiet = 0 if verdict is not Verdict.OK else self.patience - 1
         return SpillReport(
             verdict=verdict,
             reason=reason,
