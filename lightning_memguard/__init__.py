@@ -11,14 +11,18 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "AccumulationTuner": "lightning_memguard.callbacks",
     "ActivationCheckpointing": "lightning_memguard.callbacks",
+    "BatchSizeTuner": "lightning_memguard.callbacks",
     "MemGuard": "lightning_memguard.callbacks",
     "checkpoint_resnet": "lightning_memguard.checkpointing",
     "SysmemSpillError": "lightning_memguard.core.detector",
 }
 
 if TYPE_CHECKING:
+    from lightning_memguard.callbacks import AccumulationTuner as AccumulationTuner
     from lightning_memguard.callbacks import ActivationCheckpointing as ActivationCheckpointing
+    from lightning_memguard.callbacks import BatchSizeTuner as BatchSizeTuner
     from lightning_memguard.callbacks import MemGuard as MemGuard
     from lightning_memguard.checkpointing import checkpoint_resnet as checkpoint_resnet
     from lightning_memguard.core.detector import SysmemSpillError as SysmemSpillError

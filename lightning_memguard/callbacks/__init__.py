@@ -2,5 +2,6 @@
 
 from lightning_memguard.callbacks.checkpointing import ActivationCheckpointing
 from lightning_memguard.callbacks.memguard import MemGuard
+from lightning_memguard.callbacks.tuners import AccumulationTuner, BatchSizeTuner
 
-__all__ = ["ActivationCheckpointing", "MemGuard"]
+__all__ = ["AccumulationTuner", "ActivationCheckpointing", "BatchSizeTuner", "MemGuard"]

@@ -1,0 +1,218 @@
+"""Searching batch sizes by measuring: a step object that proposes sizes and learns from each trial."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+OK, OOM, SPILL, OVER_HEADROOM = "ok", "oom", "spill", "over_headroom"
+MODES = ("throughput", "max_fit")
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """One measured trial.
+
+    Attributes:
+        size: the batch (or micro-batch) size tried.
+        step_ms: median time of one step, None if the trial failed before it was timed.
+        peak_bytes: peak memory of the trial (plus other processes' use), None if unknown.
+        samples_per_sec: ``size`` over the median step time.
+        outcome: ``"ok"``, ``"oom"``, ``"spill"`` or ``"over_headroom"``.
+        accumulate: gradient-accumulation steps used with this size (1 for a plain batch size).
+    """
+
+    size: int
+    step_ms: float | None
+    peak_bytes: int | None
+    samples_per_sec: float | None
+    outcome: str
+    accumulate: int = 1
+
+    @property
+    def fits(self) -> bool:
+        return self.outcome == OK
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def classify_trial(
+    peak_bytes: int, capacity: int, headroom: float, samples_per_sec: float, best_rate: float | None, collapse: float
+) -> str:
+    """``"spill"`` above the capacity, or when throughput collapsed against smaller sizes already measured;
+    ``"over_headroom"`` within ``headroom`` of the capacity; else ``"ok"``.
+
+    Example:
+        >>> classify_trial(17 * 10**9, 16 * 10**9, 0.05, 900.0, 3500.0, 2.5)
+        'spill'
+        >>> classify_trial(15_500_000_000, 16 * 10**9, 0.05, 3400.0, 3500.0, 2.5)
+        'over_headroom'
+        >>> classify_trial(12 * 10**9, 16 * 10**9, 0.05, 1000.0, 3500.0, 2.5)
+        'spill'
+        >>> classify_trial(12 * 10**9, 16 * 10**9, 0.05, 3300.0, 3500.0, 2.5)
+        'ok'
+    """
+    if peak_bytes > capacity or (best_rate is not None and samples_per_sec < best_rate / collapse):
+        return SPILL
+    if peak_bytes > capacity * (1.0 - headroom):
+        return OVER_HEADROOM
+    return OK
+
+
+def power_ladder(start: int, stop: int, factor: int = 2) -> list[int]:
+    """``start``, ``start * factor``, ... up to ``stop``.
+
+    Example:
+        >>> power_ladder(32, 2048)
+        [32, 64, 128, 256, 512, 1024, 2048]
+    """
+    if start < 1 or stop < start:
+        raise ValueError(f"need 1 <= start <= stop, got start={start}, stop={stop}")
+    sizes = []
+    size = start
+    while size <= stop:
+        sizes.append(size)
+        size *= factor
+    return sizes
+
+
+class SizeSearch:
+    """Tries sizes from small to large and stops as soon as more would not pay.
+
+    ``propose()`` gives the next size to run (None when done), ``observe(result)`` takes its measurement, and
+    ``result`` is the choice: in ``"throughput"`` mode the highest measured samples/s among trials that fit
+    (within ``tolerance`` of it, the smallest size); in ``"max_fit"`` mode the largest size that fit. It never
+    returns a size it did not run.
+
+    Climbing stops at the first trial that does not fit (OOM, spill, or memory within the headroom), and in
+    ``"throughput"`` mode also once a step up gained less than ``min_gain`` or lost more than ``tolerance``.
+    After a trial that does not fit, one size halfway between the best fit and the failure is tried (``refine``).
+
+    Args:
+        candidates: sizes to climb through, e.g. :func:`power_ladder`.
+        mode: ``"throughput"`` or ``"max_fit"``.
+        min_gain: relative throughput gain below which climbing stops.
+        tolerance: sizes within this fraction of the best throughput count as equal (the smaller wins).
+        refine: try one size between the best fit and the first failure.
+        granularity: refined sizes are multiples of this.
+
+    Example:
+        >>> search = SizeSearch([32, 64, 128, 256])
+        >>> rates = {32: 1000.0, 64: 1800.0, 128: 1850.0}
+        >>> while (size := search.propose()) is not None:
+        ...     search.observe(TrialResult(size, 1.0, 0, rates[size], "ok"))
+        >>> [r.size for r in search.results], search.result.size
+        ([32, 64, 128], 128)
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[int],
+        mode: str = "throughput",
+        min_gain: float = 0.05,
+        tolerance: float = 0.01,
+        refine: bool = True,
+        granularity: int = 8,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
+        if not candidates or any(int(c) != c or c < 1 for c in candidates):
+            raise ValueError(f"`candidates` must be positive integers, got {list(candidates)!r}")
+        self.candidates = sorted(set(int(c) for c in candidates))
+        self.mode = mode
+        self.min_gain = min_gain
+        self.tolerance = tolerance
+        self.refine = refine
+        self.granularity = granularity
+        self.results: list[TrialResult] = []
+        self._next = 0
+        self._climbing = True
+        self._refined = False
+        self._pending: int | None = None
+
+    @property
+    def best_rate(self) -> float | None:
+        rates = [r.samples_per_sec for r in self.results if r.fits and r.samples_per_sec is not None]
+        return max(rates) if rates else None
+
+    def propose(self) -> int | None:
+        if self._pending is not None:
+            return self._pending
+        if self._climbing and self._next < len(self.candidates):
+            self._pending = self.candidates[self._next]
+            return self._pending
+        self._climbing = False
+        midpoint = self._refinement()
+        if midpoint is not None:
+            self._refined = True
+            self._pending = midpoint
+        return self._pending
+
+    def observe(self, result: TrialResult) -> None:
+        if self._pending is None or result.size != self._pending:
+            raise ValueError(f"observed size {result.size}, but the search proposed {self._pending}")
+        self._pending = None
+        previous = [r for r in self.results if r.fits]
+        self.results.append(result)
+        if not self._climbing:
+            return
+        self._next += 1
+        if not result.fits:
+            self._climbing = False
+        elif self.mode == "throughput" and previous and result.samples_per_sec is not None:
+            last = previous[-1].samples_per_sec or 0.0
+            best = max(r.samples_per_sec or 0.0 for r in previous)
+            if result.samples_per_sec < last * (1 + self.min_gain) or result.samples_per_sec < best * (
+                1 - self.tolerance
+            ):
+                self._climbing = False
+
+    def _refinement(self) -> int | None:
+        if not self.refine or self._refined:
+            return None
+        fits = [r.size for r in self.results if r.fits]
+        fails = [r.size for r in self.results if not r.fits]
+        if not fits or not fails:
+            return None
+        low, high = max(fits), min(f for f in fails)
+        if high < low:
+            return None
+        mid = (low + high) // 2 // self.granularity * self.granularity
+        tried = {r.size for r in self.results}
+        return mid if low < mid < high and mid not in tried else None
+
+    @property
+    def done(self) -> bool:
+        return self.propose() is None
+
+    @property
+    def result(self) -> TrialResult | None:
+        fits = [r for r in self.results if r.fits and r.samples_per_sec is not None]
+        if not fits:
+            return None
+        if self.mode == "max_fit":
+            return max(fits, key=lambda r: r.size)
+        best = max(r.samples_per_sec for r in fits)  # type: ignore[type-var]
+        close = [r for r in fits if r.samples_per_sec >= best * (1 - self.tolerance)]  # type: ignore[operator]
+        return min(close, key=lambda r: (r.peak_bytes if r.peak_bytes is not None else r.size, r.size))
+
+
+def accumulation_candidates(per_device_batch: int, min_micro_batch: int = 1) -> list[tuple[int, int]]:
+    """(micro-batch, accumulation steps) pairs that keep ``per_device_batch``: halving while it divides evenly.
+
+    Example:
+        >>> accumulation_candidates(256, min_micro_batch=32)
+        [(32, 8), (64, 4), (128, 2), (256, 1)]
+        >>> accumulation_candidates(96)
+        [(3, 32), (6, 16), (12, 8), (24, 4), (48, 2), (96, 1)]
+    """
+    if per_device_batch < 1:
+        raise ValueError(f"the per-device batch must be >= 1, got {per_device_batch}")
+    pairs = []
+    steps = 1
+    while per_device_batch % steps == 0 and per_device_batch // steps >= max(1, min_micro_batch):
+        pairs.append((per_device_batch // steps, steps))
+        steps *= 2
+    return sorted(pairs)
