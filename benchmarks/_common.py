@@ -17,32 +17,49 @@ from lightning.pytorch import Callback, Trainer
 class EventTimer(Callback):
     """Records a CUDA event at every batch start (no host sync); step times are read after ``fit``.
 
-    The same timer runs in every configuration, so its (tiny) cost cancels out of the ratios.
+    The same timer runs in every configuration, so its (tiny) cost cancels out of the ratios. On the CPU (for a
+    smoke test of a script) it reads the host clock instead.
     """
 
     def __init__(self, skip: int) -> None:
         self.skip = skip
-        self.events: list[torch.cuda.Event] = []
+        self.events: list[Any] = []
+
+    def _mark(self) -> None:
+        if torch.cuda.is_available():
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append(event)
+        else:
+            self.events.append(time.perf_counter())
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        self.events.append(event)
+        self._mark()
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        self.events.append(event)
+        self._mark()
 
-    def step_ms(self) -> list[float]:
-        torch.cuda.synchronize()
-        times = [a.elapsed_time(b) for a, b in zip(self.events[:-1], self.events[1:], strict=True)]
-        return times[self.skip :]
+    def batch_ms(self) -> list[float]:
+        """Every batch's time, warm-up included."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.events[:-1], self.events[1:], strict=True)]
+        return [(b - a) * 1e3 for a, b in zip(self.events[:-1], self.events[1:], strict=True)]
+
+    def step_ms(self, accumulate: int = 1) -> list[float]:
+        """Optimizer-step times after the first ``skip`` steps (``accumulate`` batches make one step)."""
+        times = self.batch_ms()
+        steps = [sum(times[i : i + accumulate]) for i in range(0, len(times) - accumulate + 1, accumulate)]
+        return steps[self.skip :]
 
 
-def make_trainer(callbacks: list[Callback], max_steps: int, root: str, precision: str = "bf16-mixed") -> Trainer:
+def make_trainer(
+    callbacks: list[Callback], max_steps: int, root: str, precision: str = "bf16-mixed", **kwargs: Any
+) -> Trainer:
+    if not torch.cuda.is_available():  # a CPU smoke test of the script
+        precision = "32-true"
     return Trainer(
-        accelerator="cuda",
+        accelerator="cuda" if torch.cuda.is_available() else "cpu",
         devices=1,
         precision=precision,  # type: ignore[arg-type]
         max_steps=max_steps,
@@ -54,6 +71,7 @@ def make_trainer(callbacks: list[Callback], max_steps: int, root: str, precision
         enable_model_summary=False,
         limit_val_batches=0,
         default_root_dir=root,
+        **kwargs,
     )
 
 
@@ -72,6 +90,8 @@ def environment() -> dict[str, Any]:
 
 
 def free_memory() -> None:
+    if not torch.cuda.is_available():
+        return
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     host_empty = getattr(torch._C, "_host_emptyCache", None)

@@ -49,3 +49,23 @@ def test_stop_mode_stops_both_ranks(tmp_path):
     assert results[0]["error"] is None and results[1]["error"] is None
     assert results[0]["should_stop"] and results[1]["should_stop"]
     assert results[0]["global_step"] == results[1]["global_step"] <= 2 + 4
+
+
+def test_accumulation_tuner_ranks_agree_on_one_choice_that_fits_everywhere(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["PYTHONWARNINGS"] = "ignore"
+    script = os.path.join(os.path.dirname(__file__), "ddp_tuner_run.py")
+    proc = subprocess.run(
+        [sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path
+    )
+    results = {}
+    for rank in (0, 1):
+        path = tmp_path / f"tuner{rank}.json"
+        assert path.exists(), f"rank {rank} wrote nothing; stderr:\n{proc.stderr[-3000:]}"
+        results[rank] = json.loads(path.read_text())
+    assert results[0] == results[1]
+    r = results[0]
+    # 32 samples per device: micro 4 x 8, 8 x 4, then 16 x 2 does not fit on rank 1, so not for anyone
+    assert r["results"] == [[4, 8, "ok"], [8, 4, "ok"], [16, 2, "spill"]]
+    assert r["batch_size"] in (4, 8) and r["batch_size"] * r["accumulate"] == 32
+    assert r["model_batch_size"] == r["batch_size"] and r["trainer_accumulate"] == r["accumulate"]

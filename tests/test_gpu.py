@@ -128,3 +128,25 @@ def test_checkpointed_resnet_is_bit_identical_on_cuda_fp32():
         return [p.grad for p in model.parameters()] + list(model.buffers())
 
     assert all(torch.equal(a, b) for a, b in zip(train(plain), train(ours), strict=True))
+
+
+def test_batch_size_tuner_on_an_emulated_card_never_picks_a_spilling_size(tmp_path):
+    from lightning_memguard import BatchSizeTuner
+
+    emu = SysmemSpillEmulator(capacity="3GB")  # ResNet50 at batch 64 needs about 3.4 GB
+    tuner = BatchSizeTuner(init_size=16, max_size=256, probe=emu.probe, cache=False)
+    model = ImageClassifier("resnet50", image_size=224, batch_size=8, steps_per_epoch=10, channels_last=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    class Check(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.weights_equal = all(torch.equal(before[k], v) for k, v in pl_module.state_dict().items())
+            self.step = trainer.global_step
+            raise SystemExit  # stop at the first real step; the state there is what matters
+
+    check = Check()
+    with pytest.raises(SystemExit):
+        _trainer(tmp_path, [emu, tuner, check], max_epochs=1).fit(model)
+    assert tuner.batch_size in (16, 32) and model.batch_size == tuner.batch_size
+    assert any(r.outcome == "spill" for r in tuner.results)
+    assert check.weights_equal and check.step == 0

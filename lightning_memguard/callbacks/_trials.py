@@ -123,6 +123,7 @@ class TrialSession:
     def __enter__(self) -> TrialSession:
         t = self.trainer
         path = os.path.join(t.default_root_dir, f".memguard_trials_{uuid.uuid4().hex}.ckpt")
+        path = t.strategy.broadcast(path)  # one file for all ranks: rank zero writes it, every rank reads it
         t.save_checkpoint(path)
         self._saved = {
             "ckpt": path,
@@ -156,6 +157,7 @@ class TrialSession:
         t.fit_loop.load_state_dict(deepcopy(saved["loop_state"]))
         t.fit_loop.restarting = False
         t._checkpoint_connector.restore(saved["ckpt"])
+        t.strategy.barrier("memguard-trials-restored")  # nobody deletes the file while another rank reads it
         t.strategy.remove_checkpoint(saved["ckpt"])
         if saved["progress_bar"] is not None:
             saved["progress_bar"].enable()

@@ -63,6 +63,8 @@ class SysmemSpillEmulator(Callback):
         (1000000, True, True)
     """
 
+    memguard_keep_in_trials = True  # the tuners' trials run on the emulated card too
+
     def __init__(
         self,
         capacity: int | str,
