@@ -183,3 +183,13 @@ def test_detector_reads_on_a_slowdown_then_rests_after_an_ok_reading():
     det._recent.clear()
     assert det.observe_memory(GB).verdict is Verdict.OK
     assert [det.observe_step(0.4, 10) for _ in range(3)] == [False, False, True]
+
+
+def test_detector_reference_settles_on_the_steady_state():
+    det = SpillDetector(16 * GB, warmup_steps=1, reference_steps=3, patience=3, refresh_every=10)
+    for _ in range(4):
+        det.observe_step(0.01, 10)  # the host queues work ahead: the first steps look 10x too fast
+    assert det.reference_rate == pytest.approx(1000.0)
+    wants = [det.observe_step(0.1, 10) for _ in range(30)]  # the real pace
+    assert det.reference_rate == pytest.approx(100.0)
+    assert not any(wants[-10:])  # once settled, no more reads on every slow-looking window

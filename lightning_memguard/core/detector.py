@@ -103,6 +103,8 @@ class SpillDetector:
         collapse: a step this many times slower than the reference counts as collapsed.
         patience: consecutive collapsed steps needed, with memory at capacity, to call a spill.
         read_trigger: a step this many times slower than the reference is reason enough to read memory.
+        refresh_every: after this many steps with nothing suspect, the reference becomes their throughput
+            (the first steps of an asynchronous GPU run look fast on the host while its queue fills up).
 
     Example:
         >>> det = SpillDetector(capacity=16 * 10**9, warmup_steps=1, reference_steps=2)
@@ -128,6 +130,7 @@ class SpillDetector:
         collapse: float = 2.5,
         patience: int = 3,
         read_trigger: float = 1.5,
+        refresh_every: int = 25,
     ) -> None:
         self.capacity = capacity
         self.read_trigger = read_trigger
@@ -142,6 +145,8 @@ class SpillDetector:
         self._recent: deque[float] = deque(maxlen=patience)
         self._window: deque[tuple[float, int]] = deque(maxlen=patience)
         self._quiet = 0  # steps left before a slow window may trigger another read
+        self.refresh_every = refresh_every
+        self._since_refresh: list[tuple[float, int]] = []
 
     def observe_step(self, seconds: float, samples: int) -> bool:
         """Record one step; return True when memory should be read before the next one."""
@@ -155,6 +160,12 @@ class SpillDetector:
                 self.reference_rate = statistics.median(self._reference)
         if self.reference_rate is None or self.steps <= self.warmup_steps + self.reference_steps + self.patience:
             return True
+        self._since_refresh.append((seconds, samples))
+        if len(self._since_refresh) >= self.refresh_every:
+            total = sum(s for s, _ in self._since_refresh)
+            if total > 0:  # the window's own throughput: host-side jitter averages out
+                self.reference_rate = sum(n for _, n in self._since_refresh) / total
+            self._since_refresh = []
         if self._quiet > 0:
             self._quiet -= 1
             return False
@@ -169,6 +180,8 @@ class SpillDetector:
             used_bytes, self.capacity, self.headroom, self.reference_rate, recent, self.collapse, self.patience
         )
         self._quiet = 0 if verdict is not Verdict.OK else self.patience - 1
+        if verdict is not Verdict.OK:
+            self._since_refresh = []  # no new reference from steps that looked suspect
         return SpillReport(
             verdict=verdict,
             reason=reason,
