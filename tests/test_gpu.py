@@ -136,11 +136,11 @@ def test_batch_size_tuner_on_an_emulated_card_never_picks_a_spilling_size(tmp_pa
     emu = SysmemSpillEmulator(capacity="3GB")  # ResNet50 at batch 64 needs about 3.4 GB
     tuner = BatchSizeTuner(init_size=16, max_size=256, probe=emu.probe, cache=False)
     model = ImageClassifier("resnet50", image_size=224, batch_size=8, steps_per_epoch=10, channels_last=True)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     class Check(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.weights_equal = all(torch.equal(before[k], v) for k, v in pl_module.state_dict().items())
+            self.weights_equal = all(torch.equal(before[k], v.cpu()) for k, v in pl_module.state_dict().items())
             self.step = trainer.global_step
             raise SystemExit  # stop at the first real step; the state there is what matters
 

@@ -90,9 +90,9 @@ class SpillDetector:
 
     Feed it every training step's duration and samples with :meth:`observe_step`; it answers whether memory
     should be read now: every step while warming up and measuring the reference, then only when the last
-    ``patience`` steps together run ``read_trigger`` times slower than the reference (host-side step times of an
+    ``read_window`` steps together run ``read_trigger`` times slower than the reference (host-side step times of an
     asynchronous GPU jitter from step to step; their sum over a few steps does not), at most once per ``patience``
-    steps unless the last reading was suspect. Feed the reading to :meth:`observe_memory`. A validation loop, a
+    steps unless the last reading was at the capacity. Feed the reading to :meth:`observe_memory`. A validation loop, a
     checkpoint or a dataloader stall makes one step slow, and one slow step never stops a healthy run.
 
     Args:
@@ -103,6 +103,7 @@ class SpillDetector:
         collapse: a step this many times slower than the reference counts as collapsed.
         patience: consecutive collapsed steps needed, with memory at capacity, to call a spill.
         read_trigger: a step this many times slower than the reference is reason enough to read memory.
+        read_window: steps whose summed time decides whether memory is read.
         refresh_every: after this many steps with nothing suspect, the reference becomes their throughput
             (the first steps of an asynchronous GPU run look fast on the host while its queue fills up).
 
@@ -131,6 +132,7 @@ class SpillDetector:
         patience: int = 3,
         read_trigger: float = 1.5,
         refresh_every: int = 25,
+        read_window: int = 5,
     ) -> None:
         self.capacity = capacity
         self.read_trigger = read_trigger
@@ -143,7 +145,7 @@ class SpillDetector:
         self.reference_rate: float | None = None
         self._reference: list[float] = []
         self._recent: deque[float] = deque(maxlen=patience)
-        self._window: deque[tuple[float, int]] = deque(maxlen=patience)
+        self._window: deque[tuple[float, int]] = deque(maxlen=read_window)
         self._quiet = 0  # steps left before a slow window may trigger another read
         self.refresh_every = refresh_every
         self._since_refresh: list[tuple[float, int]] = []
@@ -179,9 +181,11 @@ class SpillDetector:
         verdict, reason = detect_spill(
             used_bytes, self.capacity, self.headroom, self.reference_rate, recent, self.collapse, self.patience
         )
-        self._quiet = 0 if verdict is not Verdict.OK else self.patience - 1
-        if verdict is not Verdict.OK:
-            self._since_refresh = []  # no new reference from steps that looked suspect
+        if used_bytes >= self.capacity * (1.0 - self.headroom):
+            self._quiet = 0  # memory at the capacity: look at every step until it is decided
+            self._since_refresh = []  # and take no new reference from these steps
+        else:
+            self._quiet = self.patience - 1  # slow steps far below the capacity are stalls, not a spill
         return SpillReport(
             verdict=verdict,
             reason=reason,
