@@ -13,44 +13,7 @@ import lightning
 import torch
 from lightning.pytorch import Callback, Trainer
 
-
-class EventTimer(Callback):
-    """Records a CUDA event at every batch start (no host sync); step times are read after ``fit``.
-
-    The same timer runs in every configuration, so its (tiny) cost cancels out of the ratios. On the CPU (for a
-    smoke test of a script) it reads the host clock instead.
-    """
-
-    def __init__(self, skip: int) -> None:
-        self.skip = skip
-        self.events: list[Any] = []
-
-    def _mark(self) -> None:
-        if torch.cuda.is_available():
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.events.append(event)
-        else:
-            self.events.append(time.perf_counter())
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._mark()
-
-    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
-        self._mark()
-
-    def batch_ms(self) -> list[float]:
-        """Every batch's time, warm-up included."""
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) for a, b in zip(self.events[:-1], self.events[1:], strict=True)]
-        return [(b - a) * 1e3 for a, b in zip(self.events[:-1], self.events[1:], strict=True)]
-
-    def step_ms(self, accumulate: int = 1) -> list[float]:
-        """Optimizer-step times after the first ``skip`` steps (``accumulate`` batches make one step)."""
-        times = self.batch_ms()
-        steps = [sum(times[i : i + accumulate]) for i in range(0, len(times) - accumulate + 1, accumulate)]
-        return steps[self.skip :]
+from lightning_memguard.testing import StepTimer as EventTimer  # noqa: F401  (the scripts' timer)
 
 
 def make_trainer(

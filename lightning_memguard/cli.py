@@ -1,16 +1,33 @@
-"""The ``memguard`` command."""
+"""The ``memguard`` command: demo, doctor, sweep and plan."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
+
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
+
+
+class UsageError(Exception):
+    """Bad input: reported on one line with exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, exit code 2, no usage dump
         self.exit(2, f"memguard: error: {message}\n")
+
+
+def _model_args(p: argparse.ArgumentParser, default_image: int = 224) -> None:
+    p.add_argument("--model", default="resnet50", help="any torchvision classification model name")
+    p.add_argument("--image-size", type=int, default=default_image)
+    p.add_argument("--precision", choices=PRECISIONS, default=None, help="default: bf16-mixed on CUDA, else 32-true")
+    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--emulate-capacity", default=None, help="run on an emulated card with sysmem fallback: '16GB'")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,19 +37,213 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     demo.add_argument("--epochs", type=int, default=None)
     demo.add_argument("--out", default="demo_logs", help="folder for the CSV logs")
+
+    doctor = sub.add_parser("doctor", help="this machine's risk of the silent sysmem spill")
+    doctor.add_argument("--probe", action="store_true", help="try to allocate more GPU memory than is free")
+    doctor.add_argument("--json", action="store_true")
+
+    sweep = sub.add_parser("sweep", help="step time, peak memory and throughput per batch size, as a table and a plot")
+    _model_args(sweep)
+    sweep.add_argument("--batch-sizes", default="32,64,128,256")
+    sweep.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
+    sweep.add_argument("--accumulate", type=int, default=1)
+    sweep.add_argument("--steps", type=int, default=8, help="timed optimizer steps per batch size")
+    sweep.add_argument("--out", default="memguard-sweep", help="folder for sweep.csv and sweep.png")
+
+    plan = sub.add_parser("plan", help="measure micro-batch x accumulation for an effective batch; print the choice")
+    _model_args(plan)
+    plan.add_argument("--effective-batch", type=int, required=True)
+    plan.add_argument("--min-micro-batch", type=int, default=8)
     return parser
+
+
+def _positive(name: str, value: int) -> int:
+    if value < 1:
+        raise UsageError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _check_model(name: str) -> None:
+    import torchvision
+
+    if name not in torchvision.models.list_models(module=torchvision.models):
+        raise UsageError(f"unknown model {name!r}: use a torchvision classification model such as resnet50")
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"--batch-sizes must be integers separated by commas, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise UsageError(f"--batch-sizes must be integers >= 1, got {text!r}")
+    return tuple(sorted(set(sizes)))
+
+
+def _writable(folder: str) -> str:
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, ".memguard-write-test")
+        with open(probe, "w") as f:
+            f.write("")
+        os.remove(probe)
+    except OSError as err:
+        raise UsageError(f"cannot write to {folder!r}: {err.strerror or err}") from None
+    return folder
+
+
+def _capacity(text: str | None) -> int | None:
+    if text is None:
+        return None
+    from lightning_memguard.core.units import parse_bytes
+
+    try:
+        return parse_bytes(text, "--emulate-capacity")
+    except ValueError as err:
+        raise UsageError(str(err).replace("`", "")) from None
+
+
+def _precision(arg: str | None, device: str) -> str:
+    import torch
+
+    cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda, but no CUDA GPU is available")
+    return arg or ("bf16-mixed" if cuda else "32-true")
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from lightning_memguard.doctor import collect, format_report
+
+    info = collect(probe=args.probe)
+    print(json.dumps(info, indent=2) if args.json else format_report(info))
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    _check_model(args.model)
+    sizes = _batch_sizes(args.batch_sizes)
+    _positive("--image-size", args.image_size)
+    _positive("--accumulate", args.accumulate)
+    _positive("--steps", args.steps)
+    capacity = _capacity(args.emulate_capacity)
+    precision = _precision(args.precision, args.device)
+    out = _writable(args.out)
+
+    import torch
+    from tqdm import tqdm
+
+    from lightning_memguard.core.report import format_sweep_table
+    from lightning_memguard.sweep import SweepConfig, default_root, plot, run_one, sweep_title, write_csv
+
+    cfg = SweepConfig(args.model, sizes, args.image_size, precision, args.channels_last, args.checkpoint,
+                      args.accumulate, args.steps, 3, capacity, args.device)  # fmt: skip
+    rows, capacity_gb = [], 0.0
+    for batch in tqdm(sizes, desc="memguard sweep", unit="batch size", file=sys.stderr):
+        row, capacity_gb = run_one(cfg, batch, default_root(out))
+        rows.append(row)
+    print(format_sweep_table(rows, capacity_gb))
+    write_csv(rows, os.path.join(out, "sweep.csv"))
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    device = torch.cuda.get_device_name() if cuda else "the CPU"
+    png = os.path.join(out, "sweep.png")
+    if plot(rows, capacity_gb, png, sweep_title(cfg, device)):
+        print(f"wrote {os.path.join(out, 'sweep.csv')} and {png}")
+    else:
+        print(f"wrote {os.path.join(out, 'sweep.csv')} (install matplotlib for the plot)")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    _check_model(args.model)
+    _positive("--effective-batch", args.effective_batch)
+    _positive("--min-micro-batch", args.min_micro_batch)
+    _positive("--image-size", args.image_size)
+    capacity = _capacity(args.emulate_capacity)
+    precision = _precision(args.precision, args.device)
+
+    import tempfile
+    import warnings
+
+    import torch
+    from lightning.pytorch import Callback, Trainer
+
+    from lightning_memguard.callbacks import AccumulationTuner
+    from lightning_memguard.testing import ImageClassifier, SysmemSpillEmulator
+
+    class _Measured(Exception):
+        pass
+
+    class StopBeforeTraining(Callback):
+        def on_train_batch_start(self, *args: object) -> None:
+            raise _Measured
+
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    emu = SysmemSpillEmulator(capacity=capacity) if capacity else None
+    tuner = AccumulationTuner(args.effective_batch, min_micro_batch=args.min_micro_batch, allow_checkpointing=True,
+                              probe=emu.probe if emu is not None else None, cache=False)  # fmt: skip
+    model = ImageClassifier(args.model, num_classes=1000, image_size=args.image_size, batch_size=args.effective_batch,
+                            steps_per_epoch=64, channels_last=args.channels_last)  # fmt: skip
+    callbacks: list[Callback] = [c for c in (emu, tuner, StopBeforeTraining()) if c is not None]
+    trainer = Trainer(
+        accelerator="cuda" if cuda else "cpu", devices=1, precision=precision,  # type: ignore[arg-type]
+        max_epochs=1, callbacks=callbacks, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+        enable_model_summary=False, limit_val_batches=0, default_root_dir=tempfile.mkdtemp(),
+    )  # fmt: skip
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model)
+    except _Measured:
+        pass
+    except RuntimeError as err:
+        print(f"memguard: {err}", file=sys.stderr)
+        return 1
+    (chosen,) = [r for r in tuner.results if r.size == tuner.batch_size and r.fits][-1:]
+    extra = ", with activation checkpointing" if tuner.checkpointing else ""
+    print(f"effective batch {args.effective_batch}: micro-batch {tuner.batch_size} x accumulate_grad_batches "
+          f"{tuner.accumulate_grad_batches}{extra}")  # fmt: skip
+    print(f"expected: {chosen.samples_per_sec:.1f} samples/s, peak {(chosen.peak_bytes or 0) / 1e9:.2f} GB")
+    print("measured:")
+    for r in tuner.results:
+        print(f"  {r.size:>5} x {r.accumulate:<3} {r.outcome:<13} {r.samples_per_sec or 0:>10.1f} samples/s"
+              f"  peak {(r.peak_bytes or 0) / 1e9:.2f} GB")  # fmt: skip
+    print("paste:")
+    print(f"  model.batch_size = {tuner.batch_size}")
+    lines = f"Trainer(accumulate_grad_batches={tuner.accumulate_grad_batches}, callbacks=[MemGuard()"
+    lines += ", ActivationCheckpointing()])" if tuner.checkpointing else "])"
+    print(f"  {lines}")
+    return 0
+
+
+def _quiet_lightning() -> None:
+    """Sweep and plan run many short Trainers: keep Lightning's per-run messages off the screen."""
+    import logging
+
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_memguard"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        if args.epochs is not None and args.epochs < 1:
-            print(f"memguard: error: --epochs must be >= 1, got {args.epochs}", file=sys.stderr)
-            return 2
-        from lightning_memguard.demo import run_demo
+    if args.command in ("sweep", "plan"):
+        _quiet_lightning()
+    try:
+        if args.command == "demo":
+            if args.epochs is not None:
+                _positive("--epochs", args.epochs)
+            from lightning_memguard.demo import run_demo
 
-        run_demo(args.device, args.epochs, args.out)
-    return 0
+            run_demo(args.device, args.epochs, args.out)
+            return 0
+        if args.command == "doctor":
+            return _doctor(args)
+        if args.command == "sweep":
+            return _sweep(args)
+        return _plan(args)
+    except UsageError as err:
+        print(f"memguard: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -86,3 +86,22 @@ def test_nvml_counts_other_processes(monkeypatch):
         warnings.simplefilter("error")
         assert probe.read().other_processes == 2 * 10**9
     assert probe._handle == ("handle", "00000000:01:00.0")
+
+
+def test_overallocation_probe_reads_oom_as_no_fallback(monkeypatch):
+    """CPU twin of the preflight: a normal driver refuses more than is free; a spilling one does not."""
+    _fake_cuda(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * 2**30, 16 * 2**30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    asked = []
+    real_empty = torch.empty
+
+    def refusing(size, dtype=None, device=None):
+        asked.append(size)
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch, "empty", refusing)
+    assert CudaProbe(0).overallocation_succeeds() is False
+    assert asked == [10 * 2**30 + 256 * 2**20]
+    monkeypatch.setattr(torch, "empty", lambda size, dtype=None, device=None: real_empty(1))
+    assert CudaProbe(0).overallocation_succeeds() is True

@@ -35,3 +35,42 @@ def format_epoch_table(records: Sequence[EpochRecord]) -> str:
         memory = f"{r.peak_allocated_gb:.2f} / {r.capacity_gb:.2f}"
         lines.append(f"{r.epoch:>5}  {r.step_ms:>7.1f}  {memory:>21}  {r.samples_per_sec:>9.1f}")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """One batch size of a sweep: the write-up's table row, with what happened."""
+
+    batch: int
+    step_ms: float | None
+    peak_gb: float | None
+    samples_per_sec: float | None
+    status: str  # "ok" | "spill" | "oom"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def format_sweep_table(rows: Sequence[SweepRow], capacity_gb: float | None = None) -> str:
+    """Batch, step time, peak memory, throughput and status, one line per batch size.
+
+    Example:
+        >>> rows = [SweepRow(256, 234.0, 10.9, 1094.0, "ok"), SweepRow(448, None, None, None, "oom")]
+        >>> print(format_sweep_table(rows))
+        batch    step ms    peak GB    samples/s  status
+          256      234.0      10.90       1094.0  ok
+          448          -          -            -  oom
+    """
+
+    def cell(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    lines = [f"{'batch':>5}  {'step ms':>9}  {'peak GB':>9}  {'samples/s':>11}  status"]
+    for r in rows:
+        lines.append(
+            f"{r.batch:>5}  {cell(r.step_ms, '.1f'):>9}  {cell(r.peak_gb, '.2f'):>9}  "
+            f"{cell(r.samples_per_sec, '.1f'):>11}  {r.status}"
+        )
+    if capacity_gb is not None:
+        lines.append(f"capacity: {capacity_gb:.2f} GB")
+    return "\n".join(lines)

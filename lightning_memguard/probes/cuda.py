@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -89,6 +90,34 @@ class CudaProbe:
             own = torch.cuda.memory_reserved(self.index) if own_reserved is None else own_reserved
             used.pop(min(used, key=lambda pid: abs(used[pid] - own)))
         return sum(used.values())
+
+    def overallocation_succeeds(self, extra: int = 256 * 2**20) -> bool:
+        """Try to allocate ``extra`` bytes more than the device has free; True means the driver spills (fallback on).
+
+        A plain device allocation (never managed memory): on a normal driver it fails at once with out-of-memory.
+        """
+        free, _total = torch.cuda.mem_get_info(self.index)
+        try:
+            block = torch.empty(free + extra, dtype=torch.uint8, device=torch.device("cuda", self.index))
+        except torch.OutOfMemoryError:
+            return False
+        else:
+            del block
+            return True
+        finally:
+            torch.cuda.empty_cache()
+
+    def pcie_link(self) -> dict[str, int | None]:
+        """Current PCIe generation and width from NVML (None where unavailable)."""
+        handle = self._nvml_handle()
+        link: dict[str, int | None] = {"generation": None, "width": None}
+        if handle is None:
+            return link
+        names = {"generation": "nvmlDeviceGetCurrPcieLinkGeneration", "width": "nvmlDeviceGetCurrPcieLinkWidth"}
+        for key, fn in names.items():
+            with contextlib.suppress(Exception):  # an optional detail
+                link[key] = int(getattr(self._nvml, fn)(handle))
+        return link
 
     def driver_info(self) -> dict[str, Any]:
         """Driver version and driver model (WDDM / TCC / MCDM, or None where NVML does not say, as on Linux)."""

@@ -1,0 +1,136 @@
+"""`memguard sweep`: the write-up's table on this machine, one short training run per batch size."""
+
+from __future__ import annotations
+
+import csv
+import os
+import statistics
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from lightning.pytorch import Callback, Trainer
+
+from lightning_memguard.callbacks import MemGuard
+from lightning_memguard.core.report import SweepRow
+from lightning_memguard.testing import ImageClassifier, StepTimer, SysmemSpillEmulator
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    model: str = "resnet50"
+    batch_sizes: tuple[int, ...] = (32, 64, 128, 256)
+    image_size: int = 224
+    precision: str = "bf16-mixed"
+    channels_last: bool = False
+    checkpoint: bool = False
+    accumulate: int = 1
+    steps: int = 8
+    warmup: int = 3
+    emulate_capacity: int | None = None
+    device: str = "auto"
+
+
+def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
+    """Train ``warmup + steps`` optimizer steps at ``batch``; return its row and the capacity in GB."""
+    cuda = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "cuda"
+    steps = cfg.warmup + cfg.steps
+    model = ImageClassifier(
+        cfg.model, num_classes=1000, image_size=cfg.image_size, batch_size=batch,
+        steps_per_epoch=steps * cfg.accumulate + 1, channels_last=cfg.channels_last, pool_size=max(64, batch),
+    )  # fmt: skip
+    if cfg.checkpoint:
+        from lightning_memguard.checkpointing import checkpoint_blocks
+
+        checkpoint_blocks(model.net)
+    emu = SysmemSpillEmulator(capacity=cfg.emulate_capacity) if cfg.emulate_capacity else None
+    guard = MemGuard(probe=emu.probe if emu is not None else None, on_spill="warn", warmup_steps=1, reference_steps=2)
+    timer = StepTimer(skip=cfg.warmup)
+    callbacks: list[Callback] = [c for c in (emu, guard, timer) if c is not None]
+    trainer = Trainer(
+        accelerator="cuda" if cuda else "cpu", devices=1, precision=cfg.precision,  # type: ignore[arg-type]
+        max_steps=steps, max_epochs=1, accumulate_grad_batches=cfg.accumulate, callbacks=callbacks, logger=False,
+        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
+        default_root_dir=root,
+    )  # fmt: skip
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model)
+    except torch.OutOfMemoryError:
+        capacity = guard.capacity or (guard._detector.capacity if guard._detector else 0)
+        return SweepRow(batch, None, None, None, "oom"), capacity / 1e9
+    finally:
+        if cuda:
+            torch.cuda.empty_cache()
+    times = timer.step_ms(cfg.accumulate)
+    step_ms = statistics.median(times) if times else None
+    record = guard.epochs[-1]
+    spilled = guard.spill is not None or (emu is not None and emu.total_spilled_bytes > 0)
+    rate = batch * cfg.accumulate / step_ms * 1e3 if step_ms else None
+    row = SweepRow(batch, step_ms, record.peak_allocated_gb, rate, "spill" if spilled else "ok")
+    return row, record.capacity_gb
+
+
+def write_csv(rows: Sequence[SweepRow], path: str) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(SweepRow.__dataclass_fields__))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(row.to_dict())
+
+
+def plot(rows: Sequence[SweepRow], capacity_gb: float, path: str, title: str) -> bool:
+    """Throughput and peak memory against batch size, the capacity as a line, the cliff marked. False without
+    matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in rows if r.samples_per_sec is not None]
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    ax.plot([r.batch for r in ran], [r.samples_per_sec or 0.0 for r in ran], "o-", color="tab:blue", label="samples/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([r.batch for r in rows], labels=[str(r.batch) for r in rows])
+    ax.minorticks_off()
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("samples/s", color="tab:blue")
+    mem = ax.twinx()
+    mem.plot([r.batch for r in ran], [r.peak_gb or 0.0 for r in ran], "s--", color="tab:orange", label="peak memory")
+    mem.axhline(capacity_gb, color="tab:red", linewidth=1, label=f"capacity {capacity_gb:.1f} GB")
+    mem.set_ylabel("peak memory (GB)", color="tab:orange")
+    bad = [r for r in rows if r.status != "ok"]
+    if bad:
+        ax.axvspan(min(r.batch for r in bad) / 1.2, max(r.batch for r in rows) * 1.2, color="tab:red", alpha=0.08)
+        ax.annotate("cliff: " + bad[0].status, (bad[0].batch, max(r.samples_per_sec or 0 for r in ran) * 0.95),
+                    color="tab:red", fontsize=9)  # fmt: skip
+    handles = ax.get_legend_handles_labels()[0] + mem.get_legend_handles_labels()[0]
+    ax.legend(handles, [str(h.get_label()) for h in handles], fontsize=8, loc="upper left")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def sweep_title(cfg: SweepConfig, device: str) -> str:
+    extras = [cfg.precision]
+    if cfg.channels_last:
+        extras.append("channels_last")
+    if cfg.checkpoint:
+        extras.append("checkpointed")
+    if cfg.accumulate > 1:
+        extras.append(f"x{cfg.accumulate} accumulation")
+    if cfg.emulate_capacity:
+        extras.append(f"emulated {cfg.emulate_capacity / 1e9:.3g} GB card with sysmem fallback")
+    return f"{cfg.model} on {device}: " + ", ".join(extras)
+
+
+def default_root(out_dir: str) -> str:
+    root = os.path.join(out_dir, ".runs")
+    os.makedirs(root, exist_ok=True)
+    return root
