@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memguard.callbacks._agreement import StopVote
+from lightning_memguard.core.checks import check_fraction, check_int
 from lightning_memguard.core.detector import (
     FIXES,
     SpillDetector,
@@ -38,14 +39,6 @@ _LOGGED = {
     "memguard/samples_per_sec": "sum",
     "memguard/step_ms": "max",
 }
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be >= {minimum}, got {value!r}")
-    return value
 
 
 class MemGuard(Callback):
@@ -114,10 +107,7 @@ class MemGuard(Callback):
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.capacity = None if capacity is None else parse_bytes(capacity, "capacity")
-        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)):
-            raise TypeError(f"`headroom` must be a float, got {headroom!r}")
-        if not 0 <= headroom < 1:
-            raise ValueError(f"`headroom` must be in [0, 1), got {headroom!r}")
+        self.headroom = check_fraction("headroom", headroom)
         if on_spill not in _ON_SPILL:
             raise ValueError(f"`on_spill` must be one of {_ON_SPILL}, got {on_spill!r}")
         if not isinstance(prevent, bool):
@@ -130,14 +120,13 @@ class MemGuard(Callback):
             raise ValueError(f"`collapse` must be a number > 1, got {collapse!r}")
         if not callable(clock):
             raise TypeError(f"`clock` must be callable, got {clock!r}")
-        self.headroom = float(headroom)
         self.on_spill = on_spill
         self.prevent = prevent
         self.preflight = preflight
-        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
-        self.reference_steps = _check_int("reference_steps", reference_steps, 1)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self.reference_steps = check_int("reference_steps", reference_steps, 1)
         self.collapse = float(collapse)
-        self.read_every = _check_int("read_every", read_every, 1)
+        self.read_every = check_int("read_every", read_every, 1)
         self._user_probe = probe
         self._clock = clock
 

@@ -18,6 +18,7 @@ from lightning_memguard.callbacks._trials import (
     reload_train_dataloader,
     set_batch_size,
 )
+from lightning_memguard.core.checks import check_fraction, check_int
 from lightning_memguard.core.search import (
     MODES,
     OK,
@@ -33,14 +34,6 @@ from lightning_memguard.core.units import parse_bytes
 from lightning_memguard.probes import MemoryProbe, probe_for
 
 _SEVERITY = (OK, OVER_HEADROOM, SPILL, OOM)  # the worst outcome on any rank is everyone's
-
-
-def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be >= {minimum}, got {value!r}")
-    return value
 
 
 class _MeasuringTuner(Callback):
@@ -61,22 +54,17 @@ class _MeasuringTuner(Callback):
         cache_dir: str | None,
     ) -> None:
         self.capacity = None if capacity is None else parse_bytes(capacity, "capacity")
-        if isinstance(headroom, bool) or not isinstance(headroom, int | float) or not 0 <= headroom < 1:
-            raise ValueError(f"`headroom` must be in [0, 1), got {headroom!r}")
         if probe is not None and not isinstance(probe, MemoryProbe):
             raise TypeError(f"`probe` must have capacity(), reset_peak() and read() methods, got {probe!r}")
         if not isinstance(batch_arg_name, str) or not batch_arg_name:
             raise ValueError(f"`batch_arg_name` must be a non-empty string, got {batch_arg_name!r}")
-        for name, value in (("min_gain", min_gain), ("tolerance", tolerance)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
-                raise ValueError(f"`{name}` must be in [0, 1), got {value!r}")
-        self.headroom = float(headroom)
+        self.headroom = check_fraction("headroom", headroom)
         self.probe = probe
         self.batch_arg_name = batch_arg_name
-        self.warmup_steps = _positive_int("warmup_steps", warmup_steps, 0)
-        self.timed_steps = _positive_int("timed_steps", timed_steps, 1)
-        self.min_gain = float(min_gain)
-        self.tolerance = float(tolerance)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self.timed_steps = check_int("timed_steps", timed_steps, 1)
+        self.min_gain = check_fraction("min_gain", min_gain)
+        self.tolerance = check_fraction("tolerance", tolerance)
         self.cache = bool(cache)
         self.cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "lightning-memguard")
         # learned
@@ -283,8 +271,8 @@ class BatchSizeTuner(_MeasuringTuner):
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
         self.mode = mode
-        self.init_size = _positive_int("init_size", init_size)
-        self.max_size = _positive_int("max_size", max_size, self.init_size)
+        self.init_size = check_int("init_size", init_size, 1)
+        self.max_size = check_int("max_size", max_size, self.init_size)
         super().__init__(
             capacity=capacity, headroom=headroom, probe=probe, batch_arg_name=batch_arg_name,
             warmup_steps=warmup_steps, timed_steps=timed_steps, min_gain=min_gain, tolerance=tolerance,
@@ -355,8 +343,8 @@ class AccumulationTuner(_MeasuringTuner):
         cache: bool = True,
         cache_dir: str | None = None,
     ) -> None:
-        self.effective_batch_size = _positive_int("effective_batch_size", effective_batch_size)
-        self.min_micro_batch = _positive_int("min_micro_batch", min_micro_batch)
+        self.effective_batch_size = check_int("effective_batch_size", effective_batch_size, 1)
+        self.min_micro_batch = check_int("min_micro_batch", min_micro_batch, 1)
         if not isinstance(allow_checkpointing, bool):
             raise TypeError(f"`allow_checkpointing` must be a bool, got {allow_checkpointing!r}")
         self.allow_checkpointing = allow_checkpointing
