@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
@@ -216,18 +218,27 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _quiet_lightning() -> None:
-    """Sweep and plan run many short Trainers: keep Lightning's per-run messages off the screen."""
-    import logging
-
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning_memguard"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+@contextlib.contextmanager
+def _quiet_lightning(quiet: bool) -> Iterator[None]:
+    """Sweep and plan run many short Trainers: keep Lightning's per-run messages off the screen meanwhile."""
+    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric")] if quiet else []
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("sweep", "plan"):
-        _quiet_lightning()
+    with _quiet_lightning(args.command in ("sweep", "plan")):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "demo":
             if args.epochs is not None:
