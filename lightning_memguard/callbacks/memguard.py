@@ -226,8 +226,11 @@ class MemGuard(Callback):
                 key, value, on_step=False, on_epoch=True, sync_dist=sync, reduce_fx=_LOGGED[key], batch_size=1
             )
         # the progress bar: epoch figures, so that no step pays for logging
-        bar = {"peak/cap": round(record.peak_allocated_gb / record.capacity_gb, 3), "samples/s": record.samples_per_sec}
-        pl_module.log_dict(bar, on_step=False, on_epoch=True, prog_bar=True, logger=False, batch_size=1)
+        bar = {"peak/cap": (round(record.peak_allocated_gb / record.capacity_gb, 3), "max"),
+               "samples/s": (record.samples_per_sec, "sum")}  # fmt: skip
+        for key, (value, reduce_fx) in bar.items():
+            pl_module.log(key, value, on_step=False, on_epoch=True, prog_bar=True, logger=False, batch_size=1,
+                          sync_dist=sync, reduce_fx=reduce_fx)  # fmt: skip
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.epochs:
