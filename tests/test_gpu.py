@@ -152,3 +152,12 @@ def test_batch_size_tuner_on_an_emulated_card_never_picks_a_spilling_size(tmp_pa
     assert any(r.outcome == "spill" for r in tuner.results)
     assert all(r.size < 64 for r in tuner.results if r.fits)
     assert check.weights_equal and check.step == 0
+
+
+def test_preflight_on_a_linux_driver_finds_no_fallback(tmp_path):
+    """A normal driver refuses more than the free memory at once: no fallback here (twin: test_probes.py)."""
+    assert CudaProbe(0).overallocation_succeeds() is False
+    guard = MemGuard(preflight=True)
+    model = ImageClassifier("resnet18", image_size=64, batch_size=16, steps_per_epoch=3)
+    _trainer(tmp_path, [guard], max_epochs=1).fit(model)
+    assert guard.fallback_enabled is False

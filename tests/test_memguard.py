@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 from conftest import StepClock, TinyModel, trainer_kwargs
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_memguard import MemGuard
+from lightning_memguard import MemGuard, SysmemSpillError
 from lightning_memguard.probes import CpuProbe
 
 KEYS = (
@@ -197,3 +197,19 @@ def test_epoch_without_timed_steps_logs_nan_not_garbage(tmp_path, fake_probe):
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, limit_train_batches=0, callbacks=[guard]))
     trainer.fit(TinyModel())
     assert guard.epochs == [] or math.isnan(guard.epochs[0].step_ms)
+
+
+def test_a_spill_in_the_last_steps_of_an_epoch_is_not_lost(tmp_path, fake_probe):
+    class SpillAtTheEnd(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.current_epoch == 0 and batch_idx == 7:  # the epoch's last batch: no regular read follows
+                fake_probe.peak = 17 * 10**9
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            fake_probe.peak = 10**9  # a new epoch resets the peak
+
+    guard = MemGuard(probe=fake_probe, clock=StepClock(0.1), read_every=100, warmup_steps=0, reference_steps=1)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=3, callbacks=[SpillAtTheEnd(), guard]))
+    with pytest.raises(SysmemSpillError, match="peak 17.00 GB against 16.00 GB"):
+        trainer.fit(TinyModel(batch_size=8, n=64))
+    assert trainer.current_epoch == 1 and trainer.global_step == 8  # stopped at the next epoch's first batch

@@ -200,6 +200,10 @@ class MemGuard(Callback):
         self._close_step_early()
         probe = self._require_probe()
         reading = probe.read()
+        if self._detector is not None and self.spill is None:  # the epoch's last steps, before the peak is reset
+            report = self._detector.observe_memory(self._used(reading))
+            if report.verdict is Verdict.SPILL:
+                self._on_spill_detected(replace(report, step=trainer.global_step), trainer)
         stats = summarize_steps(self._durations, self._samples)
         if stats is None and self._open_steps:
             stats = summarize_steps([d for d, _ in self._open_steps], [n for _, n in self._open_steps])
