@@ -182,7 +182,8 @@ class TrialSession:
         t.limit_train_batches = steps * accumulate
         _reset_progress(t)
         reload_train_dataloader(t)
-        garbage_collection_cuda()
+        if cuda:  # the last trial's cached blocks would count as this one's reserved peak
+            torch.cuda.empty_cache()  # (a full garbage collection runs only after a failed trial and at the end)
         self.probe.reset_peak()
         try:
             t.fit_loop.run()
