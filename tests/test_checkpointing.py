@@ -223,3 +223,14 @@ def test_budget_mode_on_a_checkpointed_model_is_a_noop_with_warning():
     with pytest.warns(UserWarning, match="already checkpointed; applying twice changes nothing"):
         plan = checkpoint_resnet(model, memory_budget=0.7, example_input=torch.randn(2, 3, 32, 32))
     assert plan.blocks == [] and sum(is_checkpointed(m) for m in model.modules()) == 8
+
+
+def test_blocks_are_given_back_while_the_measured_peak_still_fits(monkeypatch):
+    """A cautious prediction must not cost throughput: the plan keeps only blocks the budget needs."""
+    import lightning_memguard.checkpointing.plan as plan_mod
+
+    # the most cautious planner possible: it picks every block
+    monkeypatch.setattr(plan_mod, "choose_blocks", lambda profiles, baseline, budget: (list(profiles), baseline))
+    x = torch.randn(8, 3, 64, 64)
+    plan = checkpoint_resnet(torchvision.models.resnet18(num_classes=10), memory_budget=0.9, example_input=x)
+    assert plan.held and 0 < len(plan.blocks) < 8

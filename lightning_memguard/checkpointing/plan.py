@@ -17,6 +17,7 @@ from lightning_memguard.checkpointing.wrap import (
     find_units,
     is_checkpointed,
     preserved_state,
+    remove_checkpointing,
 )
 from lightning_memguard.core.checkpoint_plan import BlockProfile, choose_blocks, predict_peak
 from lightning_memguard.core.units import parse_bytes
@@ -193,7 +194,8 @@ def checkpoint_blocks(
     Without a budget, every block is checkpointed. With ``memory_budget`` (a fraction in (0, 1] of the
     un-checkpointed peak, or bytes such as ``"6GB"``), each block's saved activations and forward time are measured
     on ``example_input``, the blocks that save the most memory per millisecond of recomputation are checkpointed
-    until the predicted peak fits, and the peak is then measured (more blocks are added if it does not fit).
+    until the predicted peak fits, and the peak is then measured: more blocks are added if it does not fit, and
+    blocks are given back, least valuable first, while it still fits.
 
     Args:
         model: the model, changed in place.
@@ -246,6 +248,15 @@ def checkpoint_blocks(
             chosen.append(nxt)
             apply_checkpointing([(nxt.name, modules[nxt.name])], bn_correct)
             measured = meter.peak()
+        if measured <= budget:  # the prediction was cautious: give back the least valuable blocks that fit without
+            for block in sorted(chosen, key=lambda p: p.saving / max(p.forward_ms, 1e-6)):
+                remove_checkpointing(modules[block.name])
+                trial = meter.peak()
+                if trial <= budget:
+                    chosen.remove(block)
+                    measured = trial
+                else:
+                    apply_checkpointing([(block.name, modules[block.name])], bn_correct)
     names = {p.name for p in chosen}
     plan = CheckpointPlan(
         blocks=[n for n, _ in found if n in names],
