@@ -1,0 +1,31 @@
+"""Checkpoint a torchvision ResNet to a memory budget without Lightning, and print the plan.
+
+python examples/checkpoint_budget.py --budget 0.6
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torchvision
+
+from lightning_memguard import checkpoint_resnet
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budget", type=float, default=0.6, help="fraction of the un-checkpointed peak")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    model = torchvision.models.resnet50(num_classes=1000).to(device)
+    batch = torch.randn(64 if cuda else 4, 3, 224 if cuda else 64, 224 if cuda else 64, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+        plan = checkpoint_resnet(model, memory_budget=args.budget, example_input=batch)
+    print(plan.summary())
+    print("blocks:", ", ".join(plan.blocks))
+
+
+if __name__ == "__main__":
+    main()

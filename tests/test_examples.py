@@ -1,0 +1,39 @@
+"""The examples run (on the CPU here) and say what they promise."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def _run(name: str, *args: str, cwd: str) -> str:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, name), *args], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=cwd)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_spill_example_stops_the_run(tmp_path):
+    out = _run("spill_stopped.py", cwd=tmp_path)
+    assert "stopped at step" in out and "spilling into system RAM" in out
+
+
+def test_spill_example_without_a_spill(tmp_path):
+    assert "no spill: batch 16 fits in 10GB" in _run("spill_stopped.py", "--capacity", "10GB", cwd=tmp_path)
+
+
+def test_tune_accumulation_example(tmp_path):
+    out = _run("tune_accumulation.py", "--effective-batch", "16", cwd=tmp_path)
+    assert "chose micro-batch" in out and "x accumulate_grad_batches" in out
+
+
+@pytest.mark.parametrize("budget", ["0.7"])
+def test_checkpoint_budget_example(budget, tmp_path):
+    out = _run("checkpoint_budget.py", "--budget", budget, cwd=tmp_path)
+    assert "checkpointed" in out and "blocks:" in out
