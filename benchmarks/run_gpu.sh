@@ -17,3 +17,6 @@ TAIL=9 run timeout 90 python3 -m lightning_memguard.cli sweep --model resnet50 -
     --precision bf16-mixed --channels-last --out "$out/sweep"
 TAIL=9 run timeout 120 python3 -m lightning_memguard.cli sweep --model resnet50 --batch-sizes 64,128,256,384,512,1024 \
     --precision bf16-mixed --channels-last --emulate-capacity 16GB --out "$out/sweep16"
+# the device tool brings back at most 8 files: pack the sweeps
+tar czf "$out/sweeps.tgz" -C "$out" sweep sweep16 && rm -r "$out/sweep" "$out/sweep16"
+ls -la "$out"

@@ -141,8 +141,9 @@ def _sweep(args: argparse.Namespace) -> int:
     cfg = SweepConfig(args.model, sizes, args.image_size, precision, args.channels_last, args.checkpoint,
                       args.accumulate, args.steps, 3, capacity, args.device)  # fmt: skip
     rows, capacity_gb = [], 0.0
+    root = default_root()
     for batch in tqdm(sizes, desc="memguard sweep", unit="batch size", file=sys.stderr):
-        row, capacity_gb = run_one(cfg, batch, default_root(out))
+        row, capacity_gb = run_one(cfg, batch, root)
         rows.append(row)
     print(format_sweep_table(rows, capacity_gb))
     write_csv(rows, os.path.join(out, "sweep.csv"))

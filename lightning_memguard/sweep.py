@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import csv
-import os
 import statistics
+import tempfile
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -130,7 +130,6 @@ def sweep_title(cfg: SweepConfig, device: str) -> str:
     return f"{cfg.model} on {device}: " + ", ".join(extras)
 
 
-def default_root(out_dir: str) -> str:
-    root = os.path.join(out_dir, ".runs")
-    os.makedirs(root, exist_ok=True)
-    return root
+def default_root() -> str:
+    """Where the sweep's Trainers keep their (unused) run folders: a temporary directory, not the output folder."""
+    return tempfile.mkdtemp(prefix="memguard-sweep-")
