@@ -127,8 +127,7 @@ class _MeasuringTuner(Callback):
                 accumulate = accumulate_for(size) if accumulate_for else 1
                 result = self._agree(trainer, trials.run(size, accumulate))
                 search.observe(result)
-                if result.fits and result.samples_per_sec is not None:
-                    trials.best_rate = max(trials.best_rate or 0.0, result.samples_per_sec)
+                trials.best_rate = search.best_rate  # later trials are judged against it (a collapse is a spill)
                 rank_zero_info(
                     f"{type(self).__name__}: size {size} x {accumulate}: {result.outcome}, "
                     f"{result.samples_per_sec or 0:.1f} samples/s, peak {(result.peak_bytes or 0) / 1e9:.2f} GB"

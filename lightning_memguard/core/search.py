@@ -184,10 +184,6 @@ class SizeSearch:
         return mid if low < mid < high and mid not in tried else None
 
     @property
-    def done(self) -> bool:
-        return self.propose() is None
-
-    @property
     def result(self) -> TrialResult | None:
         fits = [r for r in self.results if r.fits and r.samples_per_sec is not None]
         if not fits:
