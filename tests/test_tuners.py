@@ -291,3 +291,26 @@ def test_accumulated_gradients_equal_the_direct_batch(tmp_path, k):
     )
     for a, b in zip(direct.grads, accumulated.grads, strict=True):
         assert ((a - b).norm() / a.norm()).item() < 1e-5
+
+
+def test_a_trial_that_spills_ends_after_its_first_step(tmp_path):
+    model = small()
+    probe = MemoryByBatch(model, capacity=int(1e9))  # 16 is over 1 GB: a spill from its first step
+    steps = Counter()
+    steps.memguard_keep_in_trials = True
+    tuner = BatchSizeTuner(init_size=4, max_size=64, probe=probe, cache=False, warmup_steps=2, timed_steps=4,
+                           min_gain=0.0, tolerance=0.9)  # fmt: skip
+    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, limit_train_batches=1, callbacks=[steps, tuner])).fit(model)
+    assert [(r.size, r.outcome) for r in tuner.results] == [(4, "ok"), (8, "ok"), (16, "spill")]
+    assert tuner.batch_size == 4  # within the wide tolerance, the smaller size wins
+    assert steps.by_size[8] == 6  # 2 warm-up + 4 timed
+    assert steps.by_size[4] == 6 + 1  # and the real run's one batch: the cut trial did not stop it
+    assert steps.by_size[16] == 2  # the first step, then the one in flight when memory was read
+
+
+class Counter(Callback):
+    def __init__(self):
+        self.by_size = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.by_size[batch.shape[0]] = self.by_size.get(batch.shape[0], 0) + 1

@@ -22,17 +22,29 @@ from lightning_memguard.probes import MemoryProbe
 
 
 class _StepClock(Callback):
-    """Times each training batch of a trial; on CUDA it waits for the device so each time is the real one."""
+    """Times each training batch of a trial; on CUDA it waits for the device so each time is the real one.
 
-    def __init__(self, cuda: bool, clock: Callable[[], float]) -> None:
+    After the first optimizer step it reads memory once: a trial whose peak is already above the capacity has
+    spilled, whatever its timing, so it ends there instead of spending its remaining (slow) steps.
+    """
+
+    def __init__(self, cuda: bool, clock: Callable[[], float], probe: MemoryProbe, capacity: int, accumulate: int):
         self.cuda = cuda
         self.clock = clock
+        self.probe, self.capacity, self.accumulate = probe, capacity, accumulate
         self.starts: list[float] = []
+        self.cut = False
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.cuda:
             torch.cuda.synchronize()
         self.starts.append(self.clock())
+        if len(self.starts) == self.accumulate + 1:
+            reading = self.probe.read()
+            over = max(reading.peak_allocated, reading.peak_reserved) + reading.other_processes > self.capacity
+            if trainer.strategy.reduce_boolean_decision(over, all=False):  # every rank ends the trial together
+                self.cut = True
+                trainer.should_stop = True
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.cuda:
@@ -137,6 +149,7 @@ class TrialSession:
             "loop_state": deepcopy(t.fit_loop.state_dict()),
             "batch_size": get_batch_size(t, self.batch_arg_name),
             "progress_bar": t.progress_bar_callback,
+            "should_stop": t.should_stop,
         }
         t.logger = DummyLogger() if t.logger is not None else None
         t.limit_train_batches = 1.0
@@ -153,6 +166,7 @@ class TrialSession:
         t.limit_train_batches = saved["limit_train_batches"]
         t.limit_val_batches = saved["limit_val_batches"]
         t.accumulate_grad_batches = saved["accumulate_grad_batches"]
+        t.should_stop = saved["should_stop"]  # a trial cut short must not stop the real run
         set_batch_size(t, self.batch_arg_name, saved["batch_size"])
         t.fit_loop.load_state_dict(deepcopy(saved["loop_state"]))
         t.fit_loop.restarting = False
@@ -170,9 +184,10 @@ class TrialSession:
         """Train ``warmup_steps + timed_steps`` optimizer steps at ``size`` (and ``accumulate``) and measure them."""
         t = self.trainer
         cuda = t.strategy.root_device.type == "cuda"
-        clock = _StepClock(cuda, self.clock)
+        clock = _StepClock(cuda, self.clock, self.probe, self.capacity, accumulate)
         keep = [c for c in self._saved["callbacks"] if getattr(c, "memguard_keep_in_trials", False)]
         t.callbacks = [*keep, clock]  # type: ignore[attr-defined]
+        t.should_stop = False
         t.accumulate_grad_batches = accumulate
         set_batch_size(t, self.batch_arg_name, size)
         steps = self.warmup_steps + self.timed_steps
