@@ -140,7 +140,7 @@ class MemGuard(Callback):
         self._probe: MemoryProbe | None = None
         self._detector: SpillDetector | None = None
         self._vote: StopVote | None = None
-        self._restored_reference: float | None = None
+        self._restored_detector: dict[str, Any] = {}  # the detector's state from a checkpoint
         self._prevent_fraction: float | None = None
         self._warned_spill = False
         self._durations: list[float] = []
@@ -168,8 +168,7 @@ class MemGuard(Callback):
         self._detector = SpillDetector(
             capacity, self.headroom, self.warmup_steps, self.reference_steps, self.collapse, patience=3
         )
-        if self._restored_reference is not None:
-            self._detector.reference_rate = self._restored_reference
+        self._detector.load_state_dict(self._restored_detector)
         self._vote = StopVote(trainer.strategy.root_device, trainer.world_size)
         if self.preflight:
             self._run_preflight(probe)
@@ -258,16 +257,12 @@ class MemGuard(Callback):
             )
 
     def state_dict(self) -> dict[str, Any]:
-        reference = self._detector.reference_rate if self._detector is not None else self._restored_reference
-        return {
-            "epochs": [r.to_dict() for r in self.epochs],
-            "reference_rate": reference,
-            "fallback_enabled": self.fallback_enabled,
-        }
+        detector = self._detector.state_dict() if self._detector is not None else self._restored_detector
+        return {"epochs": [r.to_dict() for r in self.epochs], **detector, "fallback_enabled": self.fallback_enabled}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.epochs = [EpochRecord(**row) for row in state_dict.get("epochs", [])]
-        self._restored_reference = state_dict.get("reference_rate")
+        self._restored_detector = {"reference_rate": state_dict.get("reference_rate")}
         self.fallback_enabled = state_dict.get("fallback_enabled", self.fallback_enabled)
 
     # ------------------------------------------------------------------ steps and memory
