@@ -24,6 +24,7 @@ class StopVote:
         self._flag: torch.Tensor | None = None
         self._local = False
         self._pending: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
+        self._free: list[torch.Tensor] = []  # pinned one-element buffers, reused: no allocation per step
 
     def cast(self, stop: bool) -> bool:
         """Vote (``stop`` is sticky: once True, this rank keeps voting True); return the agreed decision."""
@@ -37,7 +38,7 @@ class StopVote:
         dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
         if self.lag == 0:
             return bool(self._flag.item())
-        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        host = self._free.pop() if self._free else torch.empty(1, dtype=torch.int32, pin_memory=True)
         host.copy_(self._flag, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
@@ -46,4 +47,6 @@ class StopVote:
             return False
         host, done = self._pending.popleft()
         done.synchronize()  # recorded `lag` steps ago: already complete in practice
-        return bool(host.item())
+        agreed = bool(host.item())
+        self._free.append(host)
+        return agreed
