@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmark scripts: a device-side step timer and the standard Trainer."""
+"""Shared pieces of the benchmark scripts: the standard Trainer, medians, environment and JSON output."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from typing import Any
 import lightning
 import torch
 from lightning.pytorch import Callback, Trainer
-
-from lightning_memguard.testing import StepTimer as EventTimer  # noqa: F401  (the scripts' timer)
 
 
 def make_trainer(

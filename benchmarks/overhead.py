@@ -20,10 +20,10 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import EventTimer, environment, free_memory, make_trainer, median, write_json  # noqa: E402
+from _common import environment, free_memory, make_trainer, median, write_json  # noqa: E402
 
 from lightning_memguard import MemGuard  # noqa: E402
-from lightning_memguard.testing import ImageClassifier  # noqa: E402
+from lightning_memguard.testing import ImageClassifier, StepTimer  # noqa: E402
 
 STEP_HOOKS = ("on_train_batch_start",)
 EPOCH_HOOKS = ("on_train_epoch_start", "on_train_epoch_end")
@@ -64,7 +64,7 @@ def run_once(batch: int, guarded: bool, warmup: int, steps: int, root: str) -> d
         pool_size=256,
         num_classes=1000,
     )
-    timer = EventTimer(skip=warmup)
+    timer = StepTimer(skip=warmup)
     callbacks: list[Any] = [timer]
     guard = TimedMemGuard() if guarded else None
     if guard is not None:

@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import EventTimer, environment, free_memory, make_trainer, median, write_json  # noqa: E402
+from _common import environment, free_memory, make_trainer, median, write_json  # noqa: E402
 
 from lightning_memguard import MemGuard, SysmemSpillError  # noqa: E402
-from lightning_memguard.testing import ImageClassifier, SysmemSpillEmulator  # noqa: E402
+from lightning_memguard.testing import ImageClassifier, StepTimer, SysmemSpillEmulator  # noqa: E402
 
 WARMUP = 3
 
@@ -48,7 +48,7 @@ def emulated(batch: int, steps: int, root: str, on_spill: str) -> dict[str, Any]
     free_memory()
     emu = SysmemSpillEmulator(capacity="16GB")
     guard = MemGuard(probe=emu.probe, on_spill=on_spill, warmup_steps=WARMUP)
-    timer = EventTimer(skip=WARMUP)
+    timer = StepTimer(skip=WARMUP)
     row: dict[str, Any] = {"batch": batch, "on_spill": on_spill, "error": None}
     start = time.perf_counter()
     try:
@@ -72,7 +72,7 @@ def emulated(batch: int, steps: int, root: str, on_spill: str) -> dict[str, Any]
 def plain(batch: int, steps: int, root: str) -> dict[str, Any]:
     free_memory()
     guard = MemGuard(warmup_steps=WARMUP)
-    timer = EventTimer(skip=WARMUP)
+    timer = StepTimer(skip=WARMUP)
     make_trainer([guard, timer], steps, root).fit(model(batch, steps))
     times = timer.step_ms()
     return {

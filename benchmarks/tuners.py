@@ -27,11 +27,11 @@ from lightning.pytorch.callbacks import BatchSizeFinder
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import EventTimer, environment, free_memory, make_trainer, median, write_json  # noqa: E402
+from _common import environment, free_memory, make_trainer, median, write_json  # noqa: E402
 
 from lightning_memguard import AccumulationTuner, BatchSizeTuner  # noqa: E402
 from lightning_memguard.core.search import accumulation_candidates, power_ladder  # noqa: E402
-from lightning_memguard.testing import ImageClassifier, SysmemSpillEmulator  # noqa: E402
+from lightning_memguard.testing import ImageClassifier, StepTimer, SysmemSpillEmulator  # noqa: E402
 
 CFG: dict[str, Any] = {"arch": "resnet50", "image_size": 224, "num_classes": 1000, "channels_last": True}
 
@@ -43,7 +43,7 @@ def model(batch: int, steps: int = 64) -> ImageClassifier:
 def measure(batch: int, accumulate: int, warmup: int, timed: int, root: str, capacity: str | None) -> dict[str, Any]:
     """One oracle point: samples/s of optimizer steps, and whether the emulated card spilled."""
     free_memory()
-    timer = EventTimer(skip=warmup)
+    timer = StepTimer(skip=warmup)
     callbacks: list[Any] = [timer]
     emu = SysmemSpillEmulator(capacity=capacity) if capacity else None
     if emu is not None:

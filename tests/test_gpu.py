@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import trainer_kwargs
 from lightning.pytorch import Callback, Trainer
 
 from lightning_memguard import MemGuard, SysmemSpillError
@@ -19,21 +20,8 @@ pytestmark = [
 
 
 def _trainer(tmp_path, callbacks, **kwargs):
-    defaults = dict(
-        accelerator="cuda",
-        devices=1,
-        precision="bf16-mixed",
-        max_epochs=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
-        callbacks=callbacks,
-    )
-    defaults.update(kwargs)
-    return Trainer(**defaults)
+    overrides = dict(accelerator="cuda", precision="bf16-mixed", max_epochs=2, callbacks=callbacks)
+    return Trainer(**trainer_kwargs(tmp_path, **{**overrides, **kwargs}))
 
 
 class TorchPeak(Callback):
