@@ -76,7 +76,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def batch_size_holder(trainer: Trainer, batch_arg_name: str) -> None:
+def require_batch_size_attribute(trainer: Trainer, batch_arg_name: str) -> None:
     """Fail early, as Lightning's tuner would, when no model, hparams or datamodule attribute holds the size."""
     if not lightning_hasattr(trainer.lightning_module, batch_arg_name):
         raise ValueError(

@@ -14,8 +14,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memguard.callbacks._trials import (
     TrialSession,
-    batch_size_holder,
     reload_train_dataloader,
+    require_batch_size_attribute,
     set_batch_size,
 )
 from lightning_memguard.core.checks import check_fraction, check_int
@@ -279,7 +279,7 @@ class BatchSizeTuner(_MeasuringTuner):
         )  # fmt: skip
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        batch_size_holder(trainer, self.batch_arg_name)
+        require_batch_size_attribute(trainer, self.batch_arg_name)
 
         def search() -> None:
             ladder = power_ladder(self.init_size, self.max_size)
@@ -375,7 +375,7 @@ class AccumulationTuner(_MeasuringTuner):
         return self.effective_batch_size // max(self._world_size, 1)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        batch_size_holder(trainer, self.batch_arg_name)
+        require_batch_size_attribute(trainer, self.batch_arg_name)
         self._world_size = trainer.world_size
         pairs = accumulation_candidates(self.per_device_batch, min(self.min_micro_batch, self.per_device_batch))
         steps_for = dict(pairs)
