@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
 import statistics
 import time
 import uuid
@@ -12,6 +11,7 @@ from copy import deepcopy
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities.memory import garbage_collection_cuda, is_oom_error
@@ -50,30 +50,6 @@ class _StepClock(Callback):
         if self.cuda:
             torch.cuda.synchronize()
         self.starts.append(self.clock())
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # pragma: no cover
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def require_batch_size_attribute(trainer: Trainer, batch_arg_name: str) -> None:
@@ -139,7 +115,7 @@ class TrialSession:
         t.save_checkpoint(path)
         self._saved = {
             "ckpt": path,
-            "rng": _rng_state(),
+            "rng": _collect_rng_states(include_cuda=torch.cuda.is_initialized()),
             "loggers": t.loggers,
             "callbacks": t.callbacks,  # type: ignore[attr-defined]
             "max_steps": t.fit_loop.epoch_loop.max_steps,
@@ -178,7 +154,7 @@ class TrialSession:
         reload_train_dataloader(t)
         t.fit_loop.reset()
         garbage_collection_cuda()
-        _set_rng_state(saved["rng"])
+        _set_rng_states(saved["rng"])
 
     def run(self, size: int, accumulate: int = 1) -> TrialResult:
         """Train ``warmup_steps + timed_steps`` optimizer steps at ``size`` (and ``accumulate``) and measure them."""
