@@ -83,8 +83,11 @@ def test_detect_spill_signals():
     assert detect_spill(cap - 1, cap, 0.05, None, [], 2.5, 2)[0] is Verdict.SUSPECT  # near, no reference yet
     assert detect_spill(10 * GB, cap, 0.05, 100.0, [99.0, 98.0], 2.5, 2)[0] is Verdict.OK
     # memory at capacity and two collapsed steps: spill; one collapsed step: only suspect
-    assert detect_spill(int(15.5 * GB), cap, 0.05, 100.0, [39.0, 39.0], 2.5, 2)[0] is Verdict.SPILL
-    assert detect_spill(int(15.5 * GB), cap, 0.05, 100.0, [100.0, 39.0], 2.5, 2)[0] is Verdict.SUSPECT
+    assert detect_spill(int(15.5 * GB), cap, 0.05, 100.0, [39.0, 39.0], 2.5, 2, 12 * GB)[0] is Verdict.SPILL
+    assert detect_spill(int(15.5 * GB), cap, 0.05, 100.0, [100.0, 39.0], 2.5, 2, 12 * GB)[0] is Verdict.SUSPECT
+    # no fast reading to compare with, or no growth since: a busy host, not a spill
+    assert detect_spill(int(15.5 * GB), cap, 0.05, 100.0, [39.0, 39.0], 2.5, 2)[0] is Verdict.SUSPECT
+    assert detect_spill(int(15.5 * GB), cap, 0.05, 100.0, [39.0, 39.0], 2.5, 2, int(15.5 * GB))[0] is Verdict.SUSPECT
     # collapsed throughput far from the capacity is a stall, not a spill
     assert detect_spill(4 * GB, cap, 0.05, 100.0, [10.0, 10.0], 2.5, 2)[0] is Verdict.SUSPECT
     # headroom 0: only strictly-at-capacity counts as near
@@ -111,7 +114,7 @@ def test_detector_spills_on_third_collapsed_step_near_capacity():
     det = SpillDetector(16 * GB, warmup_steps=0, reference_steps=2)
     det.observe_step(0.1, 10)
     det.observe_step(0.1, 10)
-    assert det.observe_memory(int(15.9 * GB)).verdict is Verdict.SUSPECT
+    assert det.observe_memory(int(15.3 * GB)).verdict is Verdict.SUSPECT  # near the capacity while fast
     for _ in range(2):
         det.observe_step(1.0, 10)
         assert det.observe_memory(int(15.9 * GB)).verdict is Verdict.SUSPECT
@@ -120,6 +123,21 @@ def test_detector_spills_on_third_collapsed_step_near_capacity():
     assert report.verdict is Verdict.SPILL
     assert report.slowdown == pytest.approx(10.0)
     assert report.step == 5
+
+
+def test_a_busy_host_is_no_spill_when_memory_has_not_grown():
+    """Memory at the capacity ran fast before; the same memory with slow steps is the host, not a spill."""
+    det = SpillDetector(16 * GB, warmup_steps=0, reference_steps=2)
+    det.observe_step(0.1, 10)
+    det.observe_step(0.1, 10)
+    det.observe_memory(int(15.9 * GB))
+    for _ in range(6):
+        det.observe_step(2.0, 10)
+        report = det.observe_memory(int(15.9 * GB))
+        assert report.verdict is Verdict.SUSPECT
+    assert report.reason == "slow steps, memory no higher than when the run was fast"
+    assert det.observe_memory(int(15.99 * GB)).verdict is Verdict.SPILL  # grew by 0.09 GB > 0.5 % of 16 GB
+    assert SpillDetector(GB).state_dict().keys() == {"reference_rate", "healthy_used_bytes"}
 
 
 def test_detector_state_round_trip():
@@ -176,6 +194,8 @@ def test_detector_reads_on_a_slowdown_then_rests_unless_memory_is_at_capacity():
     det = SpillDetector(16 * GB, warmup_steps=0, reference_steps=2, patience=3, read_window=3)
     for _ in range(5):
         det.observe_step(0.1, 10)
+    assert det.observe_memory(GB).verdict is Verdict.OK  # a fast reading: 1 GB is what the run needs when fast
+    assert [det.observe_step(0.1, 10) for _ in range(2)] == [False, False]
     assert det.observe_step(0.4, 10) is True  # the window of three runs at 30 / 0.6 s = 50/s, under 100 / 1.5
     assert det.observe_memory(GB).verdict is Verdict.SUSPECT  # slow, far below the capacity: a stall
     assert [det.observe_step(0.4, 10) for _ in range(3)] == [False, False, True]  # rests two steps
@@ -211,6 +231,7 @@ def test_memory_near_capacity_is_watched_every_step():
     det = SpillDetector(16 * GB, warmup_steps=0, reference_steps=2, patience=3)
     for _ in range(5):
         det.observe_step(0.1, 10)
+    det.observe_memory(int(15.3 * GB))  # fast, already near the capacity
     verdicts = []
     for _ in range(4):
         if det.observe_step(1.0, 10):

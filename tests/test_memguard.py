@@ -213,3 +213,37 @@ def test_a_spill_in_the_last_steps_of_an_epoch_is_not_lost(tmp_path, fake_probe)
     with pytest.raises(SysmemSpillError, match="peak 17.00 GB against 16.00 GB"):
         trainer.fit(TinyModel(batch_size=8, n=64))
     assert trainer.current_epoch == 1 and trainer.global_step == 8  # stopped at the next epoch's first batch
+
+
+def test_memory_growing_to_the_capacity_with_collapsed_throughput_is_a_spill(tmp_path, fake_probe):
+    """Signal (b) in a real Trainer: no reading above the capacity, but memory grew to it and steps got 10x slower."""
+    clock = StepClock(0.1)
+    fake_probe.peak = 14 * 10**9
+
+    class Grow(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 20:
+                fake_probe.peak = int(15.7 * 10**9)  # within 5 % of 16 GB, never above it
+                clock.tick = 1.0
+
+    guard = MemGuard(probe=fake_probe, clock=clock, on_spill="warn", warmup_steps=2, reference_steps=3)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[Grow(), guard]))
+    with pytest.warns(RuntimeWarning, match="throughput collapsed with memory at the capacity"):
+        trainer.fit(TinyModel(batch_size=2, n=64))
+    assert guard.spill is not None and 20 < guard.spill.step <= 20 + 4
+    assert guard.spill.slowdown == pytest.approx(10.0)
+
+
+def test_a_slow_host_with_unchanged_memory_at_the_capacity_is_no_spill(tmp_path, fake_probe):
+    clock = StepClock(0.1)
+    fake_probe.peak = int(15.7 * 10**9)  # at the capacity from the start, and fast
+
+    class Slow(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 20:
+                clock.tick = 1.0  # the host gets busy; memory stays the same
+
+    guard = MemGuard(probe=fake_probe, clock=clock, warmup_steps=2, reference_steps=3)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[Slow(), guard]))
+    trainer.fit(TinyModel(batch_size=2, n=64))
+    assert guard.spill is None and trainer.global_step == 32

@@ -46,9 +46,9 @@ class MemGuard(Callback):
 
     On Windows with WDDM drivers, a CUDA allocation that does not fit is silently moved to system RAM, and
     training goes on 7x-45x slower instead of raising an out-of-memory error. MemGuard watches for it: a peak
-    above the physical capacity, or memory at the capacity while throughput collapses against the run's own
-    start. Step times are taken on the host without synchronising the device; memory is read every ``read_every``
-    steps (and at once when a step is slow), never on every step.
+    above the physical capacity, or memory grown to the capacity while throughput collapses against the run's own
+    pace. Step times are taken on the host without synchronising the device; memory is read every ``read_every``
+    steps (and at once when steps turn slow), never on every step.
 
     Logged once per epoch through the Trainer's loggers (memory in decimal GB):
     ``memguard/peak_allocated_gb``, ``memguard/peak_reserved_gb`` (that epoch's own peaks),
@@ -262,7 +262,7 @@ class MemGuard(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.epochs = [EpochRecord(**row) for row in state_dict.get("epochs", [])]
-        self._restored_detector = {"reference_rate": state_dict.get("reference_rate")}
+        self._restored_detector = {k: v for k, v in state_dict.items() if k not in ("epochs", "fallback_enabled")}
         self.fallback_enabled = state_dict.get("fallback_enabled", self.fallback_enabled)
 
     # ------------------------------------------------------------------ steps and memory

@@ -56,22 +56,28 @@ def detect_spill(
     recent_rates: list[float],
     collapse: float,
     patience: int,
+    healthy_used: int | None = None,
 ) -> tuple[Verdict, str]:
     """Judge one window from plain numbers.
 
     Signals, in order: (a) memory above the physical capacity, impossible without spill, is decisive;
     (b) memory within ``headroom`` of capacity *and* the last ``patience`` steps each ``collapse`` times slower
-    than the reference is a spill; either half alone is only suspect.
+    than the reference is a spill, provided memory has grown (by more than 0.5 % of capacity) past
+    ``healthy_used``, the most the run used while it was fast: the same memory that ran fast before cannot be
+    what slows it down now (a busy host can), and without a fast reading there is nothing to compare with.
+    Either half alone is only suspect.
 
     Example:
         >>> detect_spill(17 * 10**9, 16 * 10**9, 0.05, None, [], 2.5, 2)
         (<Verdict.SPILL: 'spill'>, 'peak memory above the physical capacity')
-        >>> detect_spill(15_500_000_000, 16 * 10**9, 0.05, 1000.0, [300.0, 290.0], 2.5, 2)[0].value
+        >>> detect_spill(15_500_000_000, 16 * 10**9, 0.05, 1000.0, [300.0, 290.0], 2.5, 2, 12 * 10**9)[0].value
         'spill'
-        >>> detect_spill(15_500_000_000, 16 * 10**9, 0.05, 1000.0, [990.0, 300.0], 2.5, 2)[0].value
+        >>> detect_spill(15_500_000_000, 16 * 10**9, 0.05, 1000.0, [990.0, 300.0], 2.5, 2, 12 * 10**9)[0].value
         'suspect'
         >>> detect_spill(8 * 10**9, 16 * 10**9, 0.05, 1000.0, [300.0, 290.0], 2.5, 2)[0].value
         'suspect'
+        >>> detect_spill(15_500_000_000, 16 * 10**9, 0.05, 1000.0, [300.0, 290.0], 2.5, 2, 15_500_000_000)
+        (<Verdict.SUSPECT: 'suspect'>, 'slow steps, memory no higher than when the run was fast')
     """
     if used_bytes > capacity:
         return Verdict.SPILL, "peak memory above the physical capacity"
@@ -79,6 +85,8 @@ def detect_spill(
     slow = [r < reference_rate / collapse for r in recent_rates[-patience:]] if reference_rate else []
     collapsed = len(slow) >= patience and all(slow)
     if near and collapsed:
+        if healthy_used is None or used_bytes <= healthy_used + 0.005 * capacity:
+            return Verdict.SUSPECT, "slow steps, memory no higher than when the run was fast"
         return Verdict.SPILL, "throughput collapsed with memory at the capacity"
     if near or any(slow):
         return Verdict.SUSPECT, "memory at the capacity" if near else "slow steps, memory below the capacity"
@@ -113,7 +121,7 @@ class SpillDetector:
         [True, True, True]
         >>> det.reference_rate
         1000.0
-        >>> det.observe_memory(15_900_000_000).verdict.value
+        >>> det.observe_memory(15_300_000_000).verdict.value  # fast, and near the capacity
         'suspect'
         >>> det.observe_step(0.5, 100), det.observe_step(0.5, 100), det.observe_step(0.5, 100)
         (True, True, True)
@@ -148,6 +156,7 @@ class SpillDetector:
         self._window: deque[tuple[float, int]] = deque(maxlen=read_window)
         self._quiet = 0  # steps left before a slow window may trigger another read
         self.refresh_every = refresh_every
+        self.healthy_used: int | None = None  # the most memory read while no step was slow
         self._since_refresh: list[tuple[float, int]] = []
 
     def observe_step(self, seconds: float, samples: int) -> bool:
@@ -179,8 +188,19 @@ class SpillDetector:
         """Judge the latest steps against a memory reading (peak plus other processes, in bytes)."""
         recent = list(self._recent)
         verdict, reason = detect_spill(
-            used_bytes, self.capacity, self.headroom, self.reference_rate, recent, self.collapse, self.patience
+            used_bytes,
+            self.capacity,
+            self.headroom,
+            self.reference_rate,
+            recent,
+            self.collapse,
+            self.patience,
+            self.healthy_used,
         )
+        ref = self.reference_rate
+        fast = bool(ref and recent) and min(recent[-1], statistics.median(recent)) >= ref / self.collapse  # type: ignore[operator]
+        if verdict is not Verdict.SPILL and fast:
+            self.healthy_used = max(self.healthy_used or 0, used_bytes)
         if used_bytes >= self.capacity * (1.0 - self.headroom):
             self._quiet = 0  # memory at the capacity: look at every step until it is decided
             self._since_refresh = []  # and take no new reference from these steps
@@ -197,11 +217,13 @@ class SpillDetector:
         )
 
     def state_dict(self) -> dict[str, float | None]:
-        return {"reference_rate": self.reference_rate}
+        return {"reference_rate": self.reference_rate, "healthy_used_bytes": self.healthy_used}
 
     def load_state_dict(self, state: dict[str, float | None]) -> None:
         if state.get("reference_rate") is not None:
             self.reference_rate = float(state["reference_rate"])  # type: ignore[arg-type]
+        if state.get("healthy_used_bytes") is not None:
+            self.healthy_used = int(state["healthy_used_bytes"])  # type: ignore[arg-type]
 
 
 FIXES = (
