@@ -33,7 +33,6 @@ class _StepClock(Callback):
         self.clock = clock
         self.probe, self.capacity, self.accumulate = probe, capacity, accumulate
         self.starts: list[float] = []
-        self.cut = False
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.cuda:
@@ -43,7 +42,6 @@ class _StepClock(Callback):
             reading = self.probe.read()
             over = max(reading.peak_allocated, reading.peak_reserved) + reading.other_processes > self.capacity
             if trainer.strategy.reduce_boolean_decision(over, all=False):  # every rank ends the trial together
-                self.cut = True
                 trainer.should_stop = True
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

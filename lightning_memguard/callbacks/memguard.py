@@ -142,7 +142,6 @@ class MemGuard(Callback):
         self._vote: StopVote | None = None
         self._restored_detector: dict[str, Any] = {}  # the detector's state from a checkpoint
         self._prevent_fraction: float | None = None
-        self._warned_spill = False
         self._durations: list[float] = []
         self._samples: list[int] = []
         self._last_start: float | None = None
@@ -309,8 +308,7 @@ class MemGuard(Callback):
 
     def _on_spill_detected(self, report: SpillReport, trainer: Trainer) -> None:
         self.spill = report
-        if self.on_spill == "warn" and not self._warned_spill:
-            self._warned_spill = True
+        if self.on_spill == "warn":  # called once: detection stops when a spill is recorded
             rank_zero_warn(format_spill_message(report, self._last_samples or None), category=RuntimeWarning)
 
     def _act(self, trainer: Trainer) -> None:
