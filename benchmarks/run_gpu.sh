@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
 # Every single-GPU measurement the README quotes, in one go (about 9 minutes on an H200).
-# Usage: bash benchmarks/run_gpu.sh OUT_DIR   (results and plots land in OUT_DIR; copy them to
-# benchmarks/results/ and docs/, then update the README's "Measured" section)
+# Usage: bash benchmarks/run_gpu.sh OUT_DIR [STEP...]   STEP: tests overhead spill checkpointing tuners sweeps
+# (all when none is named). Results and plots land in OUT_DIR; copy them to benchmarks/results/ and docs/,
+# then update the README's "Measured" section.
 set -uo pipefail
 out=${1:?usage: run_gpu.sh OUT_DIR}
+shift
+steps=" ${*:-tests overhead spill checkpointing tuners sweeps} "
 mkdir -p "$out"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(cd "$(dirname "$0")/.." && pwd)" PYTHONUNBUFFERED=1
 quiet='Warning|warn\(|LOCAL_RANK|available|Tip|AMP|Restor|weights_only'
 run() { echo "== $*"; "$@" 2>&1 | grep -vE "$quiet" | tail -"${TAIL:-6}"; }
-TAIL=4 run timeout 120 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_gpu.py -o addopts=--strict-markers
-run timeout 150 python3 benchmarks/overhead.py --rounds 2 --out "$out/overhead.json"
-run timeout 120 python3 benchmarks/spill.py --out "$out/spill.json"
-run timeout 120 python3 benchmarks/checkpointing.py --out "$out/checkpointing.json" --plot "$out/checkpointing.png"
-run timeout 200 python3 benchmarks/tuners.py --out "$out/tuners.json"
+want() { [[ $steps == *" $1 "* ]]; }
+if want tests; then
+    echo "== pytest -m cuda tests/test_gpu.py"
+    timeout 120 python3 -m pytest -m cuda -q -rA -p no:cacheprovider tests/test_gpu.py -o addopts=--strict-markers 2>&1 |
+        grep -vE "$quiet" >"$out/gpu_tests.txt"
+    tail -4 "$out/gpu_tests.txt"
+fi
+want overhead && run timeout 150 python3 benchmarks/overhead.py --rounds 2 --out "$out/overhead.json"
+want spill && run timeout 120 python3 benchmarks/spill.py --out "$out/spill.json"
+want checkpointing && run timeout 120 python3 benchmarks/checkpointing.py --out "$out/checkpointing.json" --plot "$out/checkpointing.png"
+want tuners && run timeout 200 python3 benchmarks/tuners.py --out "$out/tuners.json"
+if want sweeps; then
 TAIL=9 run timeout 90 python3 -m lightning_memguard.cli sweep --model resnet50 --batch-sizes 32,64,128,256,512 \
     --precision bf16-mixed --channels-last --out "$out/sweep"
 TAIL=9 run timeout 120 python3 -m lightning_memguard.cli sweep --model resnet50 --batch-sizes 64,128,256,384,512,1024 \
     --precision bf16-mixed --channels-last --emulate-capacity 16GB --out "$out/sweep16"
 # the device tool brings back at most 8 files: pack the sweeps
 tar czf "$out/sweeps.tgz" -C "$out" sweep sweep16 && rm -r "$out/sweep" "$out/sweep16"
+fi
 ls -la "$out"
