@@ -36,8 +36,20 @@ class TimedMemGuard(MemGuard):
         super().__init__(**kwargs)
         self.seconds = {"step": 0.0, "epoch": 0.0}
         self.steps = 0
+        self.reads = 0
         for name in STEP_HOOKS + EPOCH_HOOKS:
             setattr(self, name, self._timed(name, getattr(self, name)))
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        probe = self._require_probe()
+        read = probe.read
+
+        def counted() -> Any:
+            self.reads += 1
+            return read()
+
+        probe.read = counted  # type: ignore[method-assign]
 
     def _timed(self, name: str, hook: Any) -> Any:
         kind = "step" if name in STEP_HOOKS else "epoch"
@@ -77,6 +89,7 @@ def run_once(batch: int, guarded: bool, warmup: int, steps: int, root: str) -> d
         row["step_hooks_us_per_step"] = guard.seconds["step"] / steps * 1e6
         row["epoch_hooks_ms_per_epoch"] = guard.seconds["epoch"] * 1e3
         row["all_hooks_us_per_step"] = (guard.seconds["step"] + guard.seconds["epoch"]) / steps * 1e6
+        row["memory_reads_per_100_steps"] = guard.reads / steps * 100
         row["peak_allocated_gb"] = guard.epochs[-1].peak_allocated_gb if guard.epochs else None
     return row
 
@@ -106,6 +119,7 @@ def micro_costs(batch_size: int = 256) -> dict[str, float]:
         "detector_observe_step_us": per_call(lambda: detector.observe_step(0.05, batch_size), 10_000),
         "probe_read_us": per_call(probe.read, 1_000),
         "max_memory_allocated_us": per_call(torch.cuda.max_memory_allocated, 1_000),
+        "memory_stats_as_nested_dict_us": per_call(torch.cuda.memory_stats_as_nested_dict, 1_000),
     }
 
 
@@ -137,6 +151,7 @@ def main() -> None:
             "step_hooks_us_per_step": median([r["step_hooks_us_per_step"] for r in guarded]),
             "epoch_hooks_ms_per_epoch": median([r["epoch_hooks_ms_per_epoch"] for r in guarded]),
             "all_hooks_us_per_step": median([r["all_hooks_us_per_step"] for r in guarded]),
+            "memory_reads_per_100_steps": median([r["memory_reads_per_100_steps"] for r in guarded]),
         }
     costs = micro_costs()
     # each timed hook call includes about one clock read of the timing wrapper itself

@@ -151,6 +151,7 @@ def main() -> None:
                 "spills": point["spilled"],
             }
         result[f"batch_size_{label}"] = entry
+        write_json(args.out, result)  # each part as it is done: a cut-off run still leaves its results
         print(label, {k: v for k, v in entry.items() if k != "sweep"}, flush=True)
 
     for cap in (None, capacity):
@@ -182,7 +183,7 @@ def main() -> None:
                 },
             }
             print(key, result[key]["ours"], best, flush=True)
-    write_json(args.out, result)
+            write_json(args.out, result)
 
 
 if __name__ == "__main__":

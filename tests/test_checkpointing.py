@@ -14,7 +14,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 from lightning_memguard import ActivationCheckpointing, checkpoint_resnet
-from lightning_memguard.checkpointing import checkpoint_blocks, find_units, is_checkpointed, remove_checkpointing
+from lightning_memguard.checkpointing import (
+    apply_plan,
+    checkpoint_blocks,
+    find_units,
+    is_checkpointed,
+    remove_checkpointing,
+)
+from lightning_memguard.checkpointing.plan import model_chain
 from lightning_memguard.testing import ImageClassifier
 
 
@@ -97,7 +104,7 @@ def test_deepcopy_and_removal():
     checkpoint_resnet(model)
     twin = copy.deepcopy(model)
     assert all(is_checkpointed(m) for _, m in find_units(twin))
-    assert remove_checkpointing(twin) == 8
+    assert remove_checkpointing(twin) == 9  # the stem and eight blocks
     assert not any(is_checkpointed(m) for m in twin.modules())
     assert type(twin.layer1[0]) is torchvision.models.resnet.BasicBlock
 
@@ -118,7 +125,7 @@ def test_someone_elses_wrapper_is_left_alone():
     model.layer1[0] = checkpoint_wrapper(model.layer1[0])
     with pytest.warns(UserWarning, match="already wrapped by other code \\(layer1.0"):
         plan = checkpoint_blocks(model)
-    assert "layer1.0" not in plan.blocks and len(plan.blocks) == 7
+    assert "layer1.0" not in plan.blocks and len(plan.blocks) == 8
     assert not any(is_checkpointed(m) for m in model.layer1[0].modules())
 
 
@@ -142,7 +149,7 @@ def test_units_by_class_and_by_name():
     plan = checkpoint_blocks(model, units=lambda name, m: name in ("layer3", "layer4"))
     assert plan.blocks == ["layer3", "layer4"]
     model = torchvision.models.resnet18(num_classes=10)
-    assert checkpoint_blocks(model, units={torchvision.models.resnet.BasicBlock}).candidates == 8
+    assert checkpoint_blocks(model, units={torchvision.models.resnet.BasicBlock}).candidates == 9  # and the stem
 
 
 @pytest.mark.parametrize("budget", [0.8, 0.7, 0.6])
@@ -154,7 +161,7 @@ def test_budget_holds_and_uses_fewer_blocks_when_it_can(budget):
     assert plan.held, plan.summary()
     assert plan.measured_bytes <= plan.budget_bytes == int(plan.baseline_bytes * budget)
     assert 0 < len(plan.blocks) <= plan.candidates
-    assert len(plan.profiles) == 8 and all(p.saved_bytes > 0 for p in plan.profiles)
+    assert len(plan.profiles) == 9 and all(p.saved_bytes > 0 for p in plan.profiles)
     # profiling left no trace on BatchNorm statistics or gradients
     assert all(torch.equal(before[n], b) for n, b in model.named_buffers())
     assert all(p.grad is None for p in model.parameters())
@@ -172,7 +179,7 @@ def test_budget_in_bytes_that_cannot_be_met_warns():
         plan = checkpoint_resnet(
             torchvision.models.resnet18(), memory_budget=1000, example_input=torch.randn(2, 3, 32, 32)
         )
-    assert plan.held is False and len(plan.blocks) == 8
+    assert plan.held is False and len(plan.blocks) == 9
 
 
 class ExampleClassifier(ImageClassifier):
@@ -189,7 +196,8 @@ def test_callback_checkpoints_before_training_and_resumes_the_same_blocks(tmp_pa
         trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[cb]))
         trainer.fit(model)
     assert cb.plan is not None and cb.plan.held and cb.blocks
-    assert sorted(n for n, m in model.named_modules() if is_checkpointed(m)) == sorted(cb.blocks)
+    checkpointed = sorted(n for n, m in model.named_modules() if is_checkpointed(m))
+    assert checkpointed
     ckpt = trainer.checkpoint_callback.best_model_path
 
     resumed_cb = ActivationCheckpointing(memory_budget=0.6)
@@ -197,14 +205,15 @@ def test_callback_checkpoints_before_training_and_resumes_the_same_blocks(tmp_pa
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, callbacks=[resumed_cb]))
     trainer.fit(model2, ckpt_path=ckpt)
     assert resumed_cb.plan is None  # nothing measured again
-    assert sorted(n for n, m in model2.named_modules() if is_checkpointed(m)) == sorted(cb.blocks)
+    assert resumed_cb.runs == cb.runs
+    assert sorted(n for n, m in model2.named_modules() if is_checkpointed(m)) == checkpointed
 
 
 def test_callback_without_budget_checkpoints_every_block(tmp_path):
     cb = ActivationCheckpointing()
     model = ImageClassifier(image_size=32, batch_size=4, steps_per_epoch=2)
     Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[cb])).fit(model)
-    assert len(cb.blocks) == 8
+    assert len(cb.blocks) == 9 and cb.blocks[0] == "net.stem"
 
 
 def test_callback_errors(tmp_path):
@@ -222,7 +231,7 @@ def test_budget_mode_on_a_checkpointed_model_is_a_noop_with_warning():
     checkpoint_resnet(model)
     with pytest.warns(UserWarning, match="already checkpointed; applying twice changes nothing"):
         plan = checkpoint_resnet(model, memory_budget=0.7, example_input=torch.randn(2, 3, 32, 32))
-    assert plan.blocks == [] and sum(is_checkpointed(m) for m in model.modules()) == 8
+    assert plan.blocks == [] and sum(is_checkpointed(m) for m in model.modules()) == 8 + 4  # blocks, stem modules
 
 
 def test_blocks_are_given_back_while_the_measured_peak_still_fits(monkeypatch):
@@ -230,7 +239,66 @@ def test_blocks_are_given_back_while_the_measured_peak_still_fits(monkeypatch):
     import lightning_memguard.checkpointing.plan as plan_mod
 
     # the most cautious planner possible: it picks every block
-    monkeypatch.setattr(plan_mod, "choose_blocks", lambda profiles, baseline, budget: (list(profiles), baseline))
+    def every_link(profiles, baseline, budget, joinable):
+        return set(range(len(profiles))), baseline
+
+    monkeypatch.setattr(plan_mod, "choose_blocks", every_link)
     x = torch.randn(8, 3, 64, 64)
     plan = checkpoint_resnet(torchvision.models.resnet18(num_classes=10), memory_budget=0.9, example_input=x)
-    assert plan.held and 0 < len(plan.blocks) < 8
+    assert plan.held and 0 < len(plan.blocks) < 9
+
+
+RUNS = [["stem", "layer1.0", "layer1.1"], ["layer2.1", "layer3.0", "layer3.1"], ["layer4.1"]]
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "resnext50_32x4d"])
+def test_runs_of_blocks_are_bit_identical_too(arch):
+    torch.manual_seed(1)
+    plain = torchvision.models.get_model(arch, num_classes=10)
+    ours = copy.deepcopy(plain)
+    runs = RUNS if arch == "resnet18" else [["stem", "layer1.0", "layer1.1", "layer1.2", "layer2.0"], ["layer4.2"]]
+    assert apply_plan(ours, runs, units={torchvision.models.resnet.BasicBlock, torchvision.models.resnet.Bottleneck})
+    assert type(ours.bn1).__name__ == "RunMemberBatchNorm2d"  # done by the run's head, conv1
+    assert _identical(_train(plain), _train(ours))
+    assert list(ours.state_dict()) == list(plain.state_dict())
+    plain.eval(), ours.eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), ours(x), rtol=0, atol=0)
+
+
+def test_a_copied_run_points_at_the_copys_modules():
+    model = torchvision.models.resnet18(num_classes=10)
+    apply_plan(model, RUNS)
+    twin = copy.deepcopy(model)
+    assert twin.conv1.memguard_run[0] is twin.bn1 and twin.layer2[1].memguard_run[1] is twin.layer3[1]
+    x = torch.randn(2, 3, 32, 32)
+    model.eval(), twin.eval()
+    torch.testing.assert_close(model(x), twin(x), rtol=0, atol=0)
+    assert remove_checkpointing(twin) == 3  # one checkpoint per run
+    assert not any(is_checkpointed(m) for m in twin.modules()) and "memguard_run" not in vars(twin.conv1)
+
+
+def test_which_blocks_may_share_a_run():
+    model = torchvision.models.resnet18(num_classes=10)
+    links, joinable = model_chain(model, find_units(model))
+    assert [link.name for link in links][:3] == ["stem", "layer1.0", "layer1.1"]
+    assert all(joinable)  # torchvision's forward feeds each stage into the next
+
+    class OwnForward(torchvision.models.ResNet):  # a forward of its own: only siblings in a Sequential may join
+        def forward(self, x):
+            return super().forward(x)
+
+    own = OwnForward(torchvision.models.resnet.BasicBlock, [2, 2, 2, 2], num_classes=10)
+    links, joinable = model_chain(own, find_units(own))
+    assert links[0].name == "layer1.0" and joinable == [True, False, True, False, True, False, True]
+
+
+def test_a_tight_budget_joins_blocks_into_runs():
+    x = torch.randn(8, 3, 64, 64)
+    model = torchvision.models.resnet18(num_classes=10)
+    plan = checkpoint_resnet(model, memory_budget=0.45, example_input=x)
+    assert plan.held, plan.summary()
+    assert any(len(run) > 1 for run in plan.runs)
+    assert [name for run in plan.runs for name in run] == plan.blocks
+    assert plan.predicted_bytes is not None and plan.profiles[0].name == "stem"

@@ -198,7 +198,8 @@ def test_detector_reads_on_a_slowdown_then_rests_unless_memory_is_at_capacity():
     assert [det.observe_step(0.1, 10) for _ in range(2)] == [False, False]
     assert det.observe_step(0.4, 10) is True  # the window of three runs at 30 / 0.6 s = 50/s, under 100 / 1.5
     assert det.observe_memory(GB).verdict is Verdict.SUSPECT  # slow, far below the capacity: a stall
-    assert [det.observe_step(0.4, 10) for _ in range(3)] == [False, False, True]  # rests two steps
+    # it rests: four steps, not two, as memory has not grown since the last reading
+    assert [det.observe_step(0.4, 10) for _ in range(5)] == [False] * 4 + [True]
     assert det.observe_memory(int(15.9 * GB)).verdict is Verdict.SPILL  # at the capacity and collapsed
 
 
@@ -237,3 +238,25 @@ def test_memory_near_capacity_is_watched_every_step():
         if det.observe_step(1.0, 10):
             verdicts.append(det.observe_memory(int(15.9 * GB)).verdict)
     assert verdicts[-1] is Verdict.SPILL and len(verdicts) >= 3
+
+
+def test_detector_rests_longer_while_slow_windows_show_no_memory_growth():
+    det = SpillDetector(
+        16 * GB, warmup_steps=0, reference_steps=2, patience=3, read_window=1, max_rest=8, refresh_every=1000
+    )
+    for _ in range(5):
+        det.observe_step(0.1, 10)
+    read_at = []
+    for step in range(60):  # every step looks slow, memory stays at 4 GB: a stalling host, not a spill
+        if det.observe_step(0.2, 10):
+            read_at.append(step)
+            assert det.observe_memory(4 * GB).verdict is not Verdict.SPILL
+    gaps = [b - a for a, b in zip(read_at, read_at[1:], strict=False)]
+    assert gaps[:4] == [3, 5, 9, 9]  # rests of 2, 4, 8 steps, then no longer than max_rest
+    assert len(read_at) <= 9
+    # memory then climbs to the capacity: seen at the next reading, after which every step is watched
+    verdicts = []
+    for _ in range(8 + 3):
+        if det.observe_step(1.0, 10):
+            verdicts.append(det.observe_memory(int(15.9 * GB)).verdict)
+    assert verdicts[-1] is Verdict.SPILL

@@ -31,12 +31,11 @@ def test_probe_for_picks_by_device():
 
 def _fake_cuda(monkeypatch, allocated=3 * 10**9, reserved=4 * 10**9):
     stats = {
-        "allocated_bytes.all.peak": allocated,
-        "reserved_bytes.all.peak": reserved,
-        "reserved_bytes.all.current": reserved,
+        "allocated_bytes": {"all": {"peak": allocated, "current": allocated}},
+        "reserved_bytes": {"all": {"peak": reserved, "current": reserved}},
     }
     props = types.SimpleNamespace(total_memory=16 * 10**9, pci_bus_id=1, pci_domain_id=0, pci_device_id=0)
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: stats)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: stats)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 

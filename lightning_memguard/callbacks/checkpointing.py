@@ -8,19 +8,20 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_memguard.checkpointing.plan import CheckpointPlan, checkpoint_blocks
-from lightning_memguard.checkpointing.wrap import Units, apply_checkpointing, find_units
+from lightning_memguard.checkpointing.plan import CheckpointPlan, apply_plan, checkpoint_blocks
+from lightning_memguard.checkpointing.wrap import Units
 from lightning_memguard.core.units import parse_bytes
 
 
 class ActivationCheckpointing(Callback):
     """Checkpoints the model's residual blocks (``use_reentrant=False``), BatchNorm-correct, before training.
 
-    Without ``memory_budget`` every block is checkpointed in ``setup``, before the optimizer is built. With a budget,
-    the blocks are measured at fit start on the module's ``example_input_array`` (under the Trainer's precision) and
-    only those that buy the most memory per millisecond of recomputation are checkpointed. ``state_dict`` keys of
-    the model do not change; the chosen blocks are kept in the callback's state, so a resumed run re-applies them
-    without measuring again.
+    Without ``memory_budget`` every block (and a torchvision ResNet's stem) is checkpointed in ``setup``, before the
+    optimizer is built. With a budget, the blocks are measured at fit start on the module's ``example_input_array``
+    (under the Trainer's precision) and only those that buy the most memory per millisecond of recomputation are
+    checkpointed, adjacent ones as one run (see :func:`~lightning_memguard.checkpointing.checkpoint_blocks`).
+    ``state_dict`` keys of the model do not change; the chosen runs are kept in the callback's state, so a resumed
+    run re-applies them without measuring again.
 
     Args:
         units: ``"auto"``, a set of module classes, or a predicate ``(name, module) -> bool``.
@@ -53,14 +54,19 @@ class ActivationCheckpointing(Callback):
         self.memory_budget = memory_budget
         self.bn_correct = bn_correct
         self.plan: CheckpointPlan | None = None
-        self.blocks: list[str] | None = None  # chosen blocks: learned state
+        self.runs: list[list[str]] | None = None  # the chosen runs of blocks: learned state
+
+    @property
+    def blocks(self) -> list[str] | None:
+        """The checkpointed blocks, in model order (None before the plan is made)."""
+        return None if self.runs is None else [name for run in self.runs for name in run]
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         if self.memory_budget is None:
             self.plan = checkpoint_blocks(pl_module, self.units, bn_correct=self.bn_correct)
-            self.blocks = self.plan.blocks
+            self.runs = self.plan.runs
             rank_zero_info(f"ActivationCheckpointing: {self.plan.summary()}")
         elif pl_module.example_input_array is None:
             raise ValueError(
@@ -71,20 +77,19 @@ class ActivationCheckpointing(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.memory_budget is None or self.plan is not None:
             return
-        if self.blocks is not None:  # resumed: apply what was chosen before
-            chosen = [(n, m) for n, m in find_units(pl_module, self.units) if n in set(self.blocks)]
-            apply_checkpointing(chosen, self.bn_correct)
+        if self.runs is not None:  # resumed: apply what was chosen before
+            apply_plan(pl_module, self.runs, self.units, self.bn_correct)
             return
         example = move_data_to_device(pl_module.example_input_array, trainer.strategy.root_device)
         with trainer.precision_plugin.train_step_context():
             self.plan = checkpoint_blocks(
                 pl_module, self.units, self.memory_budget, example_input=example, bn_correct=self.bn_correct
             )
-        self.blocks = self.plan.blocks
+        self.runs = self.plan.runs
         rank_zero_info(f"ActivationCheckpointing: {self.plan.summary()}")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"blocks": self.blocks}
+        return {"runs": self.runs}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.blocks = state_dict.get("blocks", self.blocks)
+        self.runs = state_dict.get("runs", self.runs)

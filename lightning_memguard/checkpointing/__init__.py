@@ -1,10 +1,11 @@
 """Activation checkpointing for block-structured models, BatchNorm-correct."""
 
-from lightning_memguard.checkpointing.plan import CheckpointPlan, checkpoint_blocks, checkpoint_resnet
+from lightning_memguard.checkpointing.plan import CheckpointPlan, apply_plan, checkpoint_blocks, checkpoint_resnet
 from lightning_memguard.checkpointing.wrap import find_units, is_checkpointed, remove_checkpointing
 
 __all__ = [
     "CheckpointPlan",
+    "apply_plan",
     "checkpoint_blocks",
     "checkpoint_resnet",
     "find_units",

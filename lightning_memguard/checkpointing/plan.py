@@ -1,4 +1,4 @@
-"""Measuring blocks on a real batch and checkpointing the ones that buy the most memory per millisecond."""
+"""Measuring a model's links on a real batch and checkpointing the ones that buy the most memory per millisecond."""
 
 from __future__ import annotations
 
@@ -12,24 +12,32 @@ import torch
 from torch import nn
 
 from lightning_memguard.checkpointing.wrap import (
+    Link,
     Units,
-    apply_checkpointing,
+    apply_runs,
     find_units,
     is_checkpointed,
     preserved_state,
     remove_checkpointing,
 )
-from lightning_memguard.core.checkpoint_plan import BlockProfile, choose_blocks, predict_peak
+from lightning_memguard.core.checkpoint_plan import BlockProfile, choose_blocks, group_runs, predict_peak, value
 from lightning_memguard.core.units import parse_bytes
 
 
 @dataclass
 class CheckpointPlan:
     """What was checkpointed and why. Memory in bytes: the peak of one forward and backward pass on CUDA, the bytes
-    of saved activations on the CPU."""
+    of saved activations on the CPU.
+
+    Attributes:
+        blocks: the links checkpointed (block names, and ``"stem"`` or ``"<resnet>.stem"`` for a ResNet's stem).
+        runs: the same links grouped as checkpointed: each run is one checkpoint, recomputed as a whole.
+        candidates: how many links the model has.
+    """
 
     blocks: list[str]
     candidates: int
+    runs: list[list[str]] = field(default_factory=list)
     baseline_bytes: int | None = None
     budget_bytes: int | None = None
     predicted_bytes: int | None = None
@@ -43,7 +51,7 @@ class CheckpointPlan:
         return self.measured_bytes <= self.budget_bytes
 
     def summary(self) -> str:
-        text = f"checkpointed {len(self.blocks)} of {self.candidates} blocks"
+        text = f"checkpointed {len(self.blocks)} of {self.candidates} blocks in {len(self.runs)} run(s)"
         if self.budget_bytes is not None:
             text += (
                 f"; budget {self.budget_bytes / 1e9:.3f} GB of baseline {self.baseline_bytes / 1e9:.3f} GB,"  # type: ignore[operator]
@@ -125,11 +133,12 @@ class _StepMeter:
                     h.remove()
             return total
 
-    def profile(self, units: list[tuple[str, nn.Module]]) -> list[BlockProfile]:
-        saved: dict[str, int] = {name: 0 for name, _ in units}
-        inputs: dict[str, int] = {name: 0 for name, _ in units}
+    def profile(self, links: list[Link]) -> list[BlockProfile]:
+        """Each link's saved activations (split into input, output and the rest) and forward time, in one pass."""
+        saved: dict[str, dict[tuple[int, int], int]] = {link.name: {} for link in links}
+        inputs: dict[str, set[tuple[int, int]]] = {link.name: set() for link in links}
+        outputs: dict[str, set[tuple[int, int]]] = {link.name: set() for link in links}
         starts: dict[str, Any] = {}
-        times: dict[str, float] = {name: 0.0 for name, _ in units}
         seen: set[tuple[int, int]] = set()
         current: list[str] = []
 
@@ -138,7 +147,7 @@ class _StepMeter:
             key = _storage_key(t)
             if current and not root.is_leaf and key not in seen:
                 seen.add(key)
-                saved[current[-1]] += key[1]
+                saved[current[-1]][key] = key[1]
             return t
 
         def clock() -> Any:
@@ -151,23 +160,23 @@ class _StepMeter:
         def pre(name: str) -> Callable[..., None]:
             def hook(module: nn.Module, args: Any) -> None:
                 current.append(name)
-                inputs[name] = sum(_storage_key(t)[1] for t in _tensors(args))
+                inputs[name] = {_storage_key(t) for t in _tensors(args)}
                 starts[name] = clock()
 
             return hook
 
         def post(name: str) -> Callable[..., None]:
             def hook(module: nn.Module, args: Any, output: Any) -> None:
-                end = clock()
-                starts[name] = (starts[name], end)
+                starts[name] = (starts[name], clock())
+                outputs[name] = {_storage_key(t) for t in _tensors(output)}
                 current.pop()
 
             return hook
 
         handles = []
-        for name, module in units:
-            handles.append(module.register_forward_pre_hook(pre(name)))
-            handles.append(module.register_forward_hook(post(name)))
+        for link in links:
+            handles.append(link.modules[0][1].register_forward_pre_hook(pre(link.name)))
+            handles.append(link.modules[-1][1].register_forward_hook(post(link.name)))
         try:
             with preserved_state(self.model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 self._run()
@@ -176,9 +185,89 @@ class _StepMeter:
                 h.remove()
         if self.cuda:
             torch.cuda.synchronize()
-        for name, (start, end) in starts.items():
-            times[name] = start.elapsed_time(end) if self.cuda else (end - start) * 1e3
-        return [BlockProfile(name, saved[name], inputs[name], times[name]) for name, _ in units]
+        profiles = []
+        for link in links:
+            start, end = starts[link.name]
+            ms = start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+            own = saved[link.name]
+            profiles.append(
+                BlockProfile(
+                    link.name,
+                    saved_bytes=sum(own.values()),
+                    input_bytes=sum(own.get(k, 0) for k in inputs[link.name]),
+                    output_bytes=sum(own.get(k, 0) for k in outputs[link.name]),
+                    forward_ms=ms,
+                )
+            )
+        return profiles
+
+
+def _stock_resnet(module: nn.Module) -> bool:
+    """A torchvision ResNet whose forward is torchvision's: stem, then the four stages, each feeding the next."""
+    try:
+        from torchvision.models import ResNet
+    except ImportError:  # pragma: no cover - torchvision is a dependency
+        return False
+    return (
+        isinstance(module, ResNet)
+        and type(module).forward is ResNet.forward
+        and type(module)._forward_impl is ResNet._forward_impl
+    )
+
+
+def model_chain(model: nn.Module, found: list[tuple[str, nn.Module]]) -> tuple[list[Link], list[bool]]:
+    """The links to plan over and which neighbours may share a run.
+
+    Blocks that are consecutive children of one ``nn.Sequential`` may share a run. In a torchvision ResNet (with
+    torchvision's forward) the stem (conv1, bn1, relu, maxpool) is a link too, and runs may cross stages.
+    """
+    names = {name for name, _ in found}
+    stems: dict[str, Link] = {}  # first block's name -> the stem link before it
+    resnet_blocks: set[str] = set()
+    for prefix, module in model.named_modules():
+        if not _stock_resnet(module):
+            continue
+        dot = f"{prefix}." if prefix else ""
+        blocks = [f"{dot}layer{i}.{j}" for i in range(1, 5) for j in range(len(getattr(module, f"layer{i}")))]
+        if not blocks or not all(b in names for b in blocks):
+            continue
+        stem = tuple((f"{dot}{part}", getattr(module, part)) for part in ("conv1", "bn1", "relu", "maxpool"))
+        stems[blocks[0]] = Link(f"{dot}stem", stem)
+        resnet_blocks.update(blocks)
+    links: list[Link] = []
+    joinable: list[bool] = []
+    modules = dict(model.named_modules())
+    for name, module in found:
+        if name in stems:
+            if links:
+                joinable.append(False)
+            links.append(stems[name])
+            joinable.append(True)
+        elif links:
+            joinable.append(_consecutive_in_sequential(modules, links[-1].name, name, resnet_blocks))
+        links.append(Link(name, ((name, module),)))
+    return links, joinable
+
+
+def _consecutive_in_sequential(modules: dict[str, nn.Module], a: str, b: str, resnet_blocks: set[str]) -> bool:
+    if a in resnet_blocks and b in resnet_blocks:
+        return True
+    parent_a, _, index_a = a.rpartition(".")
+    parent_b, _, index_b = b.rpartition(".")
+    if parent_a != parent_b or not isinstance(modules.get(parent_a), nn.Sequential):
+        return False
+    order = list(modules[parent_a]._modules)
+    return order.index(index_b) == order.index(index_a) + 1
+
+
+def links_named(model: nn.Module, units: Units, names: list[str]) -> list[Link]:
+    """The model's links with these names, in chain order (to re-apply a plan on a fresh copy of the model)."""
+    links, _ = model_chain(model, find_units(model, units))
+    by_name = {link.name: link for link in links}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise ValueError(f"the model has no block named {missing[0]!r} to checkpoint")
+    return [by_name[n] for n in names]
 
 
 def checkpoint_blocks(
@@ -191,11 +280,13 @@ def checkpoint_blocks(
 ) -> CheckpointPlan:
     """Checkpoint a block-structured model in place (``use_reentrant=False``); ``state_dict`` keys do not change.
 
-    Without a budget, every block is checkpointed. With ``memory_budget`` (a fraction in (0, 1] of the
-    un-checkpointed peak, or bytes such as ``"6GB"``), each block's saved activations and forward time are measured
-    on ``example_input``, the blocks that save the most memory per millisecond of recomputation are checkpointed
-    until the predicted peak fits, and the peak is then measured: more blocks are added if it does not fit, and
-    blocks are given back, least valuable first, while it still fits.
+    The model is seen as a chain of links: its blocks, and in a torchvision ResNet also its stem (conv1, bn1, relu,
+    maxpool, cheap to recompute for the memory it holds). Without a budget, every link is checkpointed on its own.
+    With ``memory_budget`` (a fraction in (0, 1] of the un-checkpointed peak, or bytes such as ``"6GB"``), each
+    link's saved activations and forward time are measured on ``example_input``; the links that free the most
+    memory per millisecond of recomputation are chosen until the predicted peak fits, and adjacent chosen links
+    become one run, one checkpoint, which also frees the tensors between them. The peak is then measured: links are
+    added if it does not fit, and given back, least valuable first, while it still fits.
 
     Args:
         model: the model, changed in place.
@@ -214,56 +305,60 @@ def checkpoint_blocks(
         >>> import torchvision
         >>> model = torchvision.models.resnet18(num_classes=10)
         >>> plan = checkpoint_blocks(model)
-        >>> plan.blocks[:2], plan.candidates
-        (['layer1.0', 'layer1.1'], 8)
+        >>> plan.blocks[:3], plan.candidates
+        (['stem', 'layer1.0', 'layer1.1'], 9)
     """
     found = find_units(model, units)
+    links, joinable = model_chain(model, found)
+    names = [link.name for link in links]
     if memory_budget is None:
-        changed = apply_checkpointing(found, bn_correct)
-        return CheckpointPlan(blocks=[n for n, _ in found if n in changed], candidates=len(found))
+        changed = set(apply_runs([[link] for link in links], bn_correct))
+        return CheckpointPlan(
+            blocks=[n for n in names if n in changed], candidates=len(links), runs=[[n] for n in names if n in changed]
+        )
     if example_input is None:
         raise ValueError("`memory_budget` needs `example_input`, a real batch to measure the blocks on")
     if isinstance(memory_budget, float) and not 0 < memory_budget <= 1:
         raise ValueError(f"`memory_budget` as a fraction must be in (0, 1], got {memory_budget!r}")
-    if any(is_checkpointed(m) for _, m in found):
+    if any(is_checkpointed(m) for link in links for _, m in link.modules):
         warnings.warn("the model is already checkpointed; applying twice changes nothing", UserWarning, stacklevel=2)
-        return CheckpointPlan(blocks=[], candidates=len(found))
+        return CheckpointPlan(blocks=[], candidates=len(links))
     meter = _StepMeter(model, example_input, loss_fn or _default_loss)
     baseline = meter.peak()
     if isinstance(memory_budget, float):
         budget = int(baseline * memory_budget)
     else:
         budget = parse_bytes(memory_budget, "memory_budget")
-    profiles = meter.profile(found)
-    chosen, predicted = choose_blocks(profiles, baseline, budget)
-    modules = dict(found)
-    order = [p for p in profiles if p not in chosen]
-    order.sort(key=lambda p: -p.saving / max(p.forward_ms, 1e-6))
+    profiles = meter.profile(links)
+    chosen, _ = choose_blocks(profiles, baseline, budget, joinable)
+
+    def apply(indices: set[int]) -> int:
+        remove_checkpointing(model)
+        apply_runs([[links[i] for i in run] for run in group_runs(indices, joinable)], bn_correct)
+        return meter.peak()
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        apply_checkpointing([(p.name, modules[p.name]) for p in chosen], bn_correct)
-        measured = meter.peak()
-        while measured > budget and order:  # the prediction was optimistic: add the next best block and measure
-            nxt = order.pop(0)
-            chosen.append(nxt)
-            apply_checkpointing([(nxt.name, modules[nxt.name])], bn_correct)
-            measured = meter.peak()
-        if measured <= budget:  # the prediction was cautious: give back the least valuable blocks that fit without
-            for block in sorted(chosen, key=lambda p: p.saving / max(p.forward_ms, 1e-6)):
-                remove_checkpointing(modules[block.name])
-                trial = meter.peak()
+        measured = apply(chosen)
+        rest = sorted(set(range(len(links))) - chosen, key=lambda i: -value(profiles[i]))
+        while measured > budget and rest:  # the prediction was optimistic: add the next best link and measure
+            chosen.add(rest.pop(0))
+            measured = apply(chosen)
+        if measured <= budget:  # the prediction was cautious: give back the least valuable links that fit without
+            for i in sorted(chosen, key=lambda i: value(profiles[i])):
+                trial = apply(chosen - {i})
                 if trial <= budget:
-                    chosen.remove(block)
+                    chosen.discard(i)
                     measured = trial
-                else:
-                    apply_checkpointing([(block.name, modules[block.name])], bn_correct)
-    names = {p.name for p in chosen}
+            measured = apply(chosen)
+    runs = group_runs(chosen, joinable)
     plan = CheckpointPlan(
-        blocks=[n for n, _ in found if n in names],
-        candidates=len(found),
+        blocks=[names[i] for i in sorted(chosen)],
+        candidates=len(links),
+        runs=[[names[i] for i in run] for run in runs],
         baseline_bytes=baseline,
         budget_bytes=budget,
-        predicted_bytes=predict_peak(baseline, chosen),
+        predicted_bytes=predict_peak(baseline, profiles, runs),
         measured_bytes=measured,
         profiles=profiles,
     )
@@ -274,15 +369,20 @@ def checkpoint_blocks(
     return plan
 
 
+def apply_plan(model: nn.Module, runs: list[list[str]], units: Units = "auto", bn_correct: bool = True) -> list[str]:
+    """Checkpoint the runs of a plan made before (``CheckpointPlan.runs``) on a fresh copy of its model."""
+    return apply_runs([links_named(model, units, run) for run in runs], bn_correct)
+
+
 def checkpoint_resnet(
     model: nn.Module,
     memory_budget: float | int | str | None = None,
     example_input: Any = None,
     bn_correct: bool = True,
 ) -> CheckpointPlan:
-    """Checkpoint a torchvision ResNet (resnet18..152, ResNeXt, Wide ResNet) block by block, in place.
+    """Checkpoint a torchvision ResNet (resnet18..152, ResNeXt, Wide ResNet) in place: its stem and blocks.
 
-    See :func:`checkpoint_blocks` for the budget and the BatchNorm handling.
+    See :func:`checkpoint_blocks` for the budget, the runs and the BatchNorm handling.
 
     Raises:
         TypeError: if ``model`` is not a torchvision ResNet.
@@ -290,8 +390,8 @@ def checkpoint_resnet(
     Example:
         >>> import torchvision
         >>> plan = checkpoint_resnet(torchvision.models.resnet50(num_classes=10))
-        >>> len(plan.blocks)
-        16
+        >>> len(plan.blocks), plan.blocks[0]
+        (17, 'stem')
     """
     import torchvision
 

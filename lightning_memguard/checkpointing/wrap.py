@@ -1,10 +1,11 @@
-"""Activation checkpointing of whole blocks, with BatchNorm statistics updated once per step."""
+"""Activation checkpointing of whole blocks and runs of blocks, with BatchNorm statistics updated once per step."""
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,9 +27,12 @@ class _FrozenBatchNormStats:
     ops and saved tensors are the same too, which the non-reentrant checkpoint checks.
     """
 
-    def __init__(self, unit: nn.Module) -> None:
+    def __init__(self, units: Sequence[nn.Module]) -> None:
         self._bns = [
-            m for m in unit.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+            m
+            for unit in units
+            for m in unit.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
         ]
         self._real: list[list[torch.Tensor | None]] = []
 
@@ -52,41 +56,67 @@ class _FrozenBatchNormStats:
 class CheckpointedUnit(nn.Module):
     """Mixin placed in front of a block's own class: its forward runs under ``torch.utils.checkpoint``.
 
-    The block keeps its attributes and parameter names, so ``state_dict`` keys do not change.
+    The block keeps its attributes and parameter names, so ``state_dict`` keys do not change. At the head of a run
+    it also runs the run's other modules (``memguard_run``), inside the same checkpoint.
     """
 
     memguard_bn_correct: bool = True
 
+    def _memguard_forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().forward(*args, **kwargs)
+        for member in self.__dict__.get("memguard_run", ()):
+            out = type(member)._memguard_original.forward(member, out)
+        return out
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            return super().forward(*args, **kwargs)
+            return self._memguard_forward(*args, **kwargs)
         if self.memguard_bn_correct:
+            units = [self, *self.__dict__.get("memguard_run", ())]
             return checkpoint(
-                super().forward,
+                self._memguard_forward,
                 *args,
                 use_reentrant=False,
-                context_fn=lambda: (contextlib.nullcontext(), _FrozenBatchNormStats(self)),
+                context_fn=lambda: (contextlib.nullcontext(), _FrozenBatchNormStats(units)),
                 **kwargs,
             )
-        return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(self._memguard_forward, *args, use_reentrant=False, **kwargs)
 
 
-_SUBCLASSES: dict[type, type] = {}
+class CheckpointedMember(nn.Module):
+    """Mixin for a module inside a run: the run's head already did its work, so when its parent calls it, it hands
+    its input on unchanged. Correct only where the parent calls the run's modules one after another, each on the
+    previous one's output (``nn.Sequential``, a torchvision ResNet's forward)."""
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return x
 
 
-def _checkpointed_class(cls: type[nn.Module]) -> type:
-    sub = _SUBCLASSES.get(cls)
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def _checkpointed_class(cls: type[nn.Module], mixin: type[nn.Module] = CheckpointedUnit) -> type:
+    sub = _SUBCLASSES.get((mixin, cls))
     if sub is None:
-        name = f"Checkpointed{cls.__name__}"
-        sub = type(name, (CheckpointedUnit, cls), {"__module__": __name__, "__qualname__": name})
+        prefix = "Checkpointed" if mixin is CheckpointedUnit else "RunMember"
+        name = f"{prefix}{cls.__name__}"
+        sub = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name})
         sub._memguard_original = cls  # type: ignore[attr-defined]
-        _SUBCLASSES[cls] = sub
+        _SUBCLASSES[(mixin, cls)] = sub
         globals().setdefault(name, sub)  # lets pickle find it by name in this process
     return sub
 
 
 def is_checkpointed(module: nn.Module) -> bool:
-    return isinstance(module, CheckpointedUnit)
+    return isinstance(module, CheckpointedUnit | CheckpointedMember)
+
+
+@dataclass(frozen=True, eq=False)
+class Link:
+    """One link of a model's forward chain: a block, or modules called one after another (a ResNet's stem)."""
+
+    name: str
+    modules: tuple[tuple[str, nn.Module], ...]
 
 
 _FOREIGN_WRAPPERS = ("CheckpointWrapper", "ActivationWrapper", "OffloadWrapper")
@@ -135,23 +165,31 @@ def find_units(model: nn.Module, units: Units = "auto") -> list[tuple[str, nn.Mo
     return found
 
 
-def apply_checkpointing(units: list[tuple[str, nn.Module]], bn_correct: bool = True) -> list[str]:
-    """Checkpoint the given blocks in place; return the names of the blocks changed.
+def apply_runs(runs: Sequence[Sequence[Link]], bn_correct: bool = True) -> list[str]:
+    """Checkpoint each run of links in place, one checkpoint per run; return the names of the links changed.
 
-    Blocks already checkpointed by this library are left as they are (with a warning); blocks that something else
-    already wraps are left alone (with a warning).
+    Runs with a module already checkpointed by this library are left as they are (with a warning); runs with a
+    module that something else already wraps are left alone (with a warning).
     """
-    changed, ours, theirs = [], [], []
-    for name, module in units:
-        if is_checkpointed(module):
-            ours.append(name)
+    changed: list[str] = []
+    ours: list[str] = []
+    theirs: list[str] = []
+    for run in runs:
+        modules = [(name, module) for link in run for name, module in link.modules]
+        if any(is_checkpointed(m) for _, m in modules):
+            ours.append(run[0].name)
             continue
-        if _wrapped_by_someone_else(module):
-            theirs.append(name)
+        if any(_wrapped_by_someone_else(m) for _, m in modules):
+            theirs.append(run[0].name)
             continue
-        module.__class__ = _checkpointed_class(type(module))
-        module.memguard_bn_correct = bn_correct  # type: ignore[assignment]
-        changed.append(name)
+        head = modules[0][1]
+        head.__class__ = _checkpointed_class(type(head))
+        head.memguard_bn_correct = bn_correct  # type: ignore[assignment]
+        if len(modules) > 1:
+            head.__dict__["memguard_run"] = tuple(m for _, m in modules[1:])  # plain references, not submodules
+        for _, member in modules[1:]:
+            member.__class__ = _checkpointed_class(type(member), CheckpointedMember)
+        changed.extend(link.name for link in run)
     if ours:
         warnings.warn(
             f"{len(ours)} block(s) are already checkpointed ({ours[0]}, ...); applying twice changes nothing",
@@ -167,14 +205,24 @@ def apply_checkpointing(units: list[tuple[str, nn.Module]], bn_correct: bool = T
     return changed
 
 
+def apply_checkpointing(units: Sequence[tuple[str, nn.Module]], bn_correct: bool = True) -> list[str]:
+    """Checkpoint the given blocks in place, each on its own; return the names of the blocks changed.
+
+    Blocks already checkpointed by this library are left as they are (with a warning); blocks that something else
+    already wraps are left alone (with a warning).
+    """
+    return apply_runs([[Link(name, ((name, module),))] for name, module in units], bn_correct)
+
+
 def remove_checkpointing(model: nn.Module) -> int:
-    """Undo :func:`apply_checkpointing` everywhere in ``model``; return how many blocks were restored."""
+    """Undo :func:`apply_runs` everywhere in ``model``; return how many checkpoints (blocks or runs) were removed."""
     count = 0
     for module in model.modules():
         if is_checkpointed(module):
+            count += isinstance(module, CheckpointedUnit)
             module.__class__ = type(module)._memguard_original  # type: ignore[attr-defined]
             module.__dict__.pop("memguard_bn_correct", None)
-            count += 1
+            module.__dict__.pop("memguard_run", None)
     return count
 
 

@@ -1,4 +1,8 @@
-"""Which blocks to checkpoint for a memory budget: profiles in, a choice and its predicted peak out."""
+"""Which blocks to checkpoint for a memory budget: profiles in, a choice and its predicted peak out.
+
+The model is a chain of links (a ResNet: its stem, then its blocks), each feeding the next. Adjacent chosen links
+that may be joined are checkpointed as one run: the tensors between them are freed too, at no extra recomputation.
+"""
 
 from __future__ import annotations
 
@@ -8,59 +12,100 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class BlockProfile:
-    """One block measured on a real batch.
+    """One link of the chain, measured on a real batch.
 
     Attributes:
-        name: the block's qualified name in the model.
-        saved_bytes: activations it saves for backward (freed by checkpointing it).
-        input_bytes: its inputs (still kept when it is checkpointed).
+        name: the link's name (a block's qualified name in the model, or ``"stem"``).
+        saved_bytes: activations first saved for backward while it runs.
+        input_bytes: the part of ``saved_bytes`` that is its input (kept when a run starts here).
+        output_bytes: the part of ``saved_bytes`` that is its output (kept when a run ends here: the next link
+            needs it).
         forward_ms: its forward time (paid again in backward when it is checkpointed).
     """
 
     name: str
     saved_bytes: int
     input_bytes: int
+    output_bytes: int
     forward_ms: float
 
     @property
     def saving(self) -> int:
-        return max(0, self.saved_bytes - self.input_bytes)
+        """Bytes freed by checkpointing this link alone."""
+        return max(0, self.saved_bytes - self.input_bytes - self.output_bytes)
 
 
-def predict_peak(baseline: int, chosen: Sequence[BlockProfile]) -> int:
-    """Peak after checkpointing ``chosen``: their savings leave, the largest one comes back while it is recomputed.
-
-    Example:
-        >>> a, b = BlockProfile("a", 100, 10, 1.0), BlockProfile("b", 50, 10, 1.0)
-        >>> predict_peak(1000, [a, b])
-        970
-    """
-    if not chosen:
-        return baseline
-    return baseline - sum(p.saving for p in chosen) + max(p.saved_bytes for p in chosen)
-
-
-def order_by_value(profiles: Sequence[BlockProfile]) -> list[BlockProfile]:
-    """Most memory saved per millisecond of recomputation first (ties: larger saving first)."""
-    return sorted(profiles, key=lambda p: (-p.saving / max(p.forward_ms, 1e-6), -p.saving, p.name))
-
-
-def choose_blocks(profiles: Sequence[BlockProfile], baseline: int, budget: int) -> tuple[list[BlockProfile], int]:
-    """The cheapest set of blocks, greedily by value, whose predicted peak fits ``budget``.
-
-    Returns the chosen blocks (in value order) and the predicted peak. If no set fits, every block is chosen.
+def group_runs(chosen: set[int], joinable: Sequence[bool]) -> list[list[int]]:
+    """Chosen link indices as runs of adjacent links; ``joinable[i]`` says whether links i and i + 1 may share one.
 
     Example:
-        >>> cheap = BlockProfile("cheap", saved_bytes=400, input_bytes=100, forward_ms=1.0)
-        >>> dear = BlockProfile("dear", saved_bytes=400, input_bytes=100, forward_ms=4.0)
-        >>> small = BlockProfile("small", saved_bytes=60, input_bytes=50, forward_ms=1.0)
-        >>> chosen, peak = choose_blocks([dear, small, cheap], baseline=1000, budget=800)
-        >>> [p.name for p in chosen], peak
-        (['cheap', 'dear'], 800)
+        >>> group_runs({0, 1, 2, 4, 5}, joinable=[True, True, True, False, True])
+        [[0, 1, 2], [4, 5]]
     """
-    chosen: list[BlockProfile] = []
-    for profile in order_by_value(profiles):
-        if predict_peak(baseline, chosen) <= budget:
+    runs: list[list[int]] = []
+    for i in sorted(chosen):
+        if runs and runs[-1][-1] == i - 1 and joinable[i - 1]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def predict_peak(baseline: int, profiles: Sequence[BlockProfile], runs: Sequence[Sequence[int]]) -> int:
+    """Peak of a step with ``runs`` checkpointed: the larger of the end of the forward pass (what the runs free is
+    gone) and each run's recomputation in backward (the run's own activations are back, the links after it are
+    already freed).
+
+    Example:
+        >>> a = BlockProfile("a", saved_bytes=100, input_bytes=10, output_bytes=20, forward_ms=1.0)
+        >>> b = BlockProfile("b", saved_bytes=100, input_bytes=0, output_bytes=20, forward_ms=1.0)
+        >>> c = BlockProfile("c", saved_bytes=400, input_bytes=0, output_bytes=0, forward_ms=1.0)
+        >>> predict_peak(1000, [a, b, c], [[0]])  # a alone: its input and output stay
+        930
+        >>> predict_peak(1000, [a, b, c], [[0, 1]])  # a and b as one run: a's output is freed too
+        830
+        >>> predict_peak(1000, [a, b, c], [[2]])  # the last link is recomputed while all before it is still held
+        1000
+    """
+    total = sum(p.saved_bytes for p in profiles)
+    other = baseline - total  # weights, gradients, the head's activations
+    kept = [p.saved_bytes for p in profiles]
+    for run in runs:
+        for i in run:
+            kept[i] = 0
+        kept[run[0]] += profiles[run[0]].input_bytes
+        kept[run[-1]] += profiles[run[-1]].output_bytes
+    peak = other + sum(kept)
+    for run in runs:
+        live = other + sum(kept[: run[0]]) + sum(profiles[i].saved_bytes for i in run)
+        peak = max(peak, live)
+    return peak
+
+
+def value(profile: BlockProfile) -> float:
+    """Bytes freed per millisecond of recomputation."""
+    return profile.saving / max(profile.forward_ms, 1e-6)
+
+
+def choose_blocks(
+    profiles: Sequence[BlockProfile], baseline: int, budget: int, joinable: Sequence[bool] | None = None
+) -> tuple[set[int], int]:
+    """The cheapest set of links, greedily by :func:`value`, whose predicted peak fits ``budget``.
+
+    Returns the chosen link indices and the predicted peak. If no set fits, every link is chosen.
+
+    Example:
+        >>> cheap = BlockProfile("cheap", saved_bytes=400, input_bytes=100, output_bytes=0, forward_ms=1.0)
+        >>> dear = BlockProfile("dear", saved_bytes=400, input_bytes=100, output_bytes=0, forward_ms=4.0)
+        >>> small = BlockProfile("small", saved_bytes=60, input_bytes=50, output_bytes=0, forward_ms=1.0)
+        >>> choose_blocks([dear, small, cheap], baseline=1000, budget=900, joinable=[False, False])
+        ({0, 2}, 700)
+    """
+    joins = list(joinable) if joinable is not None else [False] * max(len(profiles) - 1, 0)
+    order = sorted(range(len(profiles)), key=lambda i: (-value(profiles[i]), -profiles[i].saving, i))
+    chosen: set[int] = set()
+    for i in order:
+        if predict_peak(baseline, profiles, group_runs(chosen, joins)) <= budget:
             break
-        chosen.append(profile)
-    return chosen, predict_peak(baseline, chosen)
+        chosen.add(i)
+    return chosen, predict_peak(baseline, profiles, group_runs(chosen, joins))

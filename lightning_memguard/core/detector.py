@@ -9,6 +9,8 @@ from enum import Enum
 
 from lightning_memguard.core.units import to_gb
 
+GROWTH = 0.005  # memory that rose by less than this fraction of the capacity has not grown
+
 
 class Verdict(str, Enum):
     """How a window looks. ``SPILL`` is acted on; ``SUSPECT`` only makes the detector look closer."""
@@ -85,7 +87,7 @@ def detect_spill(
     slow = [r < reference_rate / collapse for r in recent_rates[-patience:]] if reference_rate else []
     collapsed = len(slow) >= patience and all(slow)
     if near and collapsed:
-        if healthy_used is None or used_bytes <= healthy_used + 0.005 * capacity:
+        if healthy_used is None or used_bytes <= healthy_used + GROWTH * capacity:
             return Verdict.SUSPECT, "slow steps, memory no higher than when the run was fast"
         return Verdict.SPILL, "throughput collapsed with memory at the capacity"
     if near or any(slow):
@@ -99,9 +101,11 @@ class SpillDetector:
     Feed it every training step's duration and samples with :meth:`observe_step`; it answers whether memory
     should be read now: every step while warming up and measuring the reference, then only when the last
     ``read_window`` steps together run ``read_trigger`` times slower than the reference (host-side step times of an
-    asynchronous GPU jitter from step to step; their sum over a few steps does not), at most once per ``patience``
-    steps unless the last reading was at the capacity. Feed the reading to :meth:`observe_memory`. A validation loop, a
-    checkpoint or a dataloader stall makes one step slow, and one slow step never stops a healthy run.
+    asynchronous GPU jitter from step to step; their sum over a few steps does not). After a reading far below the
+    capacity it rests ``patience - 1`` steps, twice as long after each further such reading, taken while steps are
+    slow, that shows no memory growth, up to ``max_rest`` steps; a reading at the capacity ends the rest. Feed the reading to
+    :meth:`observe_memory`. A validation loop, a checkpoint or a dataloader stall makes one step slow, and one slow
+    step never stops a healthy run.
 
     Args:
         capacity: physical memory in bytes.
@@ -114,6 +118,8 @@ class SpillDetector:
         read_window: steps whose summed time decides whether memory is read.
         refresh_every: after this many steps with nothing suspect, the reference becomes their throughput
             (the first steps of an asynchronous GPU run look fast on the host while its queue fills up).
+        max_rest: the longest rest between readings while memory stays far below the capacity and does not grow:
+            it bounds both what a jittery host costs and how late a spill that starts mid-run is seen.
 
     Example:
         >>> det = SpillDetector(capacity=16 * 10**9, warmup_steps=1, reference_steps=2)
@@ -141,6 +147,7 @@ class SpillDetector:
         read_trigger: float = 1.5,
         refresh_every: int = 25,
         read_window: int = 5,
+        max_rest: int = 16,
     ) -> None:
         self.capacity = capacity
         self.read_trigger = read_trigger
@@ -158,6 +165,9 @@ class SpillDetector:
         self.refresh_every = refresh_every
         self.healthy_used: int | None = None  # the most memory read while no step was slow
         self._since_refresh: list[tuple[float, int]] = []
+        self.max_rest = max_rest
+        self._rest = patience - 1  # the next rest after a reading far below the capacity
+        self._last_far: int | None = None  # that reading, to tell growth from a stall
 
     def observe_step(self, seconds: float, samples: int) -> bool:
         """Record one step; return True when memory should be read before the next one."""
@@ -179,6 +189,11 @@ class SpillDetector:
             self._since_refresh = []
         if self._quiet > 0:
             self._quiet -= 1
+            return False
+        return self._window_slow()
+
+    def _window_slow(self) -> bool:
+        if self.reference_rate is None:
             return False
         total = sum(s for s, _ in self._window)
         window_rate = sum(n for _, n in self._window) / total if total > 0 else float("inf")
@@ -204,8 +219,13 @@ class SpillDetector:
         if used_bytes >= self.capacity * (1.0 - self.headroom):
             self._quiet = 0  # memory at the capacity: look at every step until it is decided
             self._since_refresh = []  # and take no new reference from these steps
-        else:
-            self._quiet = self.patience - 1  # slow steps far below the capacity are stalls, not a spill
+            self._rest, self._last_far = self.patience - 1, None
+        else:  # slow steps far below the capacity are stalls, not a spill; while memory does not grow, rest longer
+            grew = self._last_far is None or used_bytes > self._last_far + self.capacity * GROWTH
+            stalled = self._window_slow() and not grew
+            self._rest = min(2 * max(self._rest, 1), self.max_rest) if stalled else self.patience - 1
+            self._last_far = used_bytes
+            self._quiet = self._rest
         return SpillReport(
             verdict=verdict,
             reason=reason,
