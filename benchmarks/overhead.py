@@ -120,6 +120,7 @@ def micro_costs(batch_size: int = 256) -> dict[str, float]:
         "probe_read_us": per_call(probe.read, 1_000),
         "max_memory_allocated_us": per_call(torch.cuda.max_memory_allocated, 1_000),
         "memory_stats_as_nested_dict_us": per_call(torch.cuda.memory_stats_as_nested_dict, 1_000),
+        "nvml_other_processes_us": per_call(lambda: probe._query_other_processes(None), 100),
     }
 
 

@@ -260,3 +260,17 @@ def test_detector_rests_longer_while_slow_windows_show_no_memory_growth():
         if det.observe_step(1.0, 10):
             verdicts.append(det.observe_memory(int(15.9 * GB)).verdict)
     assert verdicts[-1] is Verdict.SPILL
+
+
+def test_planner_cuts_runs_so_that_recomputation_does_not_bring_the_peak_back():
+    """Joining every chosen block into one run frees the most in forward, but recomputing it brings everything back:
+    a one-run plan of a whole chain has the baseline's peak (seen on the GPU before runs were cut)."""
+    from lightning_memguard.core.checkpoint_plan import BlockProfile, choose_blocks, group_runs, predict_peak
+
+    chain = [BlockProfile(f"b{i}", saved_bytes=100, input_bytes=0, output_bytes=20, forward_ms=1.0) for i in range(8)]
+    joinable = [True] * 7
+    baseline = 1000  # 800 of activations, 200 of weights and the rest
+    assert predict_peak(baseline, chain, group_runs(set(range(8)), joinable)) == baseline
+    chosen, runs, predicted = choose_blocks(chain, baseline, budget=500, joinable=joinable)
+    assert predicted <= 500 and len(runs) > 1
+    assert sorted(i for run in runs for i in run) == sorted(chosen)

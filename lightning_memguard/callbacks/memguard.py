@@ -169,6 +169,7 @@ class MemGuard(Callback):
         )
         self._detector.load_state_dict(self._restored_detector)
         self._vote = StopVote(trainer.strategy.root_device, trainer.world_size)
+        probe.read()  # the first reading sets up NVML (milliseconds): here, not inside a training step
         if self.preflight:
             self._run_preflight(probe)
         if self.prevent:

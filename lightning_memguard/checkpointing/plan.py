@@ -20,7 +20,7 @@ from lightning_memguard.checkpointing.wrap import (
     preserved_state,
     remove_checkpointing,
 )
-from lightning_memguard.core.checkpoint_plan import BlockProfile, choose_blocks, group_runs, predict_peak, value
+from lightning_memguard.core.checkpoint_plan import BlockProfile, best_runs, choose_blocks, predict_peak, value
 from lightning_memguard.core.units import parse_bytes
 
 
@@ -285,8 +285,9 @@ def checkpoint_blocks(
     With ``memory_budget`` (a fraction in (0, 1] of the un-checkpointed peak, or bytes such as ``"6GB"``), each
     link's saved activations and forward time are measured on ``example_input``; the links that free the most
     memory per millisecond of recomputation are chosen until the predicted peak fits, and adjacent chosen links
-    become one run, one checkpoint, which also frees the tensors between them. The peak is then measured: links are
-    added if it does not fit, and given back, least valuable first, while it still fits.
+    are joined into runs, one checkpoint each, where that lowers the peak (a run also frees the tensors between its
+    links, but brings all of its activations back at once when it is recomputed). The peak is then measured: links
+    are added if it does not fit, and given back, least valuable first, while it still fits.
 
     Args:
         model: the model, changed in place.
@@ -330,28 +331,35 @@ def checkpoint_blocks(
     else:
         budget = parse_bytes(memory_budget, "memory_budget")
     profiles = meter.profile(links)
-    chosen, _ = choose_blocks(profiles, baseline, budget, joinable)
+    chosen, _, _ = choose_blocks(profiles, baseline, budget, joinable)
+
+    def cut(indices: set[int]) -> list[list[int]]:
+        return best_runs(indices, profiles, baseline, joinable)
 
     def apply(indices: set[int]) -> int:
         remove_checkpointing(model)
-        apply_runs([[links[i] for i in run] for run in group_runs(indices, joinable)], bn_correct)
+        apply_runs([[links[i] for i in run] for run in cut(indices)], bn_correct)
         return meter.peak()
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         measured = apply(chosen)
+        lowest = (measured, set(chosen))
         rest = sorted(set(range(len(links))) - chosen, key=lambda i: -value(profiles[i]))
         while measured > budget and rest:  # the prediction was optimistic: add the next best link and measure
             chosen.add(rest.pop(0))
             measured = apply(chosen)
+            lowest = min(lowest, (measured, set(chosen)), key=lambda m: m[0])
         if measured <= budget:  # the prediction was cautious: give back the least valuable links that fit without
             for i in sorted(chosen, key=lambda i: value(profiles[i])):
                 trial = apply(chosen - {i})
                 if trial <= budget:
                     chosen.discard(i)
                     measured = trial
-            measured = apply(chosen)
-    runs = group_runs(chosen, joinable)
+        else:  # nothing fits: keep the lowest peak seen
+            measured, chosen = lowest
+        measured = apply(chosen)
+    runs = cut(chosen)
     plan = CheckpointPlan(
         blocks=[names[i] for i in sorted(chosen)],
         candidates=len(links),

@@ -1,7 +1,8 @@
 """Which blocks to checkpoint for a memory budget: profiles in, a choice and its predicted peak out.
 
 The model is a chain of links (a ResNet: its stem, then its blocks), each feeding the next. Adjacent chosen links
-that may be joined are checkpointed as one run: the tensors between them are freed too, at no extra recomputation.
+that may be joined can be checkpointed as one run: the tensors between them are freed too, at no extra
+recomputation, but the whole run's activations come back at once when it is recomputed.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class BlockProfile:
 
 
 def group_runs(chosen: set[int], joinable: Sequence[bool]) -> list[list[int]]:
-    """Chosen link indices as runs of adjacent links; ``joinable[i]`` says whether links i and i + 1 may share one.
+    """Chosen link indices as maximal runs of adjacent links; ``joinable[i]`` says whether links i and i + 1 may
+    share one.
 
     Example:
         >>> group_runs({0, 1, 2, 4, 5}, joinable=[True, True, True, False, True])
@@ -49,6 +51,38 @@ def group_runs(chosen: set[int], joinable: Sequence[bool]) -> list[list[int]]:
         else:
             runs.append([i])
     return runs
+
+
+def best_runs(
+    chosen: set[int], profiles: Sequence[BlockProfile], baseline: int, joinable: Sequence[bool]
+) -> list[list[int]]:
+    """Where to cut the chosen links into runs. Joining two runs frees the tensor between them but brings back more
+    at once when they are recomputed; runs are joined, the best join first, while that lowers the predicted peak.
+
+    Example:
+        >>> a = BlockProfile("a", saved_bytes=100, input_bytes=10, output_bytes=20, forward_ms=1.0)
+        >>> b = BlockProfile("b", saved_bytes=100, input_bytes=0, output_bytes=20, forward_ms=1.0)
+        >>> c = BlockProfile("c", saved_bytes=400, input_bytes=0, output_bytes=0, forward_ms=1.0)
+        >>> best_runs({0, 1}, [a, b, c], 1000, [True, True])  # c still holds its own: join a and b
+        [[0, 1]]
+        >>> best_runs({0, 1, 2}, [a, b, c], 1000, [True, True])  # one run of all would bring everything back
+        [[0, 1], [2]]
+    """
+    runs = [[i] for i in sorted(chosen)]
+    peak = predict_peak(baseline, profiles, runs)
+    while True:
+        best: tuple[int, list[list[int]]] | None = None
+        for k in range(len(runs) - 1):
+            left, right = runs[k], runs[k + 1]
+            if right[0] != left[-1] + 1 or not joinable[left[-1]]:
+                continue
+            trial = [*runs[:k], left + right, *runs[k + 2 :]]
+            trial_peak = predict_peak(baseline, profiles, trial)
+            if trial_peak < peak and (best is None or trial_peak < best[0]):
+                best = (trial_peak, trial)
+        if best is None:
+            return runs
+        peak, runs = best
 
 
 def predict_peak(baseline: int, profiles: Sequence[BlockProfile], runs: Sequence[Sequence[int]]) -> int:
@@ -89,23 +123,26 @@ def value(profile: BlockProfile) -> float:
 
 def choose_blocks(
     profiles: Sequence[BlockProfile], baseline: int, budget: int, joinable: Sequence[bool] | None = None
-) -> tuple[set[int], int]:
-    """The cheapest set of links, greedily by :func:`value`, whose predicted peak fits ``budget``.
+) -> tuple[set[int], list[list[int]], int]:
+    """The cheapest set of links, greedily by :func:`value`, whose predicted peak, cut into runs by
+    :func:`best_runs`, fits ``budget``.
 
-    Returns the chosen link indices and the predicted peak. If no set fits, every link is chosen.
+    Returns the chosen link indices, their runs and the predicted peak. If no set fits, every link is chosen.
 
     Example:
         >>> cheap = BlockProfile("cheap", saved_bytes=400, input_bytes=100, output_bytes=0, forward_ms=1.0)
         >>> dear = BlockProfile("dear", saved_bytes=400, input_bytes=100, output_bytes=0, forward_ms=4.0)
         >>> small = BlockProfile("small", saved_bytes=60, input_bytes=50, output_bytes=0, forward_ms=1.0)
         >>> choose_blocks([dear, small, cheap], baseline=1000, budget=900, joinable=[False, False])
-        ({0, 2}, 700)
+        ({0, 2}, [[0], [2]], 700)
     """
     joins = list(joinable) if joinable is not None else [False] * max(len(profiles) - 1, 0)
     order = sorted(range(len(profiles)), key=lambda i: (-value(profiles[i]), -profiles[i].saving, i))
     chosen: set[int] = set()
+    runs: list[list[int]] = []
     for i in order:
-        if predict_peak(baseline, profiles, group_runs(chosen, joins)) <= budget:
+        if predict_peak(baseline, profiles, runs) <= budget:
             break
         chosen.add(i)
-    return chosen, predict_peak(baseline, profiles, group_runs(chosen, joins))
+        runs = best_runs(chosen, profiles, baseline, joins)
+    return chosen, runs, predict_peak(baseline, profiles, runs)
