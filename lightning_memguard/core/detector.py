@@ -103,9 +103,9 @@ class SpillDetector:
     ``read_window`` steps together run ``read_trigger`` times slower than the reference (host-side step times of an
     asynchronous GPU jitter from step to step; their sum over a few steps does not). After a reading far below the
     capacity it rests ``patience - 1`` steps, twice as long after each further such reading, taken while steps are
-    slow, that shows no memory growth, up to ``max_rest`` steps; a reading at the capacity ends the rest. Feed the reading to
-    :meth:`observe_memory`. A validation loop, a checkpoint or a dataloader stall makes one step slow, and one slow
-    step never stops a healthy run.
+    slow, that shows no memory growth, up to ``max_rest`` steps; a reading at the capacity ends the rest. Feed the
+    reading to :meth:`observe_memory`. A validation loop, a checkpoint or a dataloader stall makes one step slow,
+    and one slow step never stops a healthy run.
 
     Args:
         capacity: physical memory in bytes.
