@@ -32,6 +32,7 @@ from lightning_memguard.probes import MemoryProbe, MemoryReading, probe_for
 
 _ON_SPILL = ("raise", "stop", "warn")
 # key -> how ranks combine it under DDP
+_SEQUENCES = (list, tuple)
 _LOGGED = {
     "memguard/peak_allocated_gb": "max",
     "memguard/peak_reserved_gb": "max",
@@ -180,12 +181,23 @@ class MemGuard(Callback):
         self._require_probe().reset_peak()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        # every training step passes here: a clock read, two appends and, now and then, a memory reading
         now = self._clock()
         if self._last_start is not None and not self._gap:
-            self._finish_step(now - self._last_start, trainer, pl_module)
+            seconds = now - self._last_start
+            self._durations.append(seconds)
+            self._samples.append(self._last_samples)
+            detector = self._detector
+            if detector is not None and self.spill is None:
+                wants_read = detector.observe_step(seconds, self._last_samples)
+                if wants_read or len(self._durations) % self.read_every == 0:
+                    self._read_and_judge(detector, trainer)
         self._gap = False
-        if self._vote is not None and self._vote.cast(self.spill is not None and self.on_spill != "warn"):
-            self._act(trainer)
+        vote = self._vote
+        if vote is not None:
+            stop = self.spill is not None and self.on_spill != "warn"
+            if vote.cast(stop) if vote.distributed else stop:
+                self._act(trainer)
         self._last_samples = self._batch_size(batch)
         self._last_start = now
 
@@ -282,24 +294,23 @@ class MemGuard(Callback):
             self._open_steps.append((self._clock() - self._last_start, self._last_samples))
         self._gap = True
 
-    def _finish_step(self, seconds: float, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._durations.append(seconds)
-        self._samples.append(self._last_samples)
-        detector = self._detector
-        if detector is None or self.spill is not None:
-            return
-        wants_read = detector.observe_step(seconds, self._last_samples)
-        if wants_read or len(self._durations) % self.read_every == 0:
-            reading = self._require_probe().read()
-            report = detector.observe_memory(self._used(reading))
-            if report.verdict is Verdict.SPILL:
-                self._on_spill_detected(replace(report, step=trainer.global_step), trainer)
+    def _read_and_judge(self, detector: SpillDetector, trainer: Trainer) -> None:
+        reading = self._require_probe().read()
+        report = detector.observe_memory(self._used(reading))
+        if report.verdict is Verdict.SPILL:
+            self._on_spill_detected(replace(report, step=trainer.global_step), trainer)
 
     @staticmethod
     def _used(reading: MemoryReading) -> int:
         return max(reading.peak_allocated, reading.peak_reserved) + reading.other_processes
 
     def _batch_size(self, batch: Any) -> int:
+        # the common batches, (inputs, targets) or a tensor, without Lightning's general traversal: this runs every step
+        first = batch[0] if batch.__class__ in _SEQUENCES and batch else batch
+        if first.__class__ is torch.Tensor:
+            shape = first.shape
+            if shape:
+                return shape[0]
         try:
             return extract_batch_size(batch)
         except Exception:  # a batch Lightning cannot size counts as one sample per step

@@ -159,49 +159,65 @@ class SpillDetector:
         self.steps = 0
         self.reference_rate: float | None = None
         self._reference: list[float] = []
-        self._recent: deque[float] = deque(maxlen=patience)
-        self._window: deque[tuple[float, int]] = deque(maxlen=read_window)
+        # the last steps' seconds and samples: the read window, and the last `patience` steps' rates
+        self._seconds: deque[float] = deque(maxlen=max(read_window, patience))
+        self._samples: deque[int] = deque(maxlen=max(read_window, patience))
+        self.read_window = read_window
+        self._watch_until = warmup_steps + reference_steps + patience  # every step is read until here
         self._quiet = 0  # steps left before a slow window may trigger another read
         self.refresh_every = refresh_every
         self.healthy_used: int | None = None  # the most memory read while no step was slow
-        self._since_refresh: list[tuple[float, int]] = []
+        self._since_seconds = 0.0  # steps since the reference was last refreshed: time, samples, count
+        self._since_samples = 0
+        self._since_steps = 0
         self.max_rest = max_rest
         self._rest = patience - 1  # the next rest after a reading far below the capacity
         self._last_far: int | None = None  # that reading, to tell growth from a stall
 
     def observe_step(self, seconds: float, samples: int) -> bool:
         """Record one step; return True when memory should be read before the next one."""
+        # this runs every training step: the common path is kept to a few additions
         self.steps += 1
-        rate = samples / seconds if seconds > 0 else float("inf")
-        self._recent.append(rate)
-        self._window.append((seconds, samples))
-        if self.reference_rate is None and self.steps > self.warmup_steps:
-            self._reference.append(rate)
-            if len(self._reference) >= self.reference_steps:
-                self.reference_rate = statistics.median(self._reference)
-        if self.reference_rate is None or self.steps <= self.warmup_steps + self.reference_steps + self.patience:
+        self._seconds.append(seconds)
+        self._samples.append(samples)
+        if self.reference_rate is None or self.steps <= self._watch_until:
+            if self.reference_rate is None and self.steps > self.warmup_steps:
+                self._reference.append(samples / seconds if seconds > 0 else float("inf"))
+                if len(self._reference) >= self.reference_steps:
+                    self.reference_rate = statistics.median(self._reference)
             return True
-        self._since_refresh.append((seconds, samples))
-        if len(self._since_refresh) >= self.refresh_every:
-            total = sum(s for s, _ in self._since_refresh)
-            if total > 0:  # the window's own throughput: host-side jitter averages out
-                self.reference_rate = sum(n for _, n in self._since_refresh) / total
-            self._since_refresh = []
+        self._since_seconds += seconds
+        self._since_samples += samples
+        self._since_steps += 1
+        if self._since_steps >= self.refresh_every:
+            if self._since_seconds > 0:  # the steps' own throughput: host-side jitter averages out
+                self.reference_rate = self._since_samples / self._since_seconds
+            self._forget_since_refresh()
         if self._quiet > 0:
             self._quiet -= 1
             return False
         return self._window_slow()
 
+    def _forget_since_refresh(self) -> None:
+        self._since_seconds, self._since_samples, self._since_steps = 0.0, 0, 0
+
+    def _recent_rates(self) -> list[float]:
+        pairs = list(zip(self._seconds, self._samples, strict=True))[-self.patience :]
+        return [n / s if s > 0 else float("inf") for s, n in pairs]
+
     def _window_slow(self) -> bool:
         if self.reference_rate is None:
             return False
-        total = sum(s for s, _ in self._window)
-        window_rate = sum(n for _, n in self._window) / total if total > 0 else float("inf")
-        return window_rate < self.reference_rate / self.read_trigger
+        if len(self._seconds) > self.read_window:  # patience is longer than the window
+            total = sum(list(self._seconds)[-self.read_window :])
+            samples = sum(list(self._samples)[-self.read_window :])
+        else:
+            total, samples = sum(self._seconds), sum(self._samples)
+        return total > 0 and samples / total < self.reference_rate / self.read_trigger
 
     def observe_memory(self, used_bytes: int) -> SpillReport:
         """Judge the latest steps against a memory reading (peak plus other processes, in bytes)."""
-        recent = list(self._recent)
+        recent = self._recent_rates()
         verdict, reason = detect_spill(
             used_bytes,
             self.capacity,
@@ -218,7 +234,7 @@ class SpillDetector:
             self.healthy_used = max(self.healthy_used or 0, used_bytes)
         if used_bytes >= self.capacity * (1.0 - self.headroom):
             self._quiet = 0  # memory at the capacity: look at every step until it is decided
-            self._since_refresh = []  # and take no new reference from these steps
+            self._forget_since_refresh()  # and take no new reference from these steps
             self._rest, self._last_far = self.patience - 1, None
         else:  # slow steps far below the capacity are stalls, not a spill; while memory does not grow, rest longer
             grew = self._last_far is None or used_bytes > self._last_far + self.capacity * GROWTH
