@@ -274,3 +274,13 @@ def test_planner_cuts_runs_so_that_recomputation_does_not_bring_the_peak_back():
     chosen, runs, predicted = choose_blocks(chain, baseline, budget=500, joinable=joinable)
     assert predicted <= 500 and len(runs) > 1
     assert sorted(i for run in runs for i in run) == sorted(chosen)
+
+
+def test_detector_with_patience_longer_than_its_read_window():
+    det = SpillDetector(16 * GB, warmup_steps=0, reference_steps=2, patience=5, read_window=2)
+    for _ in range(8):
+        det.observe_step(0.1, 10)
+    det.observe_memory(4 * GB)  # fast and far below the capacity: what a healthy step needs
+    verdicts = [det.observe_memory(int(15.9 * GB)).verdict for _ in range(5) if det.observe_step(1.0, 10)]
+    assert verdicts[-1] is Verdict.SPILL  # five collapsed steps at the capacity
+    assert verdicts[:-1] == [Verdict.SUSPECT] * (len(verdicts) - 1)
