@@ -84,7 +84,7 @@ def bn_identity(batches: list) -> dict[str, bool]:
         if name == "ours_every_block":
             checkpoint_resnet(model)
         elif name == "ours_runs":  # blocks joined into runs, one checkpoint each, as budgets choose them
-            apply_plan(model, [["stem", "layer1.0", "layer1.1", "layer1.2", "layer2.0"], ["layer3.0", "layer3.1"]])
+            apply_plan(model, [["stem"], ["layer1.0", "layer1.1", "layer1.2"], ["layer3.0", "layer3.1", "layer3.2"]])
         elif name == "checkpoint_sequential_4":
             forward = sequential_forward(model)
         train_steps(model, forward, batches[:3], steps=3, warmup=0)

@@ -248,7 +248,7 @@ def test_blocks_are_given_back_while_the_measured_peak_still_fits(monkeypatch):
     assert plan.held and 0 < len(plan.blocks) < 9
 
 
-RUNS = [["stem", "layer1.0", "layer1.1"], ["layer2.1", "layer3.0", "layer3.1"], ["layer4.1"]]
+RUNS = [["stem"], ["layer1.0", "layer1.1"], ["layer3.0", "layer3.1"], ["layer4.1"]]
 
 
 @pytest.mark.parametrize("arch", ["resnet18", "resnext50_32x4d"])
@@ -256,7 +256,7 @@ def test_runs_of_blocks_are_bit_identical_too(arch):
     torch.manual_seed(1)
     plain = torchvision.models.get_model(arch, num_classes=10)
     ours = copy.deepcopy(plain)
-    runs = RUNS if arch == "resnet18" else [["stem", "layer1.0", "layer1.1", "layer1.2", "layer2.0"], ["layer4.2"]]
+    runs = RUNS if arch == "resnet18" else [["stem"], ["layer1.0", "layer1.1", "layer1.2"], ["layer4.1", "layer4.2"]]
     assert apply_plan(ours, runs, units={torchvision.models.resnet.BasicBlock, torchvision.models.resnet.Bottleneck})
     assert type(ours.bn1).__name__ == "RunMemberBatchNorm2d"  # done by the run's head, conv1
     assert _identical(_train(plain), _train(ours))
@@ -271,11 +271,11 @@ def test_a_copied_run_points_at_the_copys_modules():
     model = torchvision.models.resnet18(num_classes=10)
     apply_plan(model, RUNS)
     twin = copy.deepcopy(model)
-    assert twin.conv1.memguard_run[0] is twin.bn1 and twin.layer2[1].memguard_run[1] is twin.layer3[1]
+    assert twin.conv1.memguard_run[0] is twin.bn1 and twin.layer3[0].memguard_run[0] is twin.layer3[1]
     x = torch.randn(2, 3, 32, 32)
     model.eval(), twin.eval()
     torch.testing.assert_close(model(x), twin(x), rtol=0, atol=0)
-    assert remove_checkpointing(twin) == 3  # one checkpoint per run
+    assert remove_checkpointing(twin) == 4  # one checkpoint per run
     assert not any(is_checkpointed(m) for m in twin.modules()) and "memguard_run" not in vars(twin.conv1)
 
 
@@ -283,7 +283,8 @@ def test_which_blocks_may_share_a_run():
     model = torchvision.models.resnet18(num_classes=10)
     links, joinable = model_chain(model, find_units(model))
     assert [link.name for link in links][:3] == ["stem", "layer1.0", "layer1.1"]
-    assert all(joinable)  # torchvision's forward feeds each stage into the next
+    # blocks of one stage may join: a stage's output, which feature extractors read, stays its own
+    assert joinable == [False, True, False, True, False, True, False, True]
 
     class OwnForward(torchvision.models.ResNet):  # a forward of its own: only siblings in a Sequential may join
         def forward(self, x):
@@ -291,7 +292,27 @@ def test_which_blocks_may_share_a_run():
 
     own = OwnForward(torchvision.models.resnet.BasicBlock, [2, 2, 2, 2], num_classes=10)
     links, joinable = model_chain(own, find_units(own))
-    assert links[0].name == "layer1.0" and joinable == [True, False, True, False, True, False, True]
+    assert links[0].name == "layer1.0" and joinable == [True, False, True, False, True, False, True]  # no stem
+    with pytest.raises(ValueError, match="'layer1.1' and 'layer2.0' cannot share a run"):
+        apply_plan(torchvision.models.resnet18(), [["layer1.1", "layer2.0"]])
+    with pytest.raises(ValueError, match="no block named 'layer9.0'"):
+        apply_plan(torchvision.models.resnet18(), [["layer9.0"]])
+
+
+def test_stage_outputs_and_blocks_called_alone_are_unchanged_by_runs():
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet18(num_classes=10).eval()
+    ours = copy.deepcopy(plain)
+    apply_plan(ours, [["stem"], ["layer1.0", "layer1.1"], ["layer2.0", "layer2.1"]])
+    seen = {}
+    for name, model in (("plain", plain), ("ours", ours)):
+        model.layer1.register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, o))
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), ours(x), rtol=0, atol=0)
+        torch.testing.assert_close(seen["plain"], seen["ours"], rtol=0, atol=0)  # what an FPN would read
+        h = torch.randn(2, 64, 16, 16)
+        torch.testing.assert_close(plain.layer1[1](h), ours.layer1[1](h), rtol=0, atol=0)  # a run member alone
 
 
 def test_a_tight_budget_joins_blocks_into_runs():
@@ -300,5 +321,6 @@ def test_a_tight_budget_joins_blocks_into_runs():
     plan = checkpoint_resnet(model, memory_budget=0.45, example_input=x)
     assert plan.held, plan.summary()
     assert any(len(run) > 1 for run in plan.runs)
+    assert all(len({name.rpartition(".")[0] for name in run}) == 1 for run in plan.runs)  # within a stage
     assert [name for run in plan.runs for name in run] == plan.blocks
     assert plan.predicted_bytes is not None and plan.profiles[0].name == "stem"

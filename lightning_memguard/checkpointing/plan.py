@@ -218,22 +218,20 @@ def _stock_resnet(module: nn.Module) -> bool:
 def model_chain(model: nn.Module, found: list[tuple[str, nn.Module]]) -> tuple[list[Link], list[bool]]:
     """The links to plan over and which neighbours may share a run.
 
-    Blocks that are consecutive children of one ``nn.Sequential`` may share a run. In a torchvision ResNet (with
-    torchvision's forward) the stem (conv1, bn1, relu, maxpool) is a link too, and runs may cross stages.
+    Blocks that are consecutive children of one ``nn.Sequential`` may share a run, so a stage's output (what
+    feature extractors read) is always its own. In a torchvision ResNet (with torchvision's forward) the stem
+    (conv1, bn1, relu, maxpool) is a link too, on its own.
     """
-    names = {name for name, _ in found}
     stems: dict[str, Link] = {}  # first block's name -> the stem link before it
-    resnet_blocks: set[str] = set()
+    names = {name for name, _ in found}
     for prefix, module in model.named_modules():
         if not _stock_resnet(module):
             continue
         dot = f"{prefix}." if prefix else ""
-        blocks = [f"{dot}layer{i}.{j}" for i in range(1, 5) for j in range(len(getattr(module, f"layer{i}")))]
-        if not blocks or not all(b in names for b in blocks):
-            continue
-        stem = tuple((f"{dot}{part}", getattr(module, part)) for part in ("conv1", "bn1", "relu", "maxpool"))
-        stems[blocks[0]] = Link(f"{dot}stem", stem)
-        resnet_blocks.update(blocks)
+        first = f"{dot}layer1.0"
+        if first in names:
+            stem = tuple((f"{dot}{part}", getattr(module, part)) for part in ("conv1", "bn1", "relu", "maxpool"))
+            stems[first] = Link(f"{dot}stem", stem)
     links: list[Link] = []
     joinable: list[bool] = []
     modules = dict(model.named_modules())
@@ -242,16 +240,14 @@ def model_chain(model: nn.Module, found: list[tuple[str, nn.Module]]) -> tuple[l
             if links:
                 joinable.append(False)
             links.append(stems[name])
-            joinable.append(True)
+            joinable.append(False)
         elif links:
-            joinable.append(_consecutive_in_sequential(modules, links[-1].name, name, resnet_blocks))
+            joinable.append(_consecutive_in_sequential(modules, links[-1].name, name))
         links.append(Link(name, ((name, module),)))
     return links, joinable
 
 
-def _consecutive_in_sequential(modules: dict[str, nn.Module], a: str, b: str, resnet_blocks: set[str]) -> bool:
-    if a in resnet_blocks and b in resnet_blocks:
-        return True
+def _consecutive_in_sequential(modules: dict[str, nn.Module], a: str, b: str) -> bool:
     parent_a, _, index_a = a.rpartition(".")
     parent_b, _, index_b = b.rpartition(".")
     if parent_a != parent_b or not isinstance(modules.get(parent_a), nn.Sequential):
@@ -260,14 +256,24 @@ def _consecutive_in_sequential(modules: dict[str, nn.Module], a: str, b: str, re
     return order.index(index_b) == order.index(index_a) + 1
 
 
-def links_named(model: nn.Module, units: Units, names: list[str]) -> list[Link]:
-    """The model's links with these names, in chain order (to re-apply a plan on a fresh copy of the model)."""
-    links, _ = model_chain(model, find_units(model, units))
-    by_name = {link.name: link for link in links}
-    missing = [n for n in names if n not in by_name]
-    if missing:
-        raise ValueError(f"the model has no block named {missing[0]!r} to checkpoint")
-    return [by_name[n] for n in names]
+def _runs_named(model: nn.Module, units: Units, runs: list[list[str]]) -> list[list[Link]]:
+    """The model's links for each run of names (to re-apply a plan on a fresh copy of the model).
+
+    Raises:
+        ValueError: a name the model does not have, or a run whose links may not share one checkpoint.
+    """
+    links, joinable = model_chain(model, find_units(model, units))
+    index = {link.name: i for i, link in enumerate(links)}
+    for run in runs:
+        missing = [n for n in run if n not in index]
+        if missing:
+            raise ValueError(f"the model has no block named {missing[0]!r} to checkpoint")
+        for a, b in zip(run, run[1:], strict=False):
+            if index[b] != index[a] + 1 or not joinable[index[a]]:
+                raise ValueError(
+                    f"{a!r} and {b!r} cannot share a run: a run is made of consecutive blocks of one nn.Sequential"
+                )
+    return [[links[index[n]] for n in run] for run in runs]
 
 
 def checkpoint_blocks(
@@ -284,9 +290,10 @@ def checkpoint_blocks(
     maxpool, cheap to recompute for the memory it holds). Without a budget, every link is checkpointed on its own.
     With ``memory_budget`` (a fraction in (0, 1] of the un-checkpointed peak, or bytes such as ``"6GB"``), each
     link's saved activations and forward time are measured on ``example_input``; the links that free the most
-    memory per millisecond of recomputation are chosen until the predicted peak fits, and adjacent chosen links
-    are joined into runs, one checkpoint each, where that lowers the peak (a run also frees the tensors between its
-    links, but brings all of its activations back at once when it is recomputed). The peak is then measured: links
+    memory per millisecond of recomputation are chosen until the predicted peak fits, and chosen neighbours of one
+    ``nn.Sequential`` (a ResNet stage) are joined into runs, one checkpoint each, where that lowers the peak (a run
+    also frees the tensors between its blocks, but brings all of its activations back at once when it is
+    recomputed). The peak is then measured: links
     are added if it does not fit, and given back, least valuable first, while it still fits.
 
     Args:
@@ -378,8 +385,12 @@ def checkpoint_blocks(
 
 
 def apply_plan(model: nn.Module, runs: list[list[str]], units: Units = "auto", bn_correct: bool = True) -> list[str]:
-    """Checkpoint the runs of a plan made before (``CheckpointPlan.runs``) on a fresh copy of its model."""
-    return apply_runs([links_named(model, units, run) for run in runs], bn_correct)
+    """Checkpoint the runs of a plan made before (``CheckpointPlan.runs``) on a fresh copy of its model.
+
+    Raises:
+        ValueError: a block the model does not have, or a run of blocks that may not share one checkpoint.
+    """
+    return apply_runs(_runs_named(model, units, runs), bn_correct)
 
 
 def checkpoint_resnet(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,27 +70,37 @@ class CheckpointedUnit(nn.Module):
         return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        run = self.__dict__.get("memguard_run", ())
         if not torch.is_grad_enabled():
-            return self._memguard_forward(*args, **kwargs)
-        if self.memguard_bn_correct:
-            units = [self, *self.__dict__.get("memguard_run", ())]
-            return checkpoint(
+            out = self._memguard_forward(*args, **kwargs)
+        elif self.memguard_bn_correct:
+            units = [self, *run]
+            out = checkpoint(
                 self._memguard_forward,
                 *args,
                 use_reentrant=False,
                 context_fn=lambda: (contextlib.nullcontext(), _FrozenBatchNormStats(units)),
                 **kwargs,
             )
-        return checkpoint(self._memguard_forward, *args, use_reentrant=False, **kwargs)
+        else:
+            out = checkpoint(self._memguard_forward, *args, use_reentrant=False, **kwargs)
+        if run and isinstance(out, torch.Tensor):
+            done = weakref.ref(out)
+            for member in run:
+                member.__dict__["_memguard_done"] = done
+        return out
 
 
 class CheckpointedMember(nn.Module):
-    """Mixin for a module inside a run: the run's head already did its work, so when its parent calls it, it hands
-    its input on unchanged. Correct only where the parent calls the run's modules one after another, each on the
-    previous one's output (``nn.Sequential``, a torchvision ResNet's forward)."""
+    """Mixin for a module inside a run. Called by its parent right after the run's head, on the head's output, it
+    hands that output on: the head already did its work. Called on anything else (on its own, say), it runs as
+    usual. Forward hooks on a run's inner modules see the run's output."""
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return x
+        done = self.__dict__.get("_memguard_done")
+        if done is not None and x is done() and not args and not kwargs:
+            return x
+        return super().forward(x, *args, **kwargs)
 
 
 _SUBCLASSES: dict[tuple[type, type], type] = {}
@@ -223,6 +234,7 @@ def remove_checkpointing(model: nn.Module) -> int:
             module.__class__ = type(module)._memguard_original  # type: ignore[attr-defined]
             module.__dict__.pop("memguard_bn_correct", None)
             module.__dict__.pop("memguard_run", None)
+            module.__dict__.pop("_memguard_done", None)
     return count
 
 
