@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--batch-sizes", default="32,64,128,256")
     sweep.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
     sweep.add_argument("--accumulate", type=int, default=1)
-    sweep.add_argument("--steps", type=int, default=8, help="timed optimizer steps per batch size")
+    sweep.add_argument("--steps", type=int, default=16, help="timed optimizer steps per batch size")
     sweep.add_argument("--out", default="memguard-sweep", help="folder for sweep.csv and sweep.png")
 
     plan = sub.add_parser("plan", help="measure micro-batch x accumulation for an effective batch; print the choice")

@@ -26,8 +26,8 @@ class SweepConfig:
     channels_last: bool = False
     checkpoint: bool = False
     accumulate: int = 1
-    steps: int = 8
-    warmup: int = 3
+    steps: int = 16
+    warmup: int = 5
     emulate_capacity: int | None = None
     device: str = "auto"
 
