@@ -37,6 +37,7 @@ class TimedMemGuard(MemGuard):
         self.seconds = {"step": 0.0, "epoch": 0.0}
         self.steps = 0
         self.reads = 0
+        self.step_calls: list[float] = []  # each step hook's own time, for the median and the tail
         for name in STEP_HOOKS + EPOCH_HOOKS:
             setattr(self, name, self._timed(name, getattr(self, name)))
 
@@ -59,7 +60,10 @@ class TimedMemGuard(MemGuard):
             try:
                 return hook(*args, **kwargs)
             finally:
-                self.seconds[kind] += time.perf_counter() - start
+                took = time.perf_counter() - start
+                self.seconds[kind] += took
+                if kind == "step":
+                    self.step_calls.append(took)
                 self.steps += name == "on_train_batch_start"
 
         return run
@@ -90,6 +94,9 @@ def run_once(batch: int, guarded: bool, warmup: int, steps: int, root: str) -> d
         row["epoch_hooks_ms_per_epoch"] = guard.seconds["epoch"] * 1e3
         row["all_hooks_us_per_step"] = (guard.seconds["step"] + guard.seconds["epoch"]) / steps * 1e6
         row["memory_reads_per_100_steps"] = guard.reads / steps * 100
+        calls = sorted(guard.step_calls)
+        row["step_hook_us_median"] = median(calls) * 1e6
+        row["step_hook_us_p90"] = calls[int(0.9 * (len(calls) - 1))] * 1e6
         row["peak_allocated_gb"] = guard.epochs[-1].peak_allocated_gb if guard.epochs else None
     return row
 
@@ -153,6 +160,8 @@ def main() -> None:
             "epoch_hooks_ms_per_epoch": median([r["epoch_hooks_ms_per_epoch"] for r in guarded]),
             "all_hooks_us_per_step": median([r["all_hooks_us_per_step"] for r in guarded]),
             "memory_reads_per_100_steps": median([r["memory_reads_per_100_steps"] for r in guarded]),
+            "step_hook_us_median": median([r["step_hook_us_median"] for r in guarded]),
+            "step_hook_us_p90": median([r["step_hook_us_p90"] for r in guarded]),
         }
     costs = micro_costs()
     # each timed hook call includes about one clock read of the timing wrapper itself
