@@ -54,6 +54,11 @@ class _FrozenBatchNormStats:
         self._real = []
 
 
+def _compiling() -> bool:
+    is_compiling = getattr(torch.compiler, "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
+
+
 class CheckpointedUnit(nn.Module):
     """Mixin placed in front of a block's own class: its forward runs under ``torch.utils.checkpoint``.
 
@@ -73,7 +78,9 @@ class CheckpointedUnit(nn.Module):
         run = self.__dict__.get("memguard_run", ())
         if not torch.is_grad_enabled():
             out = self._memguard_forward(*args, **kwargs)
-        elif self.memguard_bn_correct:
+        elif self.memguard_bn_correct and not _compiling():
+            # under torch.compile the compiled backward recomputes without applying buffer updates again, and
+            # the compiler does not take a context_fn
             units = [self, *run]
             out = checkpoint(
                 self._memguard_forward,
