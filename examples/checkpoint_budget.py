@@ -24,7 +24,7 @@ def main() -> None:
     with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
         plan = checkpoint_resnet(model, memory_budget=args.budget, example_input=batch)
     print(plan.summary())
-    print("blocks:", ", ".join(plan.blocks))
+    print("runs, one checkpoint each:", "; ".join(" + ".join(run) for run in plan.runs))
 
 
 if __name__ == "__main__":

@@ -379,7 +379,7 @@ def checkpoint_blocks(
     )
     if not plan.held:
         warnings.warn(
-            f"memory budget not met with every block checkpointed: {plan.summary()}", UserWarning, stacklevel=2
+            f"memory budget not met; the lowest peak found: {plan.summary()}", UserWarning, stacklevel=2
         )
     return plan
 
