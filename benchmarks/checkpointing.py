@@ -5,7 +5,8 @@
 ResNet50, bf16 autocast, channels_last, SGD, batch 256, random data on the device, a plain PyTorch loop.
 Configurations: no checkpointing; the write-up's `checkpoint_sequential` over the four stages (4 segments);
 ours with every block (and the stem); ours at memory budgets 0.8, 0.7, 0.57, 0.5 and 0.4 of the un-checkpointed
-peak of one pass (0.57 of it is about the 4-segment version's saving of the training peak). Each is timed with
+peak of one pass (0.57 of it is about the 4-segment version's saving of the training peak); and, experimental,
+every Bottleneck's BatchNorm + ReLU outputs rebuilt in backward instead of kept (`_bn_relu.py`). Each is timed with
 CUDA events (median step) in two interleaved rounds; peak is `torch.cuda.max_memory_allocated()` over the timed
 steps. Also: whether BatchNorm buffers stay bit-identical to the plain model under bf16 and channels_last.
 """
@@ -31,6 +32,7 @@ from _common import environment, free_memory, median, write_json  # noqa: E402
 
 from lightning_memguard import checkpoint_resnet  # noqa: E402
 from lightning_memguard.checkpointing import apply_plan  # noqa: E402
+from lightning_memguard.checkpointing._bn_relu import recompute_bn_relu  # noqa: E402
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -135,6 +137,9 @@ def main() -> None:
         if name == "ours_every_block":
             checkpoint_resnet(model)
             return model, model
+        if name == "ours_bn_relu_recompute":  # experimental: keep conv outputs, rebuild BN + ReLU in backward
+            recompute_bn_relu(model)
+            return model, model
         budget = float(name.split("_")[-1])
         with torch.autocast("cuda", dtype=torch.bfloat16):
             plan = checkpoint_resnet(model, memory_budget=budget, example_input=batches[0][0])
@@ -158,6 +163,7 @@ def main() -> None:
         "ours_budget_0.57",
         "ours_budget_0.5",
         "ours_budget_0.4",
+        "ours_bn_relu_recompute",
     ]
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     for _ in range(args.rounds):

@@ -118,6 +118,36 @@ def test_checkpointed_resnet_is_bit_identical_on_cuda_fp32():
     assert all(torch.equal(a, b) for a, b in zip(train(plain), train(ours), strict=True))
 
 
+def test_recomputed_batchnorm_relu_under_bf16_and_channels_last():
+    """CPU twin: test_recomputed_batchnorm_relu_frees_relu_outputs_and_keeps_training_the_same."""
+    import copy
+
+    import torchvision
+
+    from lightning_memguard.checkpointing._bn_relu import recompute_bn_relu
+
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet50(num_classes=10).cuda().to(memory_format=torch.channels_last)
+    ours = copy.deepcopy(plain)
+    recompute_bn_relu(ours)
+    x = torch.randn(64, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (64,), device="cuda")
+    peaks, grads = {}, {}
+    for name, model in (("plain", plain), ("ours", ours)):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated()
+        grads[name] = [p.grad.float() for p in model.parameters()]
+    assert peaks["ours"] < 0.95 * peaks["plain"], peaks
+    for a, b in zip(grads["plain"], grads["ours"], strict=True):
+        assert (a - b).abs().max() <= 2e-2 * a.abs().max() + 1e-6  # bf16 rounding of the rebuilt tensors
+    assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), ours.buffers(), strict=True))
+
+
 def test_batch_size_tuner_on_an_emulated_card_never_picks_a_spilling_size(tmp_path):
     from lightning_memguard import BatchSizeTuner
 

@@ -378,9 +378,7 @@ def checkpoint_blocks(
         profiles=profiles,
     )
     if not plan.held:
-        warnings.warn(
-            f"memory budget not met; the lowest peak found: {plan.summary()}", UserWarning, stacklevel=2
-        )
+        warnings.warn(f"memory budget not met; the lowest peak found: {plan.summary()}", UserWarning, stacklevel=2)
     return plan
 
 
