@@ -344,7 +344,9 @@ def checkpoint_blocks(
         return best_runs(indices, profiles, baseline, joinable)
 
     def apply(indices: set[int]) -> int:
-        remove_checkpointing(model)
+        for link in links:  # only what this plan checkpoints: anything else in the model stays as it is
+            for _, module in link.modules:
+                remove_checkpointing(module)
         apply_runs([[links[i] for i in run] for run in cut(indices)], bn_correct)
         return meter.peak()
 
