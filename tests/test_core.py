@@ -284,3 +284,27 @@ def test_detector_with_patience_longer_than_its_read_window():
     verdicts = [det.observe_memory(int(15.9 * GB)).verdict for _ in range(5) if det.observe_step(1.0, 10)]
     assert verdicts[-1] is Verdict.SPILL  # five collapsed steps at the capacity
     assert verdicts[:-1] == [Verdict.SUSPECT] * (len(verdicts) - 1)
+
+
+def test_detector_fed_a_window_at_a_time_decides_like_step_by_step():
+    """MemGuard feeds the detector five steps at a time once it has its reference (cheaper per step)."""
+    host = [0.1] * 40 + [0.1, 0.3] * 20 + [1.0] * 20  # healthy, then jittery, then collapsed
+    memory = [4 * GB] * 80 + [int(15.9 * GB)] * 20  # the collapse comes with memory at the capacity
+
+    def run(batched: bool) -> tuple[int, int | None]:
+        det = SpillDetector(16 * GB)
+        reads, spill_at, i = 0, None, 0
+        while i < len(host) and spill_at is None:
+            n = 5 if batched and not det.watching else 1
+            if det.observe_steps(host[i : i + n], [32] * len(host[i : i + n])):
+                reads += 1
+                if det.observe_memory(memory[min(i + n, len(host)) - 1]).verdict is Verdict.SPILL:
+                    spill_at = det.steps
+            i += n
+        return reads, spill_at
+
+    step_reads, step_spill = run(batched=False)
+    batch_reads, batch_spill = run(batched=True)
+    assert step_spill is not None and batch_spill is not None
+    assert 80 < step_spill <= batch_spill <= step_spill + 4  # a window later at most
+    assert batch_reads <= step_reads

@@ -149,6 +149,8 @@ class MemGuard(Callback):
         self._last_samples = 0
         self._gap = False
         self._open_steps: list[tuple[float, int]] = []
+        self._unfed = 0  # steps timed but not yet given to the detector
+        self._feed_every = 1  # give them over once this many have gathered
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -181,17 +183,15 @@ class MemGuard(Callback):
         self._require_probe().reset_peak()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        # every training step passes here: a clock read, two appends and, now and then, a memory reading
+        # every training step passes here: a clock read and two appends; the detector takes the steps a few at a
+        # time (every step while it watches closely), and now and then memory is read
         now = self._clock()
         if self._last_start is not None and not self._gap:
-            seconds = now - self._last_start
-            self._durations.append(seconds)
+            self._durations.append(now - self._last_start)
             self._samples.append(self._last_samples)
-            detector = self._detector
-            if detector is not None and self.spill is None:
-                wants_read = detector.observe_step(seconds, self._last_samples)
-                if wants_read or len(self._durations) % self.read_every == 0:
-                    self._read_and_judge(detector, trainer)
+            self._unfed += 1
+            if self._unfed >= self._feed_every:
+                self._feed(trainer)
         self._gap = False
         vote = self._vote
         if vote is not None:
@@ -209,6 +209,7 @@ class MemGuard(Callback):
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close_step_early()
+        self._feed(trainer)  # the steps since the last feed, before the epoch's reading
         probe = self._require_probe()
         reading = probe.read()
         if self._detector is not None and self.spill is None:  # the epoch's last steps, before the peak is reset
@@ -280,6 +281,8 @@ class MemGuard(Callback):
     # ------------------------------------------------------------------ steps and memory
 
     def _reset_epoch(self) -> None:
+        self._unfed = 0
+        self._feed_every = 1
         self._durations = []
         self._samples = []
         self._last_start = None
@@ -293,6 +296,18 @@ class MemGuard(Callback):
         if self._last_start is not None and not self._gap:
             self._open_steps.append((self._clock() - self._last_start, self._last_samples))
         self._gap = True
+
+    def _feed(self, trainer: Trainer) -> None:
+        """Give the detector the steps it has not seen; read memory if it asks, or every ``read_every`` steps."""
+        count, self._unfed = self._unfed, 0
+        detector = self._detector
+        if detector is None or self.spill is not None or count == 0:
+            return
+        steps = len(self._durations)
+        wants_read = detector.observe_steps(self._durations[-count:], self._samples[-count:])
+        if wants_read or steps % self.read_every < count:
+            self._read_and_judge(detector, trainer)
+        self._feed_every = 1 if detector.watching else detector.read_window
 
     def _read_and_judge(self, detector: SpillDetector, trainer: Trainer) -> None:
         reading = self._require_probe().read()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -165,6 +166,7 @@ class SpillDetector:
         self.read_window = read_window
         self._watch_until = warmup_steps + reference_steps + patience  # every step is read until here
         self._quiet = 0  # steps left before a slow window may trigger another read
+        self._at_capacity = False  # the last reading was near the capacity
         self.refresh_every = refresh_every
         self.healthy_used: int | None = None  # the most memory read while no step was slow
         self._since_seconds = 0.0  # steps since the reference was last refreshed: time, samples, count
@@ -196,6 +198,37 @@ class SpillDetector:
         if self._quiet > 0:
             self._quiet -= 1
             return False
+        return self._window_slow()
+
+    @property
+    def watching(self) -> bool:
+        """Whether every step should be fed on its own: while warming up and measuring the reference, and while the
+        last reading was at the capacity. Otherwise feeding ``read_window`` steps at a time with
+        :meth:`observe_steps` decides the same at a fraction of the cost."""
+        return self.reference_rate is None or self.steps <= self._watch_until or self._at_capacity
+
+    def observe_steps(self, seconds: Sequence[float], samples: Sequence[int]) -> bool:
+        """Record several steps at once; return True when memory should be read now."""
+        if len(seconds) == 1 or self.watching:
+            wants = False
+            for s, n in zip(seconds, samples, strict=True):
+                wants = self.observe_step(s, n) or wants
+            return wants
+        count = len(seconds)
+        self.steps += count
+        self._seconds.extend(seconds)
+        self._samples.extend(samples)
+        self._since_seconds += sum(seconds)
+        self._since_samples += sum(samples)
+        self._since_steps += count
+        if self._since_steps >= self.refresh_every:
+            if self._since_seconds > 0:
+                self.reference_rate = self._since_samples / self._since_seconds
+            self._forget_since_refresh()
+        if self._quiet >= count:
+            self._quiet -= count
+            return False
+        self._quiet = 0
         return self._window_slow()
 
     def _forget_since_refresh(self) -> None:
@@ -234,9 +267,11 @@ class SpillDetector:
             self.healthy_used = max(self.healthy_used or 0, used_bytes)
         if used_bytes >= self.capacity * (1.0 - self.headroom):
             self._quiet = 0  # memory at the capacity: look at every step until it is decided
+            self._at_capacity = True
             self._forget_since_refresh()  # and take no new reference from these steps
             self._rest, self._last_far = self.patience - 1, None
         else:  # slow steps far below the capacity are stalls, not a spill; while memory does not grow, rest longer
+            self._at_capacity = False
             grew = self._last_far is None or used_bytes > self._last_far + self.capacity * GROWTH
             stalled = self._window_slow() and not grew
             self._rest = min(2 * max(self._rest, 1), self.max_rest) if stalled else self.patience - 1
