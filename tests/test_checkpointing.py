@@ -369,3 +369,16 @@ def test_recomputed_batchnorm_relu_frees_relu_outputs_and_keeps_training_the_sam
         else:
             scale = a[key].abs().max().item()
             assert (a[key] - b[key]).abs().max().item() <= 1e-5 * scale, key  # only the rebuild's rounding
+
+
+def test_recomputed_batchnorm_relu_leaves_checkpointed_blocks_to_their_checkpoint():
+    from lightning_memguard.checkpointing._bn_relu import recompute_bn_relu
+
+    torch.manual_seed(1)
+    plain = torchvision.models.resnet18(num_classes=10)
+    ours = copy.deepcopy(plain)
+    apply_plan(ours, [["stem"], ["layer1.0", "layer1.1"], ["layer3.0"]])
+    assert recompute_bn_relu(ours) == 5  # the other five blocks
+    a, b = _train(plain, steps=1), _train(ours, steps=1)
+    assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("buf:"))
+    assert all((a[k] - b[k]).abs().max() <= 1e-5 * a[k].abs().max() for k in a if k.startswith("grad:"))

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memguard.checkpointing.wrap import is_checkpointed
+
 
 class _Recipe:
     """How to rebuild one ReLU output: ``relu(batch_norm(source))`` with the batch's own statistics."""
@@ -92,13 +94,15 @@ _CLASSES: dict[type, type] = {}
 
 
 def recompute_bn_relu(model: nn.Module) -> int:
-    """Apply the recipe to every torchvision Bottleneck (bn1, bn2) and BasicBlock (bn1) in ``model``, in place;
-    return how many blocks changed."""
+    """Apply the recipe to every torchvision Bottleneck (bn1, bn2) and BasicBlock (bn1) in ``model`` that is not
+    checkpointed, in place; return how many blocks changed."""
     from torchvision.models.resnet import BasicBlock, Bottleneck
 
     count = 0
     for module in model.modules():
         if not isinstance(module, Bottleneck | BasicBlock) or isinstance(module, RecomputedBatchNormReLU):
+            continue
+        if is_checkpointed(module):  # recomputed whole in backward already
             continue
         cls = type(module)
         sub = _CLASSES.get(cls)
