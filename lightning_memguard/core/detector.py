@@ -99,8 +99,9 @@ def detect_spill(
 class SpillDetector:
     """Follows a run step by step and says when to read memory and whether it spills.
 
-    Feed it every training step's duration and samples with :meth:`observe_step`; it answers whether memory
-    should be read now: every step while warming up and measuring the reference, then only when the last
+    Feed it every training step's duration and samples with :meth:`observe_step`, or several steps at once with
+    :meth:`observe_steps` (as MemGuard does while :attr:`watching` is False); it answers whether memory should be
+    read now: every step while warming up and measuring the reference, then only when the last
     ``read_window`` steps together run ``read_trigger`` times slower than the reference (host-side step times of an
     asynchronous GPU jitter from step to step; their sum over a few steps does not). After a reading far below the
     capacity it rests ``patience - 1`` steps, twice as long after each further such reading, taken while steps are
@@ -178,42 +179,33 @@ class SpillDetector:
 
     def observe_step(self, seconds: float, samples: int) -> bool:
         """Record one step; return True when memory should be read before the next one."""
-        # this runs every training step: the common path is kept to a few additions
-        self.steps += 1
-        self._seconds.append(seconds)
-        self._samples.append(samples)
-        if self.reference_rate is None or self.steps <= self._watch_until:
-            if self.reference_rate is None and self.steps > self.warmup_steps:
-                self._reference.append(samples / seconds if seconds > 0 else float("inf"))
-                if len(self._reference) >= self.reference_steps:
-                    self.reference_rate = statistics.median(self._reference)
-            return True
-        self._since_seconds += seconds
-        self._since_samples += samples
-        self._since_steps += 1
-        if self._since_steps >= self.refresh_every:
-            if self._since_seconds > 0:  # the steps' own throughput: host-side jitter averages out
-                self.reference_rate = self._since_samples / self._since_seconds
-            self._forget_since_refresh()
-        if self._quiet > 0:
-            self._quiet -= 1
-            return False
-        return self._window_slow()
+        return self.observe_steps((seconds,), (samples,))
 
     @property
     def watching(self) -> bool:
-        """Whether every step should be fed on its own: while warming up and measuring the reference, and while the
-        last reading was at the capacity. Otherwise feeding ``read_window`` steps at a time with
+        """Whether each step should be fed on its own: while warming up and measuring the reference, and while the
+        last reading was at the capacity. Otherwise feeding ``read_window`` steps at a time to
         :meth:`observe_steps` decides the same at a fraction of the cost."""
-        return self.reference_rate is None or self.steps <= self._watch_until or self._at_capacity
+        return self.reference_rate is None or self.steps < self._watch_until or self._at_capacity
 
     def observe_steps(self, seconds: Sequence[float], samples: Sequence[int]) -> bool:
-        """Record several steps at once; return True when memory should be read now."""
-        if len(seconds) == 1 or self.watching:
-            wants = False
-            for s, n in zip(seconds, samples, strict=True):
-                wants = self.observe_step(s, n) or wants
-            return wants
+        """Record steps (one or several, oldest first); return True when memory should be read now."""
+        wants = False
+        for i, (s, n) in enumerate(zip(seconds, samples, strict=True)):
+            if self.reference_rate is not None and self.steps >= self._watch_until:
+                return self._observe_steady(seconds[i:], samples[i:]) or wants
+            # warming up and measuring the reference: memory is read after every step
+            self.steps += 1
+            self._seconds.append(s)
+            self._samples.append(n)
+            if self.reference_rate is None and self.steps > self.warmup_steps:
+                self._reference.append(n / s if s > 0 else float("inf"))
+                if len(self._reference) >= self.reference_steps:
+                    self.reference_rate = statistics.median(self._reference)
+            wants = True
+        return wants
+
+    def _observe_steady(self, seconds: Sequence[float], samples: Sequence[int]) -> bool:
         count = len(seconds)
         self.steps += count
         self._seconds.extend(seconds)
@@ -222,7 +214,7 @@ class SpillDetector:
         self._since_samples += sum(samples)
         self._since_steps += count
         if self._since_steps >= self.refresh_every:
-            if self._since_seconds > 0:
+            if self._since_seconds > 0:  # the steps' own throughput: host-side jitter averages out
                 self.reference_rate = self._since_samples / self._since_seconds
             self._forget_since_refresh()
         if self._quiet >= count:
