@@ -268,13 +268,22 @@ def test_runs_of_blocks_are_bit_identical_too(arch):
 
 
 def test_a_copied_run_points_at_the_copys_modules():
+    import io
+
     model = torchvision.models.resnet18(num_classes=10)
     apply_plan(model, RUNS)
+    model(torch.randn(2, 3, 32, 32))  # runs remember their last output: copies and pickles must not carry it
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.conv1.memguard_run[0] is loaded.bn1
     twin = copy.deepcopy(model)
     assert twin.conv1.memguard_run[0] is twin.bn1 and twin.layer3[0].memguard_run[0] is twin.layer3[1]
     x = torch.randn(2, 3, 32, 32)
-    model.eval(), twin.eval()
+    model.eval(), twin.eval(), loaded.eval()
     torch.testing.assert_close(model(x), twin(x), rtol=0, atol=0)
+    torch.testing.assert_close(model(x), loaded(x), rtol=0, atol=0)
     assert remove_checkpointing(twin) == 4  # one checkpoint per run
     assert not any(is_checkpointed(m) for m in twin.modules()) and "memguard_run" not in vars(twin.conv1)
 
@@ -382,3 +391,22 @@ def test_recomputed_batchnorm_relu_leaves_checkpointed_blocks_to_their_checkpoin
     a, b = _train(plain, steps=1), _train(ours, steps=1)
     assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("buf:"))
     assert all((a[k] - b[k]).abs().max() <= 1e-5 * a[k].abs().max() for k in a if k.startswith("grad:"))
+
+
+def test_a_run_of_blocks_that_pass_tuples_is_refused():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = x[0] if isinstance(x, tuple) else x
+            return self.lin(x), x
+
+    class PairBlock(Pair):
+        pass
+
+    model = nn.Sequential(PairBlock(), PairBlock())
+    apply_plan(model, [["0", "1"]])
+    with pytest.raises(TypeError, match="must pass one tensor from block to block, got tuple"):
+        model(torch.randn(2, 4, requires_grad=True))

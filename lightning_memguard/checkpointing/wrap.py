@@ -91,7 +91,12 @@ class CheckpointedUnit(nn.Module):
             )
         else:
             out = checkpoint(self._memguard_forward, *args, use_reentrant=False, **kwargs)
-        if run and isinstance(out, torch.Tensor):
+        if run:
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(
+                    f"a checkpointed run starting at {type(self).__name__} must pass one tensor from block to block,"
+                    f" got {type(out).__name__}; checkpoint these blocks one by one"
+                )
             done = weakref.ref(out)
             for member in run:
                 member.__dict__["_memguard_done"] = done
@@ -102,6 +107,11 @@ class CheckpointedMember(nn.Module):
     """Mixin for a module inside a run. Called by its parent right after the run's head, on the head's output, it
     hands that output on: the head already did its work. Called on anything else (on its own, say), it runs as
     usual. Forward hooks on a run's inner modules see the run's output."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_memguard_done", None)  # a weak reference to the last output: not state, and not picklable
+        return state
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         done = self.__dict__.get("_memguard_done")
