@@ -31,8 +31,8 @@ from lightning_memguard.core.units import parse_bytes, to_gb
 from lightning_memguard.probes import MemoryProbe, MemoryReading, probe_for
 
 _ON_SPILL = ("raise", "stop", "warn")
+_SEQUENCES = (list, tuple)  # batches whose first element is sized directly
 # key -> how ranks combine it under DDP
-_SEQUENCES = (list, tuple)
 _LOGGED = {
     "memguard/peak_allocated_gb": "max",
     "memguard/peak_reserved_gb": "max",

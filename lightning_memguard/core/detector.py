@@ -233,11 +233,8 @@ class SpillDetector:
     def _window_slow(self) -> bool:
         if self.reference_rate is None:
             return False
-        if len(self._seconds) > self.read_window:  # patience is longer than the window
-            total = sum(list(self._seconds)[-self.read_window :])
-            samples = sum(list(self._samples)[-self.read_window :])
-        else:
-            total, samples = sum(self._seconds), sum(self._samples)
+        total = sum(list(self._seconds)[-self.read_window :])
+        samples = sum(list(self._samples)[-self.read_window :])
         return total > 0 and samples / total < self.reference_rate / self.read_trigger
 
     def observe_memory(self, used_bytes: int) -> SpillReport:
