@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memguard.checkpointing.wrap import is_checkpointed
+from lightning_memguard.checkpointing.wrap import is_checkpointed, swapped_class
 
 
 class _Recipe:
@@ -59,6 +59,8 @@ class RecomputedBatchNormReLU(nn.Module):
     """Mixin placed in front of a block's class: within its forward, the outputs of ``memguard_bns`` (each followed
     by an in-place ReLU) are saved as recipes."""
 
+    memguard_prefix = "RecomputedBNReLU"
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or not self.training:
             return super().forward(*args, **kwargs)
@@ -90,9 +92,6 @@ class RecomputedBatchNormReLU(nn.Module):
                 handle.remove()
 
 
-_CLASSES: dict[type, type] = {}
-
-
 def recompute_bn_relu(model: nn.Module) -> int:
     """Apply the recipe to every torchvision Bottleneck (bn1, bn2) and BasicBlock (bn1) in ``model`` that is not
     checkpointed, in place; return how many blocks changed."""
@@ -104,16 +103,8 @@ def recompute_bn_relu(model: nn.Module) -> int:
             continue
         if is_checkpointed(module):  # recomputed whole in backward already
             continue
-        cls = type(module)
-        sub = _CLASSES.get(cls)
-        if sub is None:
-            name = f"RecomputedBNReLU{cls.__name__}"
-            sub = type(name, (RecomputedBatchNormReLU, cls), {"__module__": __name__, "__qualname__": name})
-            sub._memguard_original = cls  # type: ignore[attr-defined]
-            _CLASSES[cls] = sub
-            globals().setdefault(name, sub)
         bns = (module.bn1, module.bn2) if isinstance(module, Bottleneck) else (module.bn1,)
         module.__dict__["memguard_bns"] = bns
-        module.__class__ = sub
+        module.__class__ = swapped_class(type(module), RecomputedBatchNormReLU)
         count += 1
     return count

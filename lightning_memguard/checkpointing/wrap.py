@@ -66,6 +66,7 @@ class CheckpointedUnit(nn.Module):
     it also runs the run's other modules (``memguard_run``), inside the same checkpoint.
     """
 
+    memguard_prefix = "Checkpointed"
     memguard_bn_correct: bool = True
 
     def _memguard_forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -108,6 +109,8 @@ class CheckpointedMember(nn.Module):
     hands that output on: the head already did its work. Called on anything else (on its own, say), it runs as
     usual. Forward hooks on a run's inner modules see the run's output."""
 
+    memguard_prefix = "RunMember"
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.pop("_memguard_done", None)  # a weak reference to the last output: not state, and not picklable
@@ -123,11 +126,12 @@ class CheckpointedMember(nn.Module):
 _SUBCLASSES: dict[tuple[type, type], type] = {}
 
 
-def _checkpointed_class(cls: type[nn.Module], mixin: type[nn.Module] = CheckpointedUnit) -> type:
+def swapped_class(cls: type[nn.Module], mixin: type[nn.Module]) -> type:
+    """``cls`` with ``mixin`` in front, made once and named ``<mixin.memguard_prefix><cls name>``; assigning it to a
+    module's ``__class__`` changes its forward and keeps its attributes, parameters and ``state_dict`` keys."""
     sub = _SUBCLASSES.get((mixin, cls))
     if sub is None:
-        prefix = "Checkpointed" if mixin is CheckpointedUnit else "RunMember"
-        name = f"{prefix}{cls.__name__}"
+        name = f"{mixin.memguard_prefix}{cls.__name__}"  # type: ignore[attr-defined]
         sub = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name})
         sub._memguard_original = cls  # type: ignore[attr-defined]
         _SUBCLASSES[(mixin, cls)] = sub
@@ -211,12 +215,12 @@ def apply_runs(runs: Sequence[Sequence[Link]], bn_correct: bool = True) -> list[
             theirs.append(run[0].name)
             continue
         head = modules[0][1]
-        head.__class__ = _checkpointed_class(type(head))
+        head.__class__ = swapped_class(type(head), CheckpointedUnit)
         head.memguard_bn_correct = bn_correct  # type: ignore[assignment]
         if len(modules) > 1:
             head.__dict__["memguard_run"] = tuple(m for _, m in modules[1:])  # plain references, not submodules
         for _, member in modules[1:]:
-            member.__class__ = _checkpointed_class(type(member), CheckpointedMember)
+            member.__class__ = swapped_class(type(member), CheckpointedMember)
         changed.extend(link.name for link in run)
     if ours:
         warnings.warn(
@@ -231,15 +235,6 @@ def apply_runs(runs: Sequence[Sequence[Link]], bn_correct: bool = True) -> list[
             stacklevel=3,
         )
     return changed
-
-
-def apply_checkpointing(units: Sequence[tuple[str, nn.Module]], bn_correct: bool = True) -> list[str]:
-    """Checkpoint the given blocks in place, each on its own; return the names of the blocks changed.
-
-    Blocks already checkpointed by this library are left as they are (with a warning); blocks that something else
-    already wraps are left alone (with a warning).
-    """
-    return apply_runs([[Link(name, ((name, module),))] for name, module in units], bn_correct)
 
 
 def remove_checkpointing(model: nn.Module) -> int:
