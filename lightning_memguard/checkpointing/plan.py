@@ -204,10 +204,8 @@ class _StepMeter:
 
 def _stock_resnet(module: nn.Module) -> bool:
     """A torchvision ResNet whose forward is torchvision's: stem, then the four stages, each feeding the next."""
-    try:
-        from torchvision.models import ResNet
-    except ImportError:  # pragma: no cover - torchvision is a dependency
-        return False
+    from torchvision.models import ResNet
+
     return (
         isinstance(module, ResNet)
         and type(module).forward is ResNet.forward
@@ -287,14 +285,14 @@ def checkpoint_blocks(
     """Checkpoint a block-structured model in place (``use_reentrant=False``); ``state_dict`` keys do not change.
 
     The model is seen as a chain of links: its blocks, and in a torchvision ResNet also its stem (conv1, bn1, relu,
-    maxpool, cheap to recompute for the memory it holds). Without a budget, every link is checkpointed on its own.
+    maxpool). Without a budget, every link is checkpointed on its own.
     With ``memory_budget`` (a fraction in (0, 1] of the un-checkpointed peak, or bytes such as ``"6GB"``), each
     link's saved activations and forward time are measured on ``example_input``; the links that free the most
     memory per millisecond of recomputation are chosen until the predicted peak fits, and chosen neighbours of one
     ``nn.Sequential`` (a ResNet stage) are joined into runs, one checkpoint each, where that lowers the peak (a run
     also frees the tensors between its blocks, but brings all of its activations back at once when it is
-    recomputed). The peak is then measured: links
-    are added if it does not fit, and given back, least valuable first, while it still fits.
+    recomputed). The peak is then measured: links are added if it does not fit, and given back, least valuable
+    first, while it still fits.
 
     Args:
         model: the model, changed in place.
