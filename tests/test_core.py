@@ -308,3 +308,13 @@ def test_detector_fed_a_window_at_a_time_decides_like_step_by_step():
     assert step_spill is not None and batch_spill is not None
     assert 80 < step_spill <= batch_spill <= step_spill + 4  # a window later at most
     assert batch_reads <= step_reads
+
+
+def test_detector_refuses_step_times_and_sample_counts_of_different_lengths():
+    det = SpillDetector(16 * GB, warmup_steps=0, reference_steps=1, patience=1)
+    with pytest.raises(ValueError):  # while warming up
+        det.observe_steps([0.1, 0.1], [32])
+    while det.watching:
+        det.observe_step(0.1, 32)
+    with pytest.raises(ValueError, match="5 step times but 4 sample counts"):  # and in the steady phase
+        det.observe_steps([0.1] * 5, [32] * 4)

@@ -104,7 +104,7 @@ class MemGuard(Callback):
         warmup_steps: int = 3,
         reference_steps: int = 5,
         collapse: float = 2.5,
-        read_every: int = 25,
+        read_every: int = 50,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.capacity = None if capacity is None else parse_bytes(capacity, "capacity")

@@ -190,6 +190,8 @@ class SpillDetector:
 
     def observe_steps(self, seconds: Sequence[float], samples: Sequence[int]) -> bool:
         """Record steps (one or several, oldest first); return True when memory should be read now."""
+        if self.reference_rate is not None and self.steps >= self._watch_until:  # the common case, first
+            return self._observe_steady(seconds, samples)
         wants = False
         for i, (s, n) in enumerate(zip(seconds, samples, strict=True)):
             if self.reference_rate is not None and self.steps >= self._watch_until:
@@ -207,11 +209,14 @@ class SpillDetector:
 
     def _observe_steady(self, seconds: Sequence[float], samples: Sequence[int]) -> bool:
         count = len(seconds)
+        if count != len(samples):
+            raise ValueError(f"{count} step times but {len(samples)} sample counts")
         self.steps += count
         self._seconds.extend(seconds)
         self._samples.extend(samples)
-        self._since_seconds += sum(seconds)
-        self._since_samples += sum(samples)
+        total, done = sum(seconds), sum(samples)
+        self._since_seconds += total
+        self._since_samples += done
         self._since_steps += count
         if self._since_steps >= self.refresh_every:
             if self._since_seconds > 0:  # the steps' own throughput: host-side jitter averages out
@@ -221,6 +226,8 @@ class SpillDetector:
             self._quiet -= count
             return False
         self._quiet = 0
+        if count == self.read_window:  # fed a window at a time (as MemGuard does): its sums are at hand
+            return total > 0 and done / total < self.reference_rate / self.read_trigger  # type: ignore[operator]
         return self._window_slow()
 
     def _forget_since_refresh(self) -> None:
