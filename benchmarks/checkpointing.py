@@ -5,9 +5,9 @@
 ResNet50, bf16 autocast, channels_last, SGD, batch 256, random data on the device, a plain PyTorch loop.
 Configurations: no checkpointing; the write-up's `checkpoint_sequential` over the four stages (4 segments);
 ours with every block (and the stem); ours at memory budgets 0.8, 0.7, 0.6, 0.57, 0.5 and 0.4 of the un-checkpointed
-peak of one pass (0.57 of it is about the 4-segment version's saving of the training peak); and, experimental,
-every Bottleneck's BatchNorm + ReLU outputs rebuilt in backward instead of kept (`_bn_relu.py`), alone and in the
-blocks that budget 0.7 leaves unchecked. Each is timed with
+peak of one pass (0.57 of it is about the 4-segment version's saving of the training peak); and the same with
+`rebuild_bn_relu=True` (every Bottleneck left unchecked rebuilds its BatchNorm + ReLU outputs in backward instead of
+keeping them), alone and at budgets 0.8, 0.6, 0.57, 0.5 and 0.4. Each is timed with
 CUDA events (median step) in two interleaved rounds; peak is `torch.cuda.max_memory_allocated()` over the timed
 steps. Also: whether BatchNorm buffers stay bit-identical to the plain model under bf16 and channels_last.
 """
@@ -34,7 +34,6 @@ from _common import environment, free_memory, median, write_json  # noqa: E402
 
 from lightning_memguard import checkpoint_resnet  # noqa: E402
 from lightning_memguard.checkpointing import apply_plan  # noqa: E402
-from lightning_memguard.checkpointing._bn_relu import recompute_bn_relu  # noqa: E402
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -139,25 +138,25 @@ def main() -> None:
         if name == "ours_every_block":
             checkpoint_resnet(model)
             return model, model
-        if name == "ours_bn_relu_recompute":  # experimental: keep conv outputs, rebuild BN + ReLU in backward
-            recompute_bn_relu(model)
+        rebuild = name.startswith("ours_rebuild")  # BatchNorm + ReLU outputs rebuilt in the blocks left unchecked
+        if name == "ours_rebuild":
+            checkpoint_resnet(model, rebuild_bn_relu=True)
             return model, model
-        budget = float(name.removesuffix("_bn_relu").split("_")[-1])
+        budget = float(name.split("_")[-1])
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            plan = checkpoint_resnet(model, memory_budget=budget, example_input=batches[0][0])
-        if name.endswith("_bn_relu"):  # and the experimental rebuild in the blocks the plan left alone
-            recompute_bn_relu(model)
+            plan = checkpoint_resnet(model, memory_budget=budget, example_input=batches[0][0], rebuild_bn_relu=rebuild)
         plans[name] = {
             "blocks": plan.blocks,
             "runs": plan.runs,
+            "rebuilt": plan.rebuilt,
             "budget_gb": plan.budget_bytes / 1e9,  # type: ignore[operator]
             "baseline_gb": plan.baseline_bytes / 1e9,  # type: ignore[operator]
             "predicted_gb": plan.predicted_bytes / 1e9,  # type: ignore[operator]
             "measured_gb": plan.measured_bytes / 1e9,  # type: ignore[operator]
             "held": plan.held,
         }
-        if "profiles" not in plans:  # what the planner measured, link by link (the same for every budget)
-            plans["profiles"] = [dataclasses.asdict(p) for p in plan.profiles]
+        key = "profiles_with_rebuild" if rebuild else "profiles"  # what the planner measured, link by link
+        plans.setdefault(key, [dataclasses.asdict(p) for p in plan.profiles])
         return model, model
 
     names = [
@@ -170,8 +169,12 @@ def main() -> None:
         "ours_budget_0.57",
         "ours_budget_0.5",
         "ours_budget_0.4",
-        "ours_bn_relu_recompute",
-        "ours_budget_0.7_bn_relu",
+        "ours_rebuild",
+        "ours_rebuild_budget_0.8",
+        "ours_rebuild_budget_0.6",
+        "ours_rebuild_budget_0.57",
+        "ours_rebuild_budget_0.5",
+        "ours_rebuild_budget_0.4",
     ]
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     for _ in range(args.rounds):
@@ -221,7 +224,13 @@ def plot(summary: dict[str, dict[str, float]], path: str) -> None:
         label = name.replace("_", " ")
         if name != "baseline":
             label += f": {row['memory_saved']:.0%} less memory, {row['throughput_cost']:.0%} slower"
-        ax.scatter(row["peak_gb"], row["images_per_sec"], s=70, marker=markers.get(name, "o"), label=label)
+        ax.scatter(
+            row["peak_gb"],
+            row["images_per_sec"],
+            s=70,
+            marker=markers.get(name, "^" if "rebuild" in name else "o"),
+            label=label,
+        )
     ax.set_xlabel("peak memory (GB)")
     ax.set_ylabel("throughput (images/s)")
     ax.set_title("Checkpointing ResNet50 (bf16, channels_last, batch 256) on one H200")

@@ -19,9 +19,12 @@ from lightning_memguard.checkpointing import (
     checkpoint_blocks,
     find_units,
     is_checkpointed,
+    rebuild_bn_relu,
     remove_checkpointing,
+    remove_rebuild,
 )
 from lightning_memguard.checkpointing.plan import model_chain
+from lightning_memguard.checkpointing.rebuild import RebuiltBatchNormReLU
 from lightning_memguard.testing import ImageClassifier
 
 
@@ -350,16 +353,14 @@ def test_torch_compile_keeps_gradients_and_batchnorm_buffers():
 
 
 @pytest.mark.parametrize("arch", ["resnet18", "resnext50_32x4d"])
-def test_recomputed_batchnorm_relu_frees_relu_outputs_and_keeps_training_the_same(arch):
-    """The experimental cheap mode: ReLU outputs after bn1 (and bn2) are rebuilt in backward, not kept."""
+def test_rebuilt_batchnorm_relu_frees_relu_outputs_and_keeps_training_the_same(arch):
+    """The cheap mode: ReLU outputs after bn1 (and bn2) are rebuilt in backward, not kept."""
     import weakref
-
-    from lightning_memguard.checkpointing._bn_relu import recompute_bn_relu
 
     torch.manual_seed(1)
     plain = torchvision.models.get_model(arch, num_classes=10)
     ours = copy.deepcopy(plain)
-    assert recompute_bn_relu(ours) == (8 if arch == "resnet18" else 16)
+    assert rebuild_bn_relu(ours) == (8 if arch == "resnet18" else 16)
     kept = {}
     x = torch.randn(2, 3, 32, 32)
     for name, model in (("plain", plain), ("ours", ours)):
@@ -380,17 +381,104 @@ def test_recomputed_batchnorm_relu_frees_relu_outputs_and_keeps_training_the_sam
             assert (a[key] - b[key]).abs().max().item() <= 1e-5 * scale, key  # only the rebuild's rounding
 
 
-def test_recomputed_batchnorm_relu_leaves_checkpointed_blocks_to_their_checkpoint():
-    from lightning_memguard.checkpointing._bn_relu import recompute_bn_relu
+def test_rebuilt_batchnorm_relu_leaves_checkpointed_blocks_to_their_checkpoint():
 
     torch.manual_seed(1)
     plain = torchvision.models.resnet18(num_classes=10)
     ours = copy.deepcopy(plain)
     apply_plan(ours, [["stem"], ["layer1.0", "layer1.1"], ["layer3.0"]])
-    assert recompute_bn_relu(ours) == 5  # the other five blocks
+    assert rebuild_bn_relu(ours) == 5  # the other five blocks
     a, b = _train(plain, steps=1), _train(ours, steps=1)
     assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("buf:"))
     assert all((a[k] - b[k]).abs().max() <= 1e-5 * a[k].abs().max() for k in a if k.startswith("grad:"))
+
+
+def test_a_block_rebuilt_first_and_checkpointed_after_trains_like_the_plain_model():
+    torch.manual_seed(1)
+    plain = torchvision.models.resnet18(num_classes=10)
+    ours = copy.deepcopy(plain)
+    rebuild_bn_relu(ours)
+    apply_plan(ours, [["layer1.0", "layer1.1"], ["layer3.0"]])  # inside the checkpoint, the rebuild stands aside
+    a, b = _train(plain, steps=1), _train(ours, steps=1)  # one step: later steps amplify the rounding
+    assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("buf:"))  # BatchNorm ran once per step
+    assert all((a[k] - b[k]).abs().max() <= 1e-5 * a[k].abs().max() for k in a if k.startswith("grad:"))
+    remove_checkpointing(ours)
+    assert remove_rebuild(ours) == 8 and type(ours.layer1[0]) is torchvision.models.resnet.BasicBlock
+
+
+def test_rebuild_mode_without_a_budget_checkpoints_nothing_and_keeps_state_dict_keys():
+    model = torchvision.models.resnet50(num_classes=10)
+    keys = list(model.state_dict())
+    plan = checkpoint_resnet(model, rebuild_bn_relu=True)
+    assert plan.blocks == [] and plan.runs == [] and len(plan.rebuilt) == 16 and plan.rebuilt[0] == "layer1.0"
+    assert "BatchNorm + ReLU rebuilt in 16" in plan.summary()
+    assert list(model.state_dict()) == keys
+    assert not any(is_checkpointed(m) for m in model.modules())
+    model.load_state_dict(torchvision.models.resnet50(num_classes=10).state_dict())  # and back
+
+
+def test_saved_tensor_hooks_around_a_rebuilt_block_still_see_what_it_keeps():
+    counted = {}
+
+    def saved_bytes(model):
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.untyped_storage().nbytes() if t.grad_fn is not None or not t.is_leaf else 0
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(torch.randn(2, 3, 32, 32)).sum().backward()
+        return total
+
+    for name in ("plain", "rebuilt"):
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(num_classes=10)
+        if name == "rebuilt":
+            rebuild_bn_relu(model)
+        counted[name] = saved_bytes(model)
+    assert 0.6 * counted["plain"] < counted["rebuilt"] < 0.95 * counted["plain"]
+
+
+@pytest.mark.parametrize("budget", [0.85, 0.6])  # the rebuild alone fits 0.85 here
+def test_budget_with_the_rebuild_checkpoints_fewer_blocks(budget):
+    x = torch.randn(8, 3, 64, 64)
+    plans = {}
+    for rebuild in (False, True):
+        model = torchvision.models.resnet18(num_classes=10)
+        before = {n: b.clone() for n, b in model.named_buffers()}
+        plans[rebuild] = checkpoint_resnet(model, memory_budget=budget, example_input=x, rebuild_bn_relu=rebuild)
+        assert plans[rebuild].held, plans[rebuild].summary()
+        assert all(torch.equal(before[n], b) for n, b in model.named_buffers())
+        rebuilt = sorted(n for n, m in model.named_modules() if isinstance(m, RebuiltBatchNormReLU))
+        assert rebuilt == plans[rebuild].rebuilt  # every block not checkpointed, and only those
+        assert not set(rebuilt) & set(plans[rebuild].blocks)
+    assert len(plans[True].blocks) < len(plans[False].blocks)
+    assert plans[True].rebuilt and not plans[False].rebuilt
+
+
+def test_rebuild_needs_torchvision_blocks():
+    class MyBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    with pytest.raises(ValueError, match="`rebuild_bn_relu` needs torchvision BasicBlock or Bottleneck"):
+        checkpoint_blocks(nn.Sequential(MyBlock(), MyBlock()), rebuild_bn_relu=True)
+
+
+def test_callback_with_the_rebuild(tmp_path):
+    with pytest.raises(TypeError, match="`rebuild_bn_relu` must be a bool, got 'yes'"):
+        ActivationCheckpointing(rebuild_bn_relu="yes")
+    cb = ActivationCheckpointing(rebuild_bn_relu=True)
+    model = ImageClassifier(image_size=32, batch_size=4, steps_per_epoch=2)
+    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[cb])).fit(model)
+    assert cb.blocks == [] and len(cb.plan.rebuilt) == 8
+    assert sum(isinstance(m, RebuiltBatchNormReLU) for m in model.modules()) == 8
 
 
 def test_a_run_of_blocks_that_pass_tuples_is_refused():

@@ -118,18 +118,18 @@ def test_checkpointed_resnet_is_bit_identical_on_cuda_fp32():
     assert all(torch.equal(a, b) for a, b in zip(train(plain), train(ours), strict=True))
 
 
-def test_recomputed_batchnorm_relu_under_bf16_and_channels_last():
-    """CPU twin: test_recomputed_batchnorm_relu_frees_relu_outputs_and_keeps_training_the_same."""
+def test_rebuilt_batchnorm_relu_under_bf16_and_channels_last():
+    """CPU twin: test_rebuilt_batchnorm_relu_frees_relu_outputs_and_keeps_training_the_same."""
     import copy
 
     import torchvision
 
-    from lightning_memguard.checkpointing._bn_relu import recompute_bn_relu
+    from lightning_memguard.checkpointing import rebuild_bn_relu
 
     torch.manual_seed(0)
     plain = torchvision.models.resnet50(num_classes=10).cuda().to(memory_format=torch.channels_last)
     ours = copy.deepcopy(plain)
-    recompute_bn_relu(ours)
+    rebuild_bn_relu(ours)
     x = torch.randn(64, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (64,), device="cuda")
     peaks, grads = {}, {}
@@ -146,6 +146,25 @@ def test_recomputed_batchnorm_relu_under_bf16_and_channels_last():
     for a, b in zip(grads["plain"], grads["ours"], strict=True):
         assert (a - b).abs().max() <= 2e-2 * a.abs().max() + 1e-6  # bf16 rounding of the rebuilt tensors
     assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), ours.buffers(), strict=True))
+
+
+def test_budget_with_the_rebuild_holds_on_cuda_and_checkpoints_fewer_blocks():
+    """CPU twin: test_budget_with_the_rebuild_checkpoints_fewer_blocks."""
+    import torchvision
+
+    from lightning_memguard import checkpoint_resnet
+
+    x = torch.randn(128, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
+    plans = {}
+    for rebuild in (False, True):
+        torch.manual_seed(0)
+        model = torchvision.models.resnet50(num_classes=10).cuda().to(memory_format=torch.channels_last)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            plans[rebuild] = checkpoint_resnet(model, memory_budget=0.6, example_input=x, rebuild_bn_relu=rebuild)
+        assert plans[rebuild].held, plans[rebuild].summary()
+        del model
+    assert len(plans[True].blocks) < len(plans[False].blocks), (plans[True].summary(), plans[False].summary())
+    assert len(plans[True].rebuilt) == 16 - len(plans[True].blocks) + ("stem" in plans[True].blocks)
 
 
 def test_batch_size_tuner_on_an_emulated_card_never_picks_a_spilling_size(tmp_path):

@@ -27,6 +27,8 @@ class ActivationCheckpointing(Callback):
         units: ``"auto"``, a set of module classes, or a predicate ``(name, module) -> bool``.
         memory_budget: a fraction in (0, 1] of the un-checkpointed peak, or bytes (``"6GB"``); None: every block.
         bn_correct: recomputation leaves BatchNorm running statistics alone (they update once per step).
+        rebuild_bn_relu: torchvision BasicBlocks and Bottlenecks left unchecked rebuild their BatchNorm + ReLU
+            outputs in backward instead of keeping them; without a budget, that alone (no block is checkpointed).
 
     Raises:
         ValueError: bad ``memory_budget``; at fit start, no blocks found or a budget without
@@ -41,18 +43,26 @@ class ActivationCheckpointing(Callback):
         ValueError: `memory_budget` as a fraction must be in (0, 1], got 1.5
     """
 
-    def __init__(self, units: Units = "auto", memory_budget: float | int | str | None = None, bn_correct: bool = True):
+    def __init__(
+        self,
+        units: Units = "auto",
+        memory_budget: float | int | str | None = None,
+        bn_correct: bool = True,
+        rebuild_bn_relu: bool = False,
+    ):
         if isinstance(memory_budget, float) and not 0 < memory_budget <= 1:
             raise ValueError(f"`memory_budget` as a fraction must be in (0, 1], got {memory_budget!r}")
         if memory_budget is not None and not isinstance(memory_budget, float):
             parse_bytes(memory_budget, "memory_budget")
-        if not isinstance(bn_correct, bool):
-            raise TypeError(f"`bn_correct` must be a bool, got {bn_correct!r}")
+        for name, flag in (("bn_correct", bn_correct), ("rebuild_bn_relu", rebuild_bn_relu)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"`{name}` must be a bool, got {flag!r}")
         if isinstance(units, str) and units != "auto":
             raise ValueError(f"`units` must be 'auto', a set of module classes or a callable, got {units!r}")
         self.units = units
         self.memory_budget = memory_budget
         self.bn_correct = bn_correct
+        self.rebuild_bn_relu = rebuild_bn_relu
         self.plan: CheckpointPlan | None = None
         self.runs: list[list[str]] | None = None  # the chosen runs of blocks: learned state
 
@@ -65,7 +75,9 @@ class ActivationCheckpointing(Callback):
         if stage != "fit":
             return
         if self.memory_budget is None:
-            self.plan = checkpoint_blocks(pl_module, self.units, bn_correct=self.bn_correct)
+            self.plan = checkpoint_blocks(
+                pl_module, self.units, bn_correct=self.bn_correct, rebuild_bn_relu=self.rebuild_bn_relu
+            )
             self.runs = self.plan.runs
             rank_zero_info(f"ActivationCheckpointing: {self.plan.summary()}")
         elif pl_module.example_input_array is None:
@@ -78,12 +90,17 @@ class ActivationCheckpointing(Callback):
         if self.memory_budget is None or self.plan is not None:
             return
         if self.runs is not None:  # resumed: apply what was chosen before
-            apply_plan(pl_module, self.runs, self.units, self.bn_correct)
+            apply_plan(pl_module, self.runs, self.units, self.bn_correct, self.rebuild_bn_relu)
             return
         example = move_data_to_device(pl_module.example_input_array, trainer.strategy.root_device)
         with trainer.precision_plugin.train_step_context():
             self.plan = checkpoint_blocks(
-                pl_module, self.units, self.memory_budget, example_input=example, bn_correct=self.bn_correct
+                pl_module,
+                self.units,
+                self.memory_budget,
+                example_input=example,
+                bn_correct=self.bn_correct,
+                rebuild_bn_relu=self.rebuild_bn_relu,
             )
         self.runs = self.plan.runs
         rank_zero_info(f"ActivationCheckpointing: {self.plan.summary()}")

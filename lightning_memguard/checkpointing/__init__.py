@@ -1,6 +1,7 @@
 """Activation checkpointing for block-structured models, BatchNorm-correct."""
 
 from lightning_memguard.checkpointing.plan import CheckpointPlan, apply_plan, checkpoint_blocks, checkpoint_resnet
+from lightning_memguard.checkpointing.rebuild import rebuild_bn_relu, remove_rebuild
 from lightning_memguard.checkpointing.wrap import find_units, is_checkpointed, remove_checkpointing
 
 __all__ = [
@@ -10,5 +11,7 @@ __all__ = [
     "checkpoint_resnet",
     "find_units",
     "is_checkpointed",
+    "rebuild_bn_relu",
     "remove_checkpointing",
+    "remove_rebuild",
 ]

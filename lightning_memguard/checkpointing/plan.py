@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memguard.checkpointing.rebuild import RebuiltBatchNormReLU, rebuildable, remove_rebuild
+from lightning_memguard.checkpointing.rebuild import rebuild_bn_relu as rebuild
 from lightning_memguard.checkpointing.wrap import (
     Link,
     Units,
@@ -33,11 +35,13 @@ class CheckpointPlan:
         blocks: the links checkpointed (block names, and ``"stem"`` or ``"<resnet>.stem"`` for a ResNet's stem).
         runs: the same links grouped as checkpointed: each run is one checkpoint, recomputed as a whole.
         candidates: how many links the model has.
+        rebuilt: the blocks that rebuild their BatchNorm + ReLU outputs in backward (``rebuild_bn_relu=True``).
     """
 
     blocks: list[str]
     candidates: int
     runs: list[list[str]] = field(default_factory=list)
+    rebuilt: list[str] = field(default_factory=list)
     baseline_bytes: int | None = None
     budget_bytes: int | None = None
     predicted_bytes: int | None = None
@@ -52,6 +56,8 @@ class CheckpointPlan:
 
     def summary(self) -> str:
         text = f"checkpointed {len(self.blocks)} of {self.candidates} blocks in {len(self.runs)} run(s)"
+        if self.rebuilt:
+            text += f", BatchNorm + ReLU rebuilt in {len(self.rebuilt)}"
         if self.budget_bytes is not None:
             text += (
                 f"; budget {self.budget_bytes / 1e9:.3f} GB of baseline {self.baseline_bytes / 1e9:.3f} GB,"  # type: ignore[operator]
@@ -202,6 +208,10 @@ class _StepMeter:
         return profiles
 
 
+def _rebuilt(link: Link) -> bool:
+    return any(isinstance(module, RebuiltBatchNormReLU) for _, module in link.modules)
+
+
 def _stock_resnet(module: nn.Module) -> bool:
     """A torchvision ResNet whose forward is torchvision's: stem, then the four stages, each feeding the next."""
     from torchvision.models import ResNet
@@ -281,6 +291,7 @@ def checkpoint_blocks(
     example_input: Any = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     bn_correct: bool = True,
+    rebuild_bn_relu: bool = False,
 ) -> CheckpointPlan:
     """Checkpoint a block-structured model in place (``use_reentrant=False``); ``state_dict`` keys do not change.
 
@@ -294,6 +305,12 @@ def checkpoint_blocks(
     recomputed). The peak is then measured: links are added if it does not fit, and given back, least valuable
     first, while it still fits.
 
+    With ``rebuild_bn_relu=True``, torchvision BasicBlocks and Bottlenecks that are not checkpointed keep their
+    convolution outputs and rebuild the ReLU outputs after bn1 (and bn2) in backward, one element-wise pass, instead
+    of keeping them (see :mod:`lightning_memguard.checkpointing.rebuild`): less memory for far less recomputation
+    than a whole block. Without a budget, that is all that happens (no block is checkpointed); with one, the rebuild
+    comes first and whole blocks are checkpointed only for what it leaves over the budget.
+
     Args:
         model: the model, changed in place.
         units: ``"auto"`` (residual blocks: classes named ``*Block``, ``*Bottleneck``, ``*EncoderLayer``...), a set
@@ -302,9 +319,11 @@ def checkpoint_blocks(
         example_input: a real batch of model inputs (a tensor, or a tuple of positional arguments).
         loss_fn: turns the model's output into a scalar for the profiling backward; default: the sum.
         bn_correct: BatchNorm running statistics are updated only by the first forward, not by recomputation.
+        rebuild_bn_relu: see above.
 
     Raises:
-        ValueError: no blocks found, a budget without an example input, or a budget out of range.
+        ValueError: no blocks found, a budget without an example input, a budget out of range, or
+            ``rebuild_bn_relu`` on a model with no torchvision BasicBlock or Bottleneck among its blocks.
         TypeError: ``units`` of the wrong kind.
 
     Example:
@@ -317,6 +336,14 @@ def checkpoint_blocks(
     found = find_units(model, units)
     links, joinable = model_chain(model, found)
     names = [link.name for link in links]
+    if rebuild_bn_relu and not any(rebuildable(m) for link in links for _, m in link.modules):
+        raise ValueError(
+            "`rebuild_bn_relu` needs torchvision BasicBlock or Bottleneck blocks (with nn.BatchNorm2d), and"
+            f" {type(model).__name__} has none among its blocks"
+        )
+    if memory_budget is None and rebuild_bn_relu:
+        rebuilt = [link.name for link in links if sum(rebuild(m) for _, m in link.modules)]
+        return CheckpointPlan(blocks=[], candidates=len(links), rebuilt=rebuilt)
     if memory_budget is None:
         changed = set(apply_runs([[link] for link in links], bn_correct))
         return CheckpointPlan(
@@ -335,17 +362,29 @@ def checkpoint_blocks(
         budget = int(baseline * memory_budget)
     else:
         budget = parse_bytes(memory_budget, "memory_budget")
-    profiles = meter.profile(links)
-    chosen, _, _ = choose_blocks(profiles, baseline, budget, joinable)
+    start = baseline  # the peak the blocks are chosen against: after the rebuild, where there is one
+    if rebuild_bn_relu:
+        for link in links:
+            for _, module in link.modules:
+                rebuild(module)
+        start = meter.peak()
+    profiles = meter.profile(links)  # with the rebuild in place: what checkpointing a block adds to it
+    chosen, _, _ = choose_blocks(profiles, start, budget, joinable)
 
     def cut(indices: set[int]) -> list[list[int]]:
-        return best_runs(indices, profiles, baseline, joinable)
+        return best_runs(indices, profiles, start, joinable)
 
     def apply(indices: set[int]) -> int:
         for link in links:  # only what this plan checkpoints: anything else in the model stays as it is
             for _, module in link.modules:
                 remove_checkpointing(module)
+                if rebuild_bn_relu:
+                    remove_rebuild(module)
         apply_runs([[links[i] for i in run] for run in cut(indices)], bn_correct)
+        if rebuild_bn_relu:  # the blocks left unchecked
+            for link in links:
+                for _, module in link.modules:
+                    rebuild(module)
         return meter.peak()
 
     with warnings.catch_warnings():
@@ -371,9 +410,10 @@ def checkpoint_blocks(
         blocks=[names[i] for i in sorted(chosen)],
         candidates=len(links),
         runs=[[names[i] for i in run] for run in runs],
+        rebuilt=[link.name for i, link in enumerate(links) if rebuild_bn_relu and i not in chosen and _rebuilt(link)],
         baseline_bytes=baseline,
         budget_bytes=budget,
-        predicted_bytes=predict_peak(baseline, profiles, runs),
+        predicted_bytes=predict_peak(start, profiles, runs),
         measured_bytes=measured,
         profiles=profiles,
     )
@@ -382,13 +422,24 @@ def checkpoint_blocks(
     return plan
 
 
-def apply_plan(model: nn.Module, runs: list[list[str]], units: Units = "auto", bn_correct: bool = True) -> list[str]:
-    """Checkpoint the runs of a plan made before (``CheckpointPlan.runs``) on a fresh copy of its model.
+def apply_plan(
+    model: nn.Module,
+    runs: list[list[str]],
+    units: Units = "auto",
+    bn_correct: bool = True,
+    rebuild_bn_relu: bool = False,
+) -> list[str]:
+    """Checkpoint the runs of a plan made before (``CheckpointPlan.runs``) on a fresh copy of its model, and with
+    ``rebuild_bn_relu`` rebuild BatchNorm + ReLU outputs in the blocks left unchecked; return the links checkpointed.
 
     Raises:
         ValueError: a block the model does not have, or a run of blocks that may not share one checkpoint.
     """
-    return apply_runs(_runs_named(model, units, runs), bn_correct)
+    changed = apply_runs(_runs_named(model, units, runs), bn_correct)
+    if rebuild_bn_relu:
+        for _, module in find_units(model, units):
+            rebuild(module)
+    return changed
 
 
 def checkpoint_resnet(
@@ -396,10 +447,12 @@ def checkpoint_resnet(
     memory_budget: float | int | str | None = None,
     example_input: Any = None,
     bn_correct: bool = True,
+    rebuild_bn_relu: bool = False,
 ) -> CheckpointPlan:
     """Checkpoint a torchvision ResNet (resnet18..152, ResNeXt, Wide ResNet) in place: its stem and blocks.
 
-    See :func:`checkpoint_blocks` for the budget, the runs and the BatchNorm handling.
+    See :func:`checkpoint_blocks` for the budget, the runs, the BatchNorm handling and the cheaper
+    ``rebuild_bn_relu=True``, which with a budget usually buys the same memory for less throughput.
 
     Raises:
         TypeError: if ``model`` is not a torchvision ResNet.
@@ -425,4 +478,5 @@ def checkpoint_resnet(
         memory_budget=memory_budget,
         example_input=example_input,
         bn_correct=bn_correct,
+        rebuild_bn_relu=rebuild_bn_relu,
     )
