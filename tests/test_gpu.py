@@ -160,7 +160,7 @@ def test_budget_with_the_rebuild_holds_on_cuda_and_checkpoints_fewer_blocks():
         torch.manual_seed(0)
         model = torchvision.models.resnet50(num_classes=10).cuda().to(memory_format=torch.channels_last)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            plans[rebuild] = checkpoint_resnet(model, memory_budget=0.6, example_input=x, rebuild_bn_relu=rebuild)
+            plans[rebuild] = checkpoint_resnet(model, memory_budget=0.8, example_input=x, rebuild_bn_relu=rebuild)
         assert plans[rebuild].held, plans[rebuild].summary()
         del model
     assert len(plans[True].blocks) < len(plans[False].blocks), (plans[True].summary(), plans[False].summary())

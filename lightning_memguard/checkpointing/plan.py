@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -362,13 +362,17 @@ def checkpoint_blocks(
         budget = int(baseline * memory_budget)
     else:
         budget = parse_bytes(memory_budget, "memory_budget")
+    profiles = meter.profile(links)
     start = baseline  # the peak the blocks are chosen against: after the rebuild, where there is one
     if rebuild_bn_relu:
+        plain = profiles  # what a checkpointed block brings back when it is recomputed: the rebuild stands aside
         for link in links:
             for _, module in link.modules:
                 rebuild(module)
         start = meter.peak()
-    profiles = meter.profile(links)  # with the rebuild in place: what checkpointing a block adds to it
+        profiles = [
+            replace(p, recomputed_bytes=q.saved_bytes) for p, q in zip(meter.profile(links), plain, strict=True)
+        ]
     chosen, _, _ = choose_blocks(profiles, start, budget, joinable)
 
     def cut(indices: set[int]) -> list[list[int]]:

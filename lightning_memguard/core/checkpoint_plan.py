@@ -22,6 +22,8 @@ class BlockProfile:
         output_bytes: the part of ``saved_bytes`` that is its output (kept when a run ends here: the next link
             needs it).
         forward_ms: its forward time (paid again in backward when it is checkpointed).
+        recomputed_bytes: activations its recomputation brings back at once, where that differs from
+            ``saved_bytes`` (a block that keeps less than a plain one while it is not checkpointed).
     """
 
     name: str
@@ -29,6 +31,12 @@ class BlockProfile:
     input_bytes: int
     output_bytes: int
     forward_ms: float
+    recomputed_bytes: int | None = None
+
+    @property
+    def recomputed(self) -> int:
+        """Bytes that come back while this link is recomputed in backward."""
+        return self.saved_bytes if self.recomputed_bytes is None else self.recomputed_bytes
 
     @property
     def saving(self) -> int:
@@ -100,6 +108,10 @@ def predict_peak(baseline: int, profiles: Sequence[BlockProfile], runs: Sequence
         830
         >>> predict_peak(1000, [a, b, c], [[2]])  # the last link is recomputed while all before it is still held
         1000
+        >>> lean = BlockProfile("c", saved_bytes=300, input_bytes=0, output_bytes=0, forward_ms=1.0,
+        ...                     recomputed_bytes=400)  # keeps 300 unchecked, brings back 400 when recomputed
+        >>> predict_peak(900, [a, b, lean], [[2]])
+        1000
     """
     total = sum(p.saved_bytes for p in profiles)
     other = baseline - total  # weights, gradients, the head's activations
@@ -111,7 +123,7 @@ def predict_peak(baseline: int, profiles: Sequence[BlockProfile], runs: Sequence
         kept[run[-1]] += profiles[run[-1]].output_bytes
     peak = other + sum(kept)
     for run in runs:
-        live = other + sum(kept[: run[0]]) + sum(profiles[i].saved_bytes for i in run)
+        live = other + sum(kept[: run[0]]) + sum(profiles[i].recomputed for i in run)
         peak = max(peak, live)
     return peak
 
