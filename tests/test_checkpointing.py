@@ -242,7 +242,7 @@ def test_blocks_are_given_back_while_the_measured_peak_still_fits(monkeypatch):
     import lightning_memguard.checkpointing.plan as plan_mod
 
     # the most cautious planner possible: it picks every block
-    def every_link(profiles, baseline, budget, joinable):
+    def every_link(profiles, baseline, budget, joinable, gradients):
         return set(range(len(profiles))), [], baseline
 
     monkeypatch.setattr(plan_mod, "choose_blocks", every_link)

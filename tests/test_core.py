@@ -318,3 +318,15 @@ def test_detector_refuses_step_times_and_sample_counts_of_different_lengths():
         det.observe_step(0.1, 32)
     with pytest.raises(ValueError, match="5 step times but 4 sample counts"):  # and in the steady phase
         det.observe_steps([0.1] * 5, [32] * 4)
+
+
+def test_a_recomputed_run_holds_the_gradient_of_its_output_on_cuda():
+    """Seen on the H200: recomputing ResNet50's first stage peaked about twice its output above the activations."""
+    from lightning_memguard.core.checkpoint_plan import BlockProfile, predict_peak
+
+    first = BlockProfile("first", saved_bytes=500, input_bytes=0, output_bytes=100, forward_ms=1.0)
+    rest = BlockProfile("rest", saved_bytes=100, input_bytes=0, output_bytes=0, forward_ms=1.0)
+    baseline = 700  # 600 of activations
+    assert predict_peak(baseline, [first, rest], [[0]], gradients=False) == 100 + 500 + 0  # recomputed: all back
+    assert predict_peak(baseline, [first, rest], [[0]]) == 100 + 500 + 2 * 100
+    assert predict_peak(baseline, [first, rest], [[1]]) == baseline  # at the end: in the baseline's peak already

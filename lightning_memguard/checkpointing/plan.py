@@ -369,14 +369,14 @@ def checkpoint_blocks(
         for link in links:
             for _, module in link.modules:
                 rebuild(module)
-        start = meter.peak()
         profiles = [
             replace(p, recomputed_bytes=q.saved_bytes) for p, q in zip(meter.profile(links), plain, strict=True)
         ]
-    chosen, _, _ = choose_blocks(profiles, start, budget, joinable)
+        start -= sum(q.saved_bytes for q in plain) - sum(p.saved_bytes for p in profiles)  # what the rebuild frees
+    chosen, _, _ = choose_blocks(profiles, start, budget, joinable, meter.cuda)
 
     def cut(indices: set[int]) -> list[list[int]]:
-        return best_runs(indices, profiles, start, joinable)
+        return best_runs(indices, profiles, start, joinable, meter.cuda)
 
     def apply(indices: set[int]) -> int:
         for link in links:  # only what this plan checkpoints: anything else in the model stays as it is
@@ -417,7 +417,7 @@ def checkpoint_blocks(
         rebuilt=[link.name for i, link in enumerate(links) if rebuild_bn_relu and i not in chosen and _rebuilt(link)],
         baseline_bytes=baseline,
         budget_bytes=budget,
-        predicted_bytes=predict_peak(start, profiles, runs),
+        predicted_bytes=predict_peak(start, profiles, runs, meter.cuda),
         measured_bytes=measured,
         profiles=profiles,
     )

@@ -62,7 +62,11 @@ def group_runs(chosen: set[int], joinable: Sequence[bool]) -> list[list[int]]:
 
 
 def best_runs(
-    chosen: set[int], profiles: Sequence[BlockProfile], baseline: int, joinable: Sequence[bool]
+    chosen: set[int],
+    profiles: Sequence[BlockProfile],
+    baseline: int,
+    joinable: Sequence[bool],
+    gradients: bool = True,
 ) -> list[list[int]]:
     """Where to cut the chosen links into runs. Joining two runs frees the tensor between them but brings back more
     at once when they are recomputed; runs are joined, the best join first, while that lowers the predicted peak.
@@ -77,7 +81,7 @@ def best_runs(
         [[0, 1], [2]]
     """
     runs = [[i] for i in sorted(chosen)]
-    peak = predict_peak(baseline, profiles, runs)
+    peak = predict_peak(baseline, profiles, runs, gradients)
     while True:
         best: tuple[int, list[list[int]]] | None = None
         for k in range(len(runs) - 1):
@@ -85,7 +89,7 @@ def best_runs(
             if right[0] != left[-1] + 1 or not joinable[left[-1]]:
                 continue
             trial = [*runs[:k], left + right, *runs[k + 2 :]]
-            trial_peak = predict_peak(baseline, profiles, trial)
+            trial_peak = predict_peak(baseline, profiles, trial, gradients)
             if trial_peak < peak and (best is None or trial_peak < best[0]):
                 best = (trial_peak, trial)
         if best is None:
@@ -93,10 +97,13 @@ def best_runs(
         peak, runs = best
 
 
-def predict_peak(baseline: int, profiles: Sequence[BlockProfile], runs: Sequence[Sequence[int]]) -> int:
+def predict_peak(
+    baseline: int, profiles: Sequence[BlockProfile], runs: Sequence[Sequence[int]], gradients: bool = True
+) -> int:
     """Peak of a step with ``runs`` checkpointed: the larger of the end of the forward pass (what the runs free is
     gone) and each run's recomputation in backward (the run's own activations are back, the links after it are
-    already freed).
+    already freed, and with ``gradients``, gradients as large as the run's output flow through it: about twice that
+    is held; leave them out where the baseline counts saved activations only, as on the CPU).
 
     Example:
         >>> a = BlockProfile("a", saved_bytes=100, input_bytes=10, output_bytes=20, forward_ms=1.0)
@@ -123,7 +130,10 @@ def predict_peak(baseline: int, profiles: Sequence[BlockProfile], runs: Sequence
         kept[run[-1]] += profiles[run[-1]].output_bytes
     peak = other + sum(kept)
     for run in runs:
-        live = other + sum(kept[: run[0]]) + sum(profiles[i].recomputed for i in run)
+        last = run[-1]
+        # the gradient of the run's output; at the chain's end it is part of the baseline's own peak already
+        grad = max(profiles[last].output_bytes, profiles[last + 1].input_bytes) if last + 1 < len(profiles) else 0
+        live = other + sum(kept[: run[0]]) + sum(profiles[i].recomputed for i in run) + 2 * grad * gradients
         peak = max(peak, live)
     return peak
 
@@ -134,7 +144,11 @@ def value(profile: BlockProfile) -> float:
 
 
 def choose_blocks(
-    profiles: Sequence[BlockProfile], baseline: int, budget: int, joinable: Sequence[bool] | None = None
+    profiles: Sequence[BlockProfile],
+    baseline: int,
+    budget: int,
+    joinable: Sequence[bool] | None = None,
+    gradients: bool = True,
 ) -> tuple[set[int], list[list[int]], int]:
     """The cheapest set of links, greedily by :func:`value`, whose predicted peak, cut into runs by
     :func:`best_runs`, fits ``budget``.
@@ -153,8 +167,8 @@ def choose_blocks(
     chosen: set[int] = set()
     runs: list[list[int]] = []
     for i in order:
-        if predict_peak(baseline, profiles, runs) <= budget:
+        if predict_peak(baseline, profiles, runs, gradients) <= budget:
             break
         chosen.add(i)
-        runs = best_runs(chosen, profiles, baseline, joins)
-    return chosen, runs, predict_peak(baseline, profiles, runs)
+        runs = best_runs(chosen, profiles, baseline, joins, gradients)
+    return chosen, runs, predict_peak(baseline, profiles, runs, gradients)
