@@ -458,6 +458,17 @@ def test_budget_with_the_rebuild_checkpoints_fewer_blocks(budget):
     assert plans[True].rebuilt and not plans[False].rebuilt
 
 
+def test_a_plan_with_the_rebuild_is_applied_again_the_same_way():
+    x = torch.randn(8, 3, 64, 64)
+    model = torchvision.models.resnet18(num_classes=10)
+    plan = checkpoint_resnet(model, memory_budget=0.6, example_input=x, rebuild_bn_relu=True)
+    again = torchvision.models.resnet18(num_classes=10)
+    assert apply_plan(again, plan.runs, rebuild_bn_relu=True) == plan.blocks
+    for name, module in model.named_modules():
+        twin = again.get_submodule(name)
+        assert type(twin) is type(module), name
+
+
 def test_rebuild_needs_torchvision_blocks():
     class MyBlock(nn.Module):
         def __init__(self):
