@@ -145,7 +145,9 @@ def main() -> None:
         budget = float(name.split("_")[-1])
         with torch.autocast("cuda", dtype=torch.bfloat16):
             plan = checkpoint_resnet(model, memory_budget=budget, example_input=batches[0][0], rebuild_bn_relu=rebuild)
+        earlier = plans.get(name, {}).get("runs_each_round", [])  # planned anew each round: keep every choice
         plans[name] = {
+            "runs_each_round": [*earlier, plan.runs],
             "blocks": plan.blocks,
             "runs": plan.runs,
             "rebuilt": plan.rebuilt,
