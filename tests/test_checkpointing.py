@@ -24,7 +24,7 @@ from lightning_memguard.checkpointing import (
     remove_rebuild,
 )
 from lightning_memguard.checkpointing.plan import model_chain
-from lightning_memguard.checkpointing.rebuild import RebuiltBatchNormReLU
+from lightning_memguard.checkpointing.rebuild import RebuiltBatchNormReLU, RebuiltStemReLU
 from lightning_memguard.testing import ImageClassifier
 
 
@@ -42,6 +42,13 @@ def _train(model: nn.Module, steps: int = 3, forward=None) -> dict[str, torch.Te
     state = {f"grad:{n}": p.grad.clone() for n, p in model.named_parameters()}
     state.update({f"buf:{n}": b.clone() for n, b in model.named_buffers()})
     return state
+
+
+def _rebuilt_links(model: nn.Module) -> list[str]:
+    """Blocks and stems (named as the planner names them) that rebuild BatchNorm + ReLU outputs."""
+    names = [n for n, m in model.named_modules() if isinstance(m, RebuiltBatchNormReLU)]
+    names += [n.removesuffix("relu") + "stem" for n, m in model.named_modules() if isinstance(m, RebuiltStemReLU)]
+    return sorted(names)
 
 
 def _identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -360,7 +367,7 @@ def test_rebuilt_batchnorm_relu_frees_relu_outputs_and_keeps_training_the_same(a
     torch.manual_seed(1)
     plain = torchvision.models.get_model(arch, num_classes=10)
     ours = copy.deepcopy(plain)
-    assert rebuild_bn_relu(ours) == (8 if arch == "resnet18" else 16)
+    assert rebuild_bn_relu(ours) == (8 if arch == "resnet18" else 16) + 1  # the blocks and the stem
     kept = {}
     x = torch.randn(2, 3, 32, 32)
     for name, model in (("plain", plain), ("ours", ours)):
@@ -398,20 +405,22 @@ def test_a_block_rebuilt_first_and_checkpointed_after_trains_like_the_plain_mode
     plain = torchvision.models.resnet18(num_classes=10)
     ours = copy.deepcopy(plain)
     rebuild_bn_relu(ours)
-    apply_plan(ours, [["layer1.0", "layer1.1"], ["layer3.0"]])  # inside the checkpoint, the rebuild stands aside
+    apply_plan(ours, [["stem"], ["layer1.0", "layer1.1"], ["layer3.0"]])  # inside a checkpoint the rebuild stands aside
     a, b = _train(plain, steps=1), _train(ours, steps=1)  # one step: later steps amplify the rounding
     assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("buf:"))  # BatchNorm ran once per step
     assert all((a[k] - b[k]).abs().max() <= 1e-5 * a[k].abs().max() for k in a if k.startswith("grad:"))
     remove_checkpointing(ours)
-    assert remove_rebuild(ours) == 8 and type(ours.layer1[0]) is torchvision.models.resnet.BasicBlock
+    assert remove_rebuild(ours) == 9 and type(ours.layer1[0]) is torchvision.models.resnet.BasicBlock
+    assert type(ours.relu) is nn.ReLU and type(ours.maxpool) is nn.MaxPool2d
 
 
 def test_rebuild_mode_without_a_budget_checkpoints_nothing_and_keeps_state_dict_keys():
     model = torchvision.models.resnet50(num_classes=10)
     keys = list(model.state_dict())
     plan = checkpoint_resnet(model, rebuild_bn_relu=True)
-    assert plan.blocks == [] and plan.runs == [] and len(plan.rebuilt) == 16 and plan.rebuilt[0] == "layer1.0"
-    assert "BatchNorm + ReLU rebuilt in 16" in plan.summary()
+    assert plan.blocks == [] and plan.runs == []
+    assert len(plan.rebuilt) == 17 and plan.rebuilt[:2] == ["stem", "layer1.0"]
+    assert "BatchNorm + ReLU rebuilt in 17" in plan.summary()
     assert list(model.state_dict()) == keys
     assert not any(is_checkpointed(m) for m in model.modules())
     model.load_state_dict(torchvision.models.resnet50(num_classes=10).state_dict())  # and back
@@ -438,10 +447,10 @@ def test_saved_tensor_hooks_around_a_rebuilt_block_still_see_what_it_keeps():
         if name == "rebuilt":
             rebuild_bn_relu(model)
         counted[name] = saved_bytes(model)
-    assert 0.6 * counted["plain"] < counted["rebuilt"] < 0.95 * counted["plain"]
+    assert 0.4 * counted["plain"] < counted["rebuilt"] < 0.9 * counted["plain"]
 
 
-@pytest.mark.parametrize("budget", [0.85, 0.6])  # the rebuild alone fits 0.85 here
+@pytest.mark.parametrize("budget", [0.9, 0.6])  # the rebuild alone fits 0.9 here
 def test_budget_with_the_rebuild_checkpoints_fewer_blocks(budget):
     x = torch.randn(8, 3, 64, 64)
     plans = {}
@@ -451,8 +460,8 @@ def test_budget_with_the_rebuild_checkpoints_fewer_blocks(budget):
         plans[rebuild] = checkpoint_resnet(model, memory_budget=budget, example_input=x, rebuild_bn_relu=rebuild)
         assert plans[rebuild].held, plans[rebuild].summary()
         assert all(torch.equal(before[n], b) for n, b in model.named_buffers())
-        rebuilt = sorted(n for n, m in model.named_modules() if isinstance(m, RebuiltBatchNormReLU))
-        assert rebuilt == plans[rebuild].rebuilt  # every block not checkpointed, and only those
+        rebuilt = _rebuilt_links(model)
+        assert rebuilt == sorted(plans[rebuild].rebuilt)  # every link not checkpointed, and only those
         assert not set(rebuilt) & set(plans[rebuild].blocks)
     assert len(plans[True].blocks) < len(plans[False].blocks)
     assert plans[True].rebuilt and not plans[False].rebuilt
@@ -467,6 +476,35 @@ def test_a_plan_with_the_rebuild_is_applied_again_the_same_way():
     for name, module in model.named_modules():
         twin = again.get_submodule(name)
         assert type(twin) is type(module), name
+
+
+def test_the_stems_relu_output_is_rebuilt_too_and_the_model_still_copies_and_pickles():
+    import pickle
+    import weakref
+
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet18(num_classes=10)
+    ours = copy.deepcopy(plain)
+    rebuild_bn_relu(ours)
+    kept = {}
+    x = torch.randn(2, 3, 64, 64)
+    for name, model in (("plain", plain), ("ours", ours)):
+        refs = []
+        handle = model.bn1.register_forward_hook(lambda m, i, o, refs=refs: refs.append(weakref.ref(o)))
+        out = model(x)
+        kept[name] = refs[0]() is not None  # the stem's ReLU output, held for backward?
+        out.sum().backward()
+        handle.remove()
+    assert kept == {"plain": True, "ours": False}
+    assert "_memguard_recipe" not in ours.maxpool.__dict__  # handed over and taken within the forward pass
+    again = pickle.loads(pickle.dumps(ours))
+    copied = copy.deepcopy(ours)
+    for clone in (again, copied):
+        assert clone.relu.memguard_pool is clone.maxpool and clone.relu.memguard_bn is clone.bn1
+        clone(torch.randn(2, 3, 64, 64)).sum().backward()
+    with torch.no_grad():
+        ours.eval(), plain.eval()
+        assert torch.equal(ours(x), plain(x))  # the same running statistics; in evaluation the rebuild does nothing
 
 
 def test_rebuild_needs_torchvision_blocks():
@@ -488,8 +526,17 @@ def test_callback_with_the_rebuild(tmp_path):
     cb = ActivationCheckpointing(rebuild_bn_relu=True)
     model = ImageClassifier(image_size=32, batch_size=4, steps_per_epoch=2)
     Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[cb])).fit(model)
-    assert cb.blocks == [] and len(cb.plan.rebuilt) == 8
-    assert sum(isinstance(m, RebuiltBatchNormReLU) for m in model.modules()) == 8
+    assert cb.blocks == [] and len(cb.plan.rebuilt) == 9
+    assert _rebuilt_links(model) == sorted(cb.plan.rebuilt)
+
+
+def test_callback_with_the_rebuild_and_a_budget(tmp_path):
+    cb = ActivationCheckpointing(memory_budget=0.85, rebuild_bn_relu=True)
+    model = ExampleClassifier(image_size=32, batch_size=4, steps_per_epoch=2)
+    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[cb])).fit(model)
+    assert cb.plan is not None and cb.plan.held, cb.plan
+    assert cb.plan.rebuilt and len(cb.plan.blocks) < 9
+    assert _rebuilt_links(model) == sorted(cb.plan.rebuilt)
 
 
 def test_a_run_of_blocks_that_pass_tuples_is_refused():

@@ -42,4 +42,4 @@ def test_checkpoint_budget_example(budget, tmp_path):
 def test_checkpoint_budget_example_with_the_rebuild(tmp_path):
     out = _run("checkpoint_budget.py", "--budget", "0.85", "--rebuild", cwd=tmp_path)
     assert "checkpointed 0 of 17 blocks" in out and "runs, one checkpoint each: none" in out
-    assert "BatchNorm + ReLU rebuilt in: layer1.0, layer1.1" in out
+    assert "BatchNorm + ReLU rebuilt in: stem, layer1.0, layer1.1" in out

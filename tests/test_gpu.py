@@ -164,7 +164,22 @@ def test_budget_with_the_rebuild_holds_on_cuda_and_checkpoints_fewer_blocks():
         assert plans[rebuild].held, plans[rebuild].summary()
         del model
     assert len(plans[True].blocks) < len(plans[False].blocks), (plans[True].summary(), plans[False].summary())
-    assert len(plans[True].rebuilt) == 16 - len(plans[True].blocks) + ("stem" in plans[True].blocks)
+    assert len(plans[True].rebuilt) == 17 - len(plans[True].blocks)  # every link left unchecked, the stem too
+
+
+def test_callback_with_the_rebuild_and_a_budget_under_bf16_mixed(tmp_path):
+    """CPU twin: test_callback_with_the_rebuild_and_a_budget (tests/test_checkpointing.py)."""
+    from lightning_memguard import ActivationCheckpointing
+    from lightning_memguard.checkpointing.rebuild import RebuiltBatchNormReLU
+
+    cb = ActivationCheckpointing(memory_budget=0.8, rebuild_bn_relu=True)
+    model = ImageClassifier("resnet50", image_size=224, batch_size=64, steps_per_epoch=4, channels_last=True)
+    model.example_input_array = torch.randn(64, 3, 224, 224).contiguous(memory_format=torch.channels_last)
+    _trainer(tmp_path, [cb], max_epochs=1).fit(model)
+    assert cb.plan is not None and cb.plan.held, cb.plan
+    assert cb.plan.rebuilt and len(cb.plan.blocks) < 16
+    rebuilt = sorted(n for n, m in model.named_modules() if isinstance(m, RebuiltBatchNormReLU))
+    assert rebuilt == sorted(cb.plan.rebuilt)
 
 
 def test_batch_size_tuner_on_an_emulated_card_never_picks_a_spilling_size(tmp_path):

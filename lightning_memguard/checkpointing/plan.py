@@ -11,7 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memguard.checkpointing.rebuild import RebuiltBatchNormReLU, rebuildable, remove_rebuild
+from lightning_memguard.checkpointing.rebuild import (
+    RebuiltBatchNormReLU,
+    RebuiltStemReLU,
+    rebuild_stem,
+    rebuildable,
+    remove_rebuild,
+    stem_rebuildable,
+)
 from lightning_memguard.checkpointing.rebuild import rebuild_bn_relu as rebuild
 from lightning_memguard.checkpointing.wrap import (
     Link,
@@ -21,6 +28,7 @@ from lightning_memguard.checkpointing.wrap import (
     is_checkpointed,
     preserved_state,
     remove_checkpointing,
+    stock_resnet,
 )
 from lightning_memguard.core.checkpoint_plan import BlockProfile, best_runs, choose_blocks, predict_peak, value
 from lightning_memguard.core.units import parse_bytes
@@ -95,6 +103,10 @@ class _StepMeter:
     def __init__(self, model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor]) -> None:
         self.model, self.example, self.loss_fn = model, example, loss_fn
         self.cuda = any(t.is_cuda for t in _tensors(example))
+        # held whether or not anything is saved: parameters, buffers and the batch itself; everything else a
+        # forward saves counts, also tensors that need no gradient (max-pooling indices, dropout masks)
+        held = [*model.parameters(), *model.buffers(), *_tensors(example)]
+        self.held = {_storage_key(t) for t in held}
 
     def _run(self) -> None:
         out = self.model(*self.example) if isinstance(self.example, tuple) else self.model(self.example)
@@ -115,9 +127,8 @@ class _StepMeter:
 
             def count(t: torch.Tensor) -> None:
                 nonlocal total
-                root = t._base if t._base is not None else t
                 key = _storage_key(t)
-                if not root.is_leaf and key not in seen:
+                if key not in self.held and key not in seen:
                     seen.add(key)
                     total += key[1]
 
@@ -149,9 +160,8 @@ class _StepMeter:
         current: list[str] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            root = t._base if t._base is not None else t
             key = _storage_key(t)
-            if current and not root.is_leaf and key not in seen:
+            if current and key not in self.held and key not in seen:
                 seen.add(key)
                 saved[current[-1]][key] = key[1]
             return t
@@ -209,18 +219,20 @@ class _StepMeter:
 
 
 def _rebuilt(link: Link) -> bool:
-    return any(isinstance(module, RebuiltBatchNormReLU) for _, module in link.modules)
+    return any(isinstance(module, RebuiltBatchNormReLU | RebuiltStemReLU) for _, module in link.modules)
 
 
-def _stock_resnet(module: nn.Module) -> bool:
-    """A torchvision ResNet whose forward is torchvision's: stem, then the four stages, each feeding the next."""
-    from torchvision.models import ResNet
+def _can_rebuild(link: Link) -> bool:
+    if link.stem:
+        return stem_rebuildable(*(m for _, m in link.modules[1:]))
+    return any(rebuildable(m) for _, m in link.modules)
 
-    return (
-        isinstance(module, ResNet)
-        and type(module).forward is ResNet.forward
-        and type(module)._forward_impl is ResNet._forward_impl
-    )
+
+def _rebuild_link(link: Link) -> bool:
+    """Rebuild BatchNorm + ReLU outputs in backward in this link where it can; whether it changed."""
+    if link.stem:
+        return _can_rebuild(link) and rebuild_stem(*(m for _, m in link.modules[1:]))
+    return sum(rebuild(m) for _, m in link.modules) > 0
 
 
 def model_chain(model: nn.Module, found: list[tuple[str, nn.Module]]) -> tuple[list[Link], list[bool]]:
@@ -233,13 +245,13 @@ def model_chain(model: nn.Module, found: list[tuple[str, nn.Module]]) -> tuple[l
     stems: dict[str, Link] = {}  # first block's name -> the stem link before it
     names = {name for name, _ in found}
     for prefix, module in model.named_modules():
-        if not _stock_resnet(module):
+        if not stock_resnet(module):
             continue
         dot = f"{prefix}." if prefix else ""
         first = f"{dot}layer1.0"
         if first in names:
             stem = tuple((f"{dot}{part}", getattr(module, part)) for part in ("conv1", "bn1", "relu", "maxpool"))
-            stems[first] = Link(f"{dot}stem", stem)
+            stems[first] = Link(f"{dot}stem", stem, stem=True)
     links: list[Link] = []
     joinable: list[bool] = []
     modules = dict(model.named_modules())
@@ -336,13 +348,13 @@ def checkpoint_blocks(
     found = find_units(model, units)
     links, joinable = model_chain(model, found)
     names = [link.name for link in links]
-    if rebuild_bn_relu and not any(rebuildable(m) for link in links for _, m in link.modules):
+    if rebuild_bn_relu and not any(_can_rebuild(link) for link in links):
         raise ValueError(
             "`rebuild_bn_relu` needs torchvision BasicBlock or Bottleneck blocks (with nn.BatchNorm2d), and"
             f" {type(model).__name__} has none among its blocks"
         )
     if memory_budget is None and rebuild_bn_relu:
-        rebuilt = [link.name for link in links if sum(rebuild(m) for _, m in link.modules)]
+        rebuilt = [link.name for link in links if _rebuild_link(link)]
         return CheckpointPlan(blocks=[], candidates=len(links), rebuilt=rebuilt)
     if memory_budget is None:
         changed = set(apply_runs([[link] for link in links], bn_correct))
@@ -367,8 +379,7 @@ def checkpoint_blocks(
     if rebuild_bn_relu:
         plain = profiles  # what a checkpointed block brings back when it is recomputed: the rebuild stands aside
         for link in links:
-            for _, module in link.modules:
-                rebuild(module)
+            _rebuild_link(link)
         profiles = [
             replace(p, recomputed_bytes=q.saved_bytes) for p, q in zip(meter.profile(links), plain, strict=True)
         ]
@@ -385,10 +396,9 @@ def checkpoint_blocks(
                 if rebuild_bn_relu:
                     remove_rebuild(module)
         apply_runs([[links[i] for i in run] for run in cut(indices)], bn_correct)
-        if rebuild_bn_relu:  # the blocks left unchecked
+        if rebuild_bn_relu:  # the links left unchecked
             for link in links:
-                for _, module in link.modules:
-                    rebuild(module)
+                _rebuild_link(link)
         return meter.peak()
 
     with warnings.catch_warnings():
@@ -441,8 +451,8 @@ def apply_plan(
     """
     changed = apply_runs(_runs_named(model, units, runs), bn_correct)
     if rebuild_bn_relu:
-        for _, module in find_units(model, units):
-            rebuild(module)
+        for link in model_chain(model, find_units(model, units))[0]:
+            _rebuild_link(link)
     return changed
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memguard.checkpointing.wrap import _compiling, is_checkpointed, swapped_class
+from lightning_memguard.checkpointing.wrap import _compiling, is_checkpointed, stock_resnet, swapped_class
 
 
 class _Recipe:
@@ -81,6 +81,37 @@ class _Passed:
         self.packed = packed
 
 
+_Outer = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None
+
+
+def _may_rebuild(module: nn.Module) -> tuple[bool, _Outer]:
+    """Whether a forward of ``module`` may save recipes (training with gradients, not compiling, not inside a
+    checkpoint, which frees everything already), and the saved-tensor hooks around it."""
+    if not torch.is_grad_enabled() or not module.training or _compiling():
+        return False, None
+    outer = _outer_hooks()
+    return outer is None or not _checkpoint_internal(outer[0]), outer
+
+
+def _saving_recipes(find: Callable[[torch.Tensor], _Recipe | None], outer: _Outer) -> Any:
+    """Saved-tensor hooks that save a recipe where ``find`` has one, and hand anything else to ``outer``. The graph
+    keeps these hooks: ``find`` must not hold the tensors it recognises."""
+
+    def pack(t: torch.Tensor) -> Any:
+        recipe = find(t)
+        if recipe is not None:
+            recipe.packed += 1
+            return recipe
+        return t if outer is None else _Passed(outer[0](t))
+
+    def unpack(saved: Any) -> torch.Tensor:
+        if isinstance(saved, _Recipe):
+            return saved.rebuild()
+        return saved if outer is None else outer[1](saved.packed)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 class RebuiltBatchNormReLU(nn.Module):
     """Mixin placed in front of a block's class: within its forward, the outputs of ``memguard_bns`` (each followed
     by an in-place ReLU) are saved as recipes."""
@@ -88,11 +119,9 @@ class RebuiltBatchNormReLU(nn.Module):
     memguard_prefix = "RebuiltBNReLU"
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or not self.training or _compiling():
+        active, outer = _may_rebuild(self)
+        if not active:
             return super().forward(*args, **kwargs)
-        outer = _outer_hooks()
-        if outer is not None and _checkpoint_internal(outer[0]):
-            return super().forward(*args, **kwargs)  # inside a checkpoint: it frees everything already
         # by tensor object: the in-place ReLU returns BatchNorm's output object itself; a weak reference tells a
         # live tensor from a new one that got the same id after the first was freed
         recipes: dict[int, tuple[weakref.ref[torch.Tensor], _Recipe]] = {}
@@ -102,25 +131,83 @@ class RebuiltBatchNormReLU(nn.Module):
             if stats is not None:
                 recipes[id(output)] = (weakref.ref(output), _Recipe(inputs[0], bn, *stats))  # type: ignore[arg-type]
 
-        def pack(t: torch.Tensor) -> Any:
+        def find(t: torch.Tensor) -> _Recipe | None:
             entry = recipes.get(id(t))
-            if entry is not None and entry[0]() is t:
-                entry[1].packed += 1
-                return entry[1]
-            return t if outer is None else _Passed(outer[0](t))
-
-        def unpack(saved: Any) -> torch.Tensor:
-            if isinstance(saved, _Recipe):
-                return saved.rebuild()
-            return saved if outer is None else outer[1](saved.packed)
+            return entry[1] if entry is not None and entry[0]() is t else None
 
         handles = [bn.register_forward_hook(remember) for bn in self.__dict__["memguard_bns"]]
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            with _saving_recipes(find, outer):
                 return super().forward(*args, **kwargs)
         finally:
             for handle in handles:
                 handle.remove()
+
+
+class RebuiltStemReLU(nn.Module):
+    """Mixin for the ReLU of a torchvision ResNet's stem (conv1, bn1, relu, maxpool): its output, BatchNorm's output
+    made non-negative in place, is saved as a recipe, and handed to the max-pooling that follows (``memguard_pool``),
+    which saves it again."""
+
+    memguard_prefix = "RebuiltStem"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        active, outer = _may_rebuild(self)
+        stats = _batch_stats(x) if active and isinstance(x, torch.Tensor) else None
+        source = getattr(x.grad_fn, "_saved_input", None) if stats is not None else None
+        if not isinstance(source, torch.Tensor):
+            return super().forward(x)
+        recipe = _Recipe(source, self.__dict__["memguard_bn"], *stats)  # type: ignore[misc]
+        target = weakref.ref(x)  # the hooks live as long as the graph: no strong reference to what they free
+        with _saving_recipes(lambda t: recipe if t is target() else None, outer):
+            out = super().forward(x)
+        if out is x:  # in place, as in torchvision: the same tensor goes on to the pooling
+            self.__dict__["memguard_pool"].__dict__["_memguard_recipe"] = (weakref.ref(out), recipe)
+        return out
+
+
+class RebuiltStemPool(nn.Module):
+    """Mixin for the max-pooling of a ResNet's stem: its input is saved as the recipe the stem's ReLU made."""
+
+    memguard_prefix = "RebuiltStem"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_memguard_recipe", None)  # one forward pass's hand-over: not state, and not picklable
+        return state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        entry = self.__dict__.pop("_memguard_recipe", None)
+        active, outer = _may_rebuild(self)
+        if entry is None or entry[0]() is not x or not active:
+            return super().forward(x)
+        target, recipe = entry
+        with _saving_recipes(lambda t: recipe if t is target() else None, outer):
+            return super().forward(x)
+
+
+def stem_modules(resnet: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
+    """The stem's BatchNorm, ReLU and max-pooling of a torchvision ResNet with torchvision's forward, when they are
+    the stock layers the stem rebuild knows (None otherwise)."""
+    if not stock_resnet(resnet):
+        return None
+    parts: tuple[nn.Module, nn.Module, nn.Module] = (resnet.bn1, resnet.relu, resnet.maxpool)  # type: ignore[assignment]
+    return parts if stem_rebuildable(*parts) else None
+
+
+def stem_rebuildable(bn: nn.Module, relu: nn.Module, pool: nn.Module) -> bool:
+    return type(bn) is nn.BatchNorm2d and isinstance(relu, nn.ReLU) and isinstance(pool, nn.MaxPool2d)
+
+
+def rebuild_stem(bn: nn.Module, relu: nn.Module, pool: nn.Module) -> bool:
+    """Rebuild a ResNet stem's ReLU output in backward instead of keeping it; False if already done or the stem is
+    checkpointed."""
+    if isinstance(relu, RebuiltStemReLU) or any(is_checkpointed(m) for m in (bn, relu, pool)):
+        return False
+    relu.__dict__["memguard_bn"], relu.__dict__["memguard_pool"] = bn, pool  # plain references, not submodules
+    relu.__class__ = swapped_class(type(relu), RebuiltStemReLU)
+    pool.__class__ = swapped_class(type(pool), RebuiltStemPool)
+    return True
 
 
 def rebuildable(module: nn.Module) -> bool:
@@ -143,18 +230,22 @@ def _eligible(module: nn.Module) -> tuple[nn.Module, ...] | None:
 
 
 def rebuild_bn_relu(model: nn.Module) -> int:
-    """Rebuild BatchNorm + ReLU outputs in backward in every torchvision Bottleneck (after bn1 and bn2) and
-    BasicBlock (after bn1) of ``model`` that is not checkpointed, in place; return how many blocks changed.
+    """Rebuild BatchNorm + ReLU outputs in backward in every torchvision Bottleneck (after bn1 and bn2), BasicBlock
+    (after bn1) and ResNet stem (after bn1) of ``model`` that is not checkpointed, in place; return how many blocks
+    and stems changed.
 
     ``state_dict`` keys do not change; :func:`remove_rebuild` undoes it.
 
     Example:
         >>> import torchvision
-        >>> rebuild_bn_relu(torchvision.models.resnet50(num_classes=10))
-        16
+        >>> rebuild_bn_relu(torchvision.models.resnet50(num_classes=10))  # 16 blocks and the stem
+        17
     """
     count = 0
     for module in model.modules():
+        stem = stem_modules(module)
+        if stem is not None:
+            count += rebuild_stem(*stem)
         bns = _eligible(module)
         if bns is None or isinstance(module, RebuiltBatchNormReLU) or is_checkpointed(module):
             continue  # a checkpointed block is recomputed whole in backward already
@@ -168,8 +259,9 @@ def remove_rebuild(model: nn.Module) -> int:
     """Undo :func:`rebuild_bn_relu` everywhere in ``model``; return how many blocks changed back."""
     count = 0
     for module in model.modules():
-        if isinstance(module, RebuiltBatchNormReLU):
-            module.__class__ = type(module)._memguard_original  # type: ignore[attr-defined]
-            module.__dict__.pop("memguard_bns", None)
-            count += 1
+        if isinstance(module, RebuiltBatchNormReLU | RebuiltStemReLU | RebuiltStemPool):
+            count += not isinstance(module, RebuiltStemPool)  # a stem counts once
+            module.__class__ = type(module)._memguard_original  # type: ignore[union-attr]
+            for key in ("memguard_bns", "memguard_bn", "memguard_pool", "_memguard_recipe"):
+                module.__dict__.pop(key, None)
     return count

@@ -139,6 +139,17 @@ def swapped_class(cls: type[nn.Module], mixin: type[nn.Module]) -> type:
     return sub
 
 
+def stock_resnet(module: nn.Module) -> bool:
+    """A torchvision ResNet whose forward is torchvision's: stem, then the four stages, each feeding the next."""
+    from torchvision.models import ResNet
+
+    return (
+        isinstance(module, ResNet)
+        and type(module).forward is ResNet.forward
+        and type(module)._forward_impl is ResNet._forward_impl
+    )
+
+
 def is_checkpointed(module: nn.Module) -> bool:
     return isinstance(module, CheckpointedUnit | CheckpointedMember)
 
@@ -149,6 +160,7 @@ class Link:
 
     name: str
     modules: tuple[tuple[str, nn.Module], ...]
+    stem: bool = False  # a ResNet's conv1, bn1, relu and maxpool
 
 
 _FOREIGN_WRAPPERS = ("CheckpointWrapper", "ActivationWrapper", "OffloadWrapper")
