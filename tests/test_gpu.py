@@ -170,7 +170,7 @@ def test_budget_with_the_rebuild_holds_on_cuda_and_checkpoints_fewer_blocks():
 def test_callback_with_the_rebuild_and_a_budget_under_bf16_mixed(tmp_path):
     """CPU twin: test_callback_with_the_rebuild_and_a_budget (tests/test_checkpointing.py)."""
     from lightning_memguard import ActivationCheckpointing
-    from lightning_memguard.checkpointing.rebuild import RebuiltBatchNormReLU
+    from lightning_memguard.checkpointing.rebuild import RebuiltBatchNormReLU, RebuiltStemReLU
 
     cb = ActivationCheckpointing(memory_budget=0.8, rebuild_bn_relu=True)
     model = ImageClassifier("resnet50", image_size=224, batch_size=64, steps_per_epoch=4, channels_last=True)
@@ -178,8 +178,9 @@ def test_callback_with_the_rebuild_and_a_budget_under_bf16_mixed(tmp_path):
     _trainer(tmp_path, [cb], max_epochs=1).fit(model)
     assert cb.plan is not None and cb.plan.held, cb.plan
     assert cb.plan.rebuilt and len(cb.plan.blocks) < 16
-    rebuilt = sorted(n for n, m in model.named_modules() if isinstance(m, RebuiltBatchNormReLU))
-    assert rebuilt == sorted(cb.plan.rebuilt)
+    rebuilt = [n for n, m in model.named_modules() if isinstance(m, RebuiltBatchNormReLU)]
+    rebuilt += [n.removesuffix("relu") + "stem" for n, m in model.named_modules() if isinstance(m, RebuiltStemReLU)]
+    assert sorted(rebuilt) == sorted(cb.plan.rebuilt) and "net.stem" in rebuilt
 
 
 def test_batch_size_tuner_on_an_emulated_card_never_picks_a_spilling_size(tmp_path):
