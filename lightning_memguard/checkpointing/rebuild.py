@@ -38,8 +38,6 @@ class _Recipe:
 
     def rebuild(self) -> torch.Tensor:
         if self.rebuilt is None:
-            self.rebuilt = _fused_rebuild(self) if self.source.is_cuda else None
-        if self.rebuilt is None:
             bn = self.bn
             var = self.invstd.float().pow(-2) - bn.eps  # the batch's variance, from what BatchNorm saved
             cudnn = torch.backends.cudnn.enabled
@@ -50,41 +48,6 @@ class _Recipe:
         if self.unpacked >= self.packed:  # every saved copy has been used: let it go
             self.rebuilt = None
         return out
-
-
-# relu(x * scale + shift) in one pass over the tensor, where BatchNorm's inference kernel and then an in-place
-# ReLU take two. Arithmetic in float whatever the storage type; the per-channel scale and shift come in the tensor's
-# type, each as a sum of two parts (high and low), so that bf16 storage keeps them to float precision.
-_FUSED_CODE = (
-    "template <typename T> T memguard_bn_relu(T x, T scale_hi, T scale_lo, T shift_hi, T shift_lo) {"
-    " float y = static_cast<float>(x) * (static_cast<float>(scale_hi) + static_cast<float>(scale_lo))"
-    " + (static_cast<float>(shift_hi) + static_cast<float>(shift_lo));"
-    " return static_cast<T>(y > 0.0f ? y : 0.0f); }"
-)
-_fused_kernel: Any = None  # made on first use (torch's jiterator, CUDA only); False where it cannot be made
-
-
-def _fused_rebuild(recipe: _Recipe) -> torch.Tensor | None:
-    """The rebuilt ReLU output from one fused CUDA kernel, or None (then BatchNorm's own kernel does it)."""
-    global _fused_kernel
-    if _fused_kernel is False:
-        return None
-    source, bn = recipe.source, recipe.bn
-    mean, scale = recipe.mean.float(), recipe.invstd.float()
-    if bn.weight is not None:
-        scale = scale * bn.weight.float()
-    shift = -mean * scale if bn.bias is None else torch.addcmul(bn.bias.float(), mean, scale, value=-1)
-    params = torch.stack((scale, shift)).view(2, 1, source.shape[1], *(1,) * (source.dim() - 2))
-    high = params.to(source.dtype)
-    low = (params - high.float()).to(source.dtype)  # what the storage type dropped (zero in float32)
-    try:
-        if _fused_kernel is None:
-            _fused_kernel = torch.cuda.jiterator._create_jit_fn(_FUSED_CODE)
-        out = _fused_kernel(source, high[0], low[0], high[1], low[1])
-    except Exception:  # no runtime compiler here, or a torch without the jiterator: BatchNorm's kernel instead
-        _fused_kernel = False
-        return None
-    return out if out.dtype == source.dtype and out.shape == source.shape else None
 
 
 def _batch_stats(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
