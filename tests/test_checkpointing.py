@@ -507,6 +507,23 @@ def test_the_stems_relu_output_is_rebuilt_too_and_the_model_still_copies_and_pic
         assert torch.equal(ours(x), plain(x))  # the same running statistics; in evaluation the rebuild does nothing
 
 
+def test_a_recipe_rebuilds_what_batchnorm_and_relu_made():
+    from lightning_memguard.checkpointing import rebuild as rb
+
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(8)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 2), bn.bias.uniform_(-1, 1)
+    x = torch.randn(4, 8, 6, 6, requires_grad=True)
+    out = bn(x)
+    y = torch.relu(out)
+    recipe = rb._Recipe(x.detach(), bn, *rb._batch_stats(out))  # type: ignore[misc]
+    recipe.packed = 2
+    first, second = recipe.rebuild(), recipe.rebuild()
+    assert first is second and recipe.rebuilt is None  # built once, let go after its last use
+    torch.testing.assert_close(first, y.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_rebuild_needs_torchvision_blocks():
     class MyBlock(nn.Module):
         def __init__(self):
