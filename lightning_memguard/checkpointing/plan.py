@@ -43,7 +43,8 @@ class CheckpointPlan:
         blocks: the links checkpointed (block names, and ``"stem"`` or ``"<resnet>.stem"`` for a ResNet's stem).
         runs: the same links grouped as checkpointed: each run is one checkpoint, recomputed as a whole.
         candidates: how many links the model has.
-        rebuilt: the blocks that rebuild their BatchNorm + ReLU outputs in backward (``rebuild_bn_relu=True``).
+        rebuilt: the links (blocks, a ResNet's stem) that rebuild their BatchNorm + ReLU outputs in backward
+            (``rebuild_bn_relu=True``).
     """
 
     blocks: list[str]
@@ -317,11 +318,11 @@ def checkpoint_blocks(
     recomputed). The peak is then measured: links are added if it does not fit, and given back, least valuable
     first, while it still fits.
 
-    With ``rebuild_bn_relu=True``, torchvision BasicBlocks and Bottlenecks that are not checkpointed keep their
-    convolution outputs and rebuild the ReLU outputs after bn1 (and bn2) in backward, one element-wise pass, instead
-    of keeping them (see :mod:`lightning_memguard.checkpointing.rebuild`): less memory for far less recomputation
-    than a whole block. Without a budget, that is all that happens (no block is checkpointed); with one, the rebuild
-    comes first and whole blocks are checkpointed only for what it leaves over the budget.
+    With ``rebuild_bn_relu=True``, torchvision BasicBlocks, Bottlenecks and ResNet stems that are not checkpointed
+    keep their convolution outputs and rebuild the ReLU outputs after bn1 (and bn2) in backward, one element-wise
+    pass, instead of keeping them (see :mod:`lightning_memguard.checkpointing.rebuild`): less memory for far less
+    recomputation than a whole block. Without a budget, that is all that happens (no block is checkpointed); with
+    one, the rebuild comes first and whole blocks are checkpointed only for what it leaves over the budget.
 
     Args:
         model: the model, changed in place.
@@ -350,8 +351,8 @@ def checkpoint_blocks(
     names = [link.name for link in links]
     if rebuild_bn_relu and not any(_can_rebuild(link) for link in links):
         raise ValueError(
-            "`rebuild_bn_relu` needs torchvision BasicBlock or Bottleneck blocks (with nn.BatchNorm2d), and"
-            f" {type(model).__name__} has none among its blocks"
+            "`rebuild_bn_relu` needs torchvision BasicBlock or Bottleneck blocks or a ResNet stem (with"
+            f" nn.BatchNorm2d), and {type(model).__name__} has none"
         )
     if memory_budget is None and rebuild_bn_relu:
         rebuilt = [link.name for link in links if _rebuild_link(link)]
@@ -424,7 +425,7 @@ def checkpoint_blocks(
         blocks=[names[i] for i in sorted(chosen)],
         candidates=len(links),
         runs=[[names[i] for i in run] for run in runs],
-        rebuilt=[link.name for i, link in enumerate(links) if rebuild_bn_relu and i not in chosen and _rebuilt(link)],
+        rebuilt=[link.name for link in links if _rebuilt(link)],
         baseline_bytes=baseline,
         budget_bytes=budget,
         predicted_bytes=predict_peak(start, profiles, runs, meter.cuda),

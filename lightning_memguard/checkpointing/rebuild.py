@@ -6,7 +6,8 @@ a recipe instead (the BatchNorm input and the batch's mean and inverse deviation
 once, when backward first needs it: one element-wise pass instead of a second copy of the tensor, where block
 checkpointing re-runs the block's convolutions. BatchNorm's running statistics are untouched (nothing runs
 BatchNorm in training mode again). Gradients match the plain model to rounding, not bit for bit: the rebuilt
-tensor comes from BatchNorm's inference kernel.
+tensor comes from BatchNorm's inference kernel. A torchvision ResNet's stem gets the same: the output of its
+``relu(bn1(.))``, kept by the ReLU and by the max-pooling after it, is rebuilt once for both.
 
 Saved-tensor hooks around the model (a profiler, an offloader) still see every other tensor the block saves.
 Inside a checkpoint, and under ``torch.compile``, a block runs as usual.
