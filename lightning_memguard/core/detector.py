@@ -186,15 +186,20 @@ class SpillDetector:
         """Whether each step should be fed on its own: while warming up and measuring the reference, and while the
         last reading was at the capacity. Otherwise feeding ``read_window`` steps at a time to
         :meth:`observe_steps` decides the same at a fraction of the cost."""
-        return self.reference_rate is None or self.steps < self._watch_until or self._at_capacity
+        return not self._steady or self._at_capacity
+
+    @property
+    def _steady(self) -> bool:
+        """Past warm-up and the reference: steps are judged by the window, no longer each read."""
+        return self.reference_rate is not None and self.steps >= self._watch_until
 
     def observe_steps(self, seconds: Sequence[float], samples: Sequence[int]) -> bool:
         """Record steps (one or several, oldest first); return True when memory should be read now."""
-        if self.reference_rate is not None and self.steps >= self._watch_until:  # the common case, first
+        if self._steady:  # the common case, first
             return self._observe_steady(seconds, samples)
         wants = False
         for i, (s, n) in enumerate(zip(seconds, samples, strict=True)):
-            if self.reference_rate is not None and self.steps >= self._watch_until:
+            if self._steady:
                 return self._observe_steady(seconds[i:], samples[i:]) or wants
             # warming up and measuring the reference: memory is read after every step
             self.steps += 1
@@ -226,9 +231,8 @@ class SpillDetector:
             self._quiet -= count
             return False
         self._quiet = 0
-        if count == self.read_window:  # fed a window at a time (as MemGuard does): its sums are at hand
-            return total > 0 and done / total < self.reference_rate / self.read_trigger  # type: ignore[operator]
-        return self._window_slow()
+        # fed a window at a time (as MemGuard does), its sums are at hand
+        return self._window_slow((total, done) if count == self.read_window else None)
 
     def _forget_since_refresh(self) -> None:
         self._since_seconds, self._since_samples, self._since_steps = 0.0, 0, 0
@@ -237,11 +241,13 @@ class SpillDetector:
         pairs = list(zip(self._seconds, self._samples, strict=True))[-self.patience :]
         return [n / s if s > 0 else float("inf") for s, n in pairs]
 
-    def _window_slow(self) -> bool:
+    def _window_slow(self, sums: tuple[float, int] | None = None) -> bool:
+        """Whether the last ``read_window`` steps (their summed seconds and samples, if given) ran slow."""
         if self.reference_rate is None:
             return False
-        total = sum(list(self._seconds)[-self.read_window :])
-        samples = sum(list(self._samples)[-self.read_window :])
+        if sums is None:
+            sums = sum(list(self._seconds)[-self.read_window :]), sum(list(self._samples)[-self.read_window :])
+        total, samples = sums
         return total > 0 and samples / total < self.reference_rate / self.read_trigger
 
     def observe_memory(self, used_bytes: int) -> SpillReport:
