@@ -210,12 +210,7 @@ class MemGuard(Callback):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close_step_early()
         self._feed(trainer)  # the steps since the last feed, before the epoch's reading
-        probe = self._require_probe()
-        reading = probe.read()
-        if self._detector is not None and self.spill is None:  # the epoch's last steps, before the peak is reset
-            report = self._detector.observe_memory(self._used(reading))
-            if report.verdict is Verdict.SPILL:
-                self._on_spill_detected(replace(report, step=trainer.global_step), trainer)
+        reading = self._read_and_judge(trainer)  # the epoch's last steps are judged before the peak is reset
         stats = summarize_steps(self._durations, self._samples)
         if stats is None and self._open_steps:
             stats = summarize_steps([d for d, _ in self._open_steps], [n for _, n in self._open_steps])
@@ -306,14 +301,17 @@ class MemGuard(Callback):
         steps = len(self._durations)
         wants_read = detector.observe_steps(self._durations[-count:], self._samples[-count:])
         if wants_read or steps % self.read_every < count:
-            self._read_and_judge(detector, trainer)
+            self._read_and_judge(trainer)
         self._feed_every = 1 if detector.watching else detector.read_window
 
-    def _read_and_judge(self, detector: SpillDetector, trainer: Trainer) -> None:
+    def _read_and_judge(self, trainer: Trainer) -> MemoryReading:
+        """Read memory and, while watching for a spill, let the detector judge the latest steps by it."""
         reading = self._require_probe().read()
-        report = detector.observe_memory(self._used(reading))
-        if report.verdict is Verdict.SPILL:
-            self._on_spill_detected(replace(report, step=trainer.global_step), trainer)
+        if self._detector is not None and self.spill is None:
+            report = self._detector.observe_memory(self._used(reading))
+            if report.verdict is Verdict.SPILL:
+                self._on_spill_detected(replace(report, step=trainer.global_step), trainer)
+        return reading
 
     @staticmethod
     def _used(reading: MemoryReading) -> int:
