@@ -20,7 +20,7 @@ if want tests; then
 fi
 want overhead && run timeout 240 python3 benchmarks/overhead.py --rounds 3 --out "$out/overhead.json"
 want spill && run timeout 120 python3 benchmarks/spill.py --out "$out/spill.json"
-want checkpointing && run timeout 300 python3 benchmarks/checkpointing.py --out "$out/checkpointing.json" --plot "$out/checkpointing.png"
+want checkpointing && run timeout 420 python3 benchmarks/checkpointing.py --out "$out/checkpointing.json" --plot "$out/checkpointing.png"
 want tuners && run timeout 330 python3 benchmarks/tuners.py --out "$out/tuners.json"
 if want sweeps; then
 TAIL=9 run timeout 90 python3 -m lightning_memguard.cli sweep --model resnet50 --batch-sizes 32,64,128,256,512 \

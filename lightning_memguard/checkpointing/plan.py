@@ -14,6 +14,7 @@ from torch import nn
 from lightning_memguard.checkpointing.rebuild import (
     RebuiltBatchNormReLU,
     RebuiltStemReLU,
+    link_outputs,
     rebuild_stem,
     rebuildable,
     remove_rebuild,
@@ -236,6 +237,24 @@ def _rebuild_link(link: Link) -> bool:
     return sum(rebuild(m) for _, m in link.modules) > 0
 
 
+def _rebuilt_profiles(rebuilt: list[BlockProfile], plain: list[BlockProfile]) -> list[BlockProfile]:
+    """The links as the planner sees them with the rebuild: what each keeps unchecked (``rebuilt``), what it brings
+    back when recomputed (``plain``), and what checkpointing it makes real again: its output (the end of a run
+    keeps it) and its input where the link before rebuilt it (the start of a run keeps it)."""
+    out = []
+    for i, (p, q) in enumerate(zip(rebuilt, plain, strict=True)):
+        before = (rebuilt[i - 1].output_bytes, plain[i - 1].output_bytes) if i else (0, 0)
+        out.append(
+            replace(
+                p,
+                recomputed_bytes=q.saved_bytes,
+                input_bytes=q.input_bytes + before[1] - before[0],
+                output_bytes=q.output_bytes,
+            )
+        )
+    return out
+
+
 def model_chain(model: nn.Module, found: list[tuple[str, nn.Module]]) -> tuple[list[Link], list[bool]]:
     """The links to plan over and which neighbours may share a run.
 
@@ -356,6 +375,7 @@ def checkpoint_blocks(
         )
     if memory_budget is None and rebuild_bn_relu:
         rebuilt = [link.name for link in links if _rebuild_link(link)]
+        link_outputs(model)
         return CheckpointPlan(blocks=[], candidates=len(links), rebuilt=rebuilt)
     if memory_budget is None:
         changed = set(apply_runs([[link] for link in links], bn_correct))
@@ -381,9 +401,8 @@ def checkpoint_blocks(
         plain = profiles  # what a checkpointed block brings back when it is recomputed: the rebuild stands aside
         for link in links:
             _rebuild_link(link)
-        profiles = [
-            replace(p, recomputed_bytes=q.saved_bytes) for p, q in zip(meter.profile(links), plain, strict=True)
-        ]
+        link_outputs(model)
+        profiles = _rebuilt_profiles(meter.profile(links), plain)
         start -= sum(q.saved_bytes for q in plain) - sum(p.saved_bytes for p in profiles)  # what the rebuild frees
     chosen, _, _ = choose_blocks(profiles, start, budget, joinable, meter.cuda)
 
@@ -400,6 +419,7 @@ def checkpoint_blocks(
         if rebuild_bn_relu:  # the links left unchecked
             for link in links:
                 _rebuild_link(link)
+        link_outputs(model)
         return meter.peak()
 
     with warnings.catch_warnings():
@@ -454,6 +474,7 @@ def apply_plan(
     if rebuild_bn_relu:
         for link in model_chain(model, find_units(model, units))[0]:
             _rebuild_link(link)
+    link_outputs(model)
     return changed
 
 

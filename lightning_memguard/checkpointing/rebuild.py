@@ -23,28 +23,75 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memguard.checkpointing import _fused
 from lightning_memguard.checkpointing.wrap import _compiling, is_checkpointed, stock_resnet, swapped_class
+
+fused_rebuild = True
+"""Rebuild with one Triton kernel pass where it can run (CUDA); False: always with PyTorch's own kernels."""
 
 
 class _Recipe:
-    """How to rebuild one ReLU output: ``relu(batch_norm(source))`` with the batch's own statistics."""
+    """How to rebuild one tensor: ``batch_norm(source)`` with the batch's own statistics, plus ``identity`` (a
+    tensor, or another recipe) where there is one, then a ReLU.
 
-    __slots__ = ("source", "bn", "mean", "invstd", "packed", "unpacked", "rebuilt")
+    Built when backward first unpacks it, kept until every saved copy (``packed``) has been unpacked, then let go.
+    A recipe another one needs as its identity is built then, and kept the same way; one nothing saved is never
+    kept.
+    """
 
-    def __init__(self, source: torch.Tensor, bn: nn.BatchNorm2d, mean: torch.Tensor, invstd: torch.Tensor) -> None:
+    __slots__ = ("source", "bn", "mean", "invstd", "identity", "relu", "packed", "unpacked", "rebuilt")
+
+    def __init__(
+        self,
+        source: torch.Tensor,
+        bn: nn.BatchNorm2d,
+        mean: torch.Tensor,
+        invstd: torch.Tensor,
+        identity: torch.Tensor | _Recipe | None = None,
+        relu: bool = True,
+    ) -> None:
         self.source, self.bn, self.mean, self.invstd = source, bn, mean, invstd
+        self.identity, self.relu = identity, relu
         self.packed = 0
         self.unpacked = 0
         self.rebuilt: torch.Tensor | None = None
 
+    def _args(self) -> _fused.BatchNormArgs | None:
+        weight, bias = self.bn.weight, self.bn.bias
+        if not isinstance(weight, torch.Tensor) or not isinstance(bias, torch.Tensor):
+            return None
+        return (self.source, self.mean, self.invstd, weight.detach(), bias.detach())
+
+    def _eager(self, identity: torch.Tensor | None) -> torch.Tensor:
+        bn = self.bn
+        var = self.invstd.float().pow(-2) - bn.eps  # the batch's variance, from what BatchNorm saved
+        cudnn = torch.backends.cudnn.enabled
+        out = torch.batch_norm(self.source, bn.weight, bn.bias, self.mean.float(), var, False, 0.0, bn.eps, cudnn)
+        if identity is not None:
+            out.add_(identity)
+        return out.relu_() if self.relu else out
+
+    def _build(self) -> torch.Tensor:
+        identity = self.identity
+        own = self._args() if fused_rebuild and _fused.available(self.source) else None
+        if own is not None and isinstance(identity, _Recipe) and identity.packed == 0 and identity.rebuilt is None:
+            second = identity._args() if identity.identity is None and not identity.relu else None
+            out = _fused.fused(own, second, self.relu) if second is not None else None  # both BatchNorms, one pass
+            if out is not None:
+                return out
+        value = identity.value() if isinstance(identity, _Recipe) else identity
+        out = _fused.fused(own, value, self.relu) if own is not None else None
+        return out if out is not None else self._eager(value)
+
+    def value(self) -> torch.Tensor:
+        """The rebuilt tensor, kept while saved copies of it are still to be unpacked."""
+        out = self.rebuilt if self.rebuilt is not None else self._build()
+        self.rebuilt = out if self.unpacked < self.packed else None
+        return out
+
     def rebuild(self) -> torch.Tensor:
-        if self.rebuilt is None:
-            bn = self.bn
-            var = self.invstd.float().pow(-2) - bn.eps  # the batch's variance, from what BatchNorm saved
-            cudnn = torch.backends.cudnn.enabled
-            out = torch.batch_norm(self.source, bn.weight, bn.bias, self.mean.float(), var, False, 0.0, bn.eps, cudnn)
-            self.rebuilt = out.relu_()
-        out = self.rebuilt
+        """Unpack one saved copy."""
+        out = self.value()
         self.unpacked += 1
         if self.unpacked >= self.packed:  # every saved copy has been used: let it go
             self.rebuilt = None
@@ -94,12 +141,30 @@ def _may_rebuild(module: nn.Module) -> tuple[bool, _Outer]:
     return outer is None or not _checkpoint_internal(outer[0]), outer
 
 
-def _saving_recipes(find: Callable[[torch.Tensor], _Recipe | None], outer: _Outer) -> Any:
-    """Saved-tensor hooks that save a recipe where ``find`` has one, and hand anything else to ``outer``. The graph
-    keeps these hooks: ``find`` must not hold the tensors it recognises."""
+_RECIPES: dict[int, tuple[weakref.ref[torch.Tensor], _Recipe]] = {}
+"""Live tensors that a forward pass saves as recipes, by id: one block's output is saved again by the next."""
+
+
+def _register(t: torch.Tensor, recipe: _Recipe) -> None:
+    key = id(t)
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:
+        if _RECIPES.get(key, (None,))[0] is ref:
+            del _RECIPES[key]
+
+    _RECIPES[key] = (weakref.ref(t, forget), recipe)  # no strong reference: the tensor is freed as it would be
+
+
+def _registered(t: Any) -> _Recipe | None:
+    entry = _RECIPES.get(id(t))
+    return entry[1] if entry is not None and entry[0]() is t else None
+
+
+def _saving_recipes(outer: _Outer) -> Any:
+    """Saved-tensor hooks that save a recipe where a tensor has one, and hand anything else to ``outer``."""
 
     def pack(t: torch.Tensor) -> Any:
-        recipe = find(t)
+        recipe = _registered(t)
         if recipe is not None:
             recipe.packed += 1
             return recipe
@@ -113,9 +178,17 @@ def _saving_recipes(find: Callable[[torch.Tensor], _Recipe | None], outer: _Oute
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
+def _remember(bn: nn.BatchNorm2d, inputs: Any, output: torch.Tensor) -> None:
+    """Forward hook of a BatchNorm followed by an in-place ReLU: its output is saved as a recipe."""
+    stats = _batch_stats(output)
+    if stats is not None:
+        _register(output, _Recipe(inputs[0], bn, *stats))
+
+
 class RebuiltBatchNormReLU(nn.Module):
     """Mixin placed in front of a block's class: within its forward, the outputs of ``memguard_bns`` (each followed
-    by an in-place ReLU) are saved as recipes."""
+    by an in-place ReLU) are saved as recipes, and with ``memguard_tail`` (its last BatchNorm and its shortcut's
+    BatchNorm or None) so is the block's output, ``relu(last(.) + shortcut)``."""
 
     memguard_prefix = "RebuiltBNReLU"
 
@@ -123,32 +196,50 @@ class RebuiltBatchNormReLU(nn.Module):
         active, outer = _may_rebuild(self)
         if not active:
             return super().forward(*args, **kwargs)
-        # by tensor object: the in-place ReLU returns BatchNorm's output object itself; a weak reference tells a
-        # live tensor from a new one that got the same id after the first was freed
-        recipes: dict[int, tuple[weakref.ref[torch.Tensor], _Recipe]] = {}
-
-        def remember(bn: nn.Module, inputs: Any, output: torch.Tensor) -> None:
-            stats = _batch_stats(output)
-            if stats is not None:
-                recipes[id(output)] = (weakref.ref(output), _Recipe(inputs[0], bn, *stats))  # type: ignore[arg-type]
-
-        def find(t: torch.Tensor) -> _Recipe | None:
-            entry = recipes.get(id(t))
-            return entry[1] if entry is not None and entry[0]() is t else None
-
-        handles = [bn.register_forward_hook(remember) for bn in self.__dict__["memguard_bns"]]
+        handles = [bn.register_forward_hook(_remember) for bn in self.__dict__["memguard_bns"]]
+        tail = self.__dict__.get("memguard_tail")
+        if tail is not None and args and isinstance(args[0], torch.Tensor):
+            handles += self._remember_output(args[0], *tail)
         try:
-            with _saving_recipes(find, outer):
+            with _saving_recipes(outer):
                 return super().forward(*args, **kwargs)
         finally:
             for handle in handles:
                 handle.remove()
 
+    @staticmethod
+    def _remember_output(x: torch.Tensor, last: nn.Module, shortcut: nn.Module | None) -> list[Any]:
+        """Hooks that save the block's output as a recipe: it is the last BatchNorm's output, added to in place and
+        made non-negative in place. The shortcut's BatchNorm runs after the last one; until it has, nothing is
+        saved as a recipe."""
+        pending: list[tuple[torch.Tensor, _Recipe]] = []
+
+        def remember_last(bn: nn.BatchNorm2d, inputs: Any, output: torch.Tensor) -> None:
+            stats = _batch_stats(output)
+            if stats is None:
+                return
+            if shortcut is None:
+                identity = _registered(x)
+                _register(output, _Recipe(inputs[0], bn, *stats, identity=x if identity is None else identity))
+            else:
+                pending.append((output, _Recipe(inputs[0], bn, *stats)))
+
+        def remember_shortcut(bn: nn.BatchNorm2d, inputs: Any, output: torch.Tensor) -> None:
+            stats = _batch_stats(output)
+            if stats is not None and pending:
+                out, recipe = pending.pop()
+                recipe.identity = _Recipe(inputs[0], bn, *stats, relu=False)
+                _register(out, recipe)
+
+        handles = [last.register_forward_hook(remember_last)]
+        if shortcut is not None:
+            handles.append(shortcut.register_forward_hook(remember_shortcut))
+        return handles
+
 
 class RebuiltStemReLU(nn.Module):
-    """Mixin for the ReLU of a torchvision ResNet's stem (conv1, bn1, relu, maxpool): its output, BatchNorm's output
-    made non-negative in place, is saved as a recipe, and handed to the max-pooling that follows (``memguard_pool``),
-    which saves it again."""
+    """Mixin for the in-place ReLU of a torchvision ResNet's stem (conv1, bn1, relu, maxpool): its output, kept by
+    the ReLU and by the max-pooling after it, is saved as a recipe."""
 
     memguard_prefix = "RebuiltStem"
 
@@ -156,15 +247,11 @@ class RebuiltStemReLU(nn.Module):
         active, outer = _may_rebuild(self)
         stats = _batch_stats(x) if active and isinstance(x, torch.Tensor) else None
         source = getattr(x.grad_fn, "_saved_input", None) if stats is not None else None
-        if not isinstance(source, torch.Tensor):
+        if not isinstance(source, torch.Tensor) or not getattr(self, "inplace", False):
             return super().forward(x)
-        recipe = _Recipe(source, self.__dict__["memguard_bn"], *stats)  # type: ignore[misc]
-        target = weakref.ref(x)  # the hooks live as long as the graph: no strong reference to what they free
-        with _saving_recipes(lambda t: recipe if t is target() else None, outer):
-            out = super().forward(x)
-        if out is x:  # in place, as in torchvision: the same tensor goes on to the pooling
-            self.__dict__["memguard_pool"].__dict__["_memguard_recipe"] = (weakref.ref(out), recipe)
-        return out
+        _register(x, _Recipe(source, self.__dict__["memguard_bn"], *stats))  # type: ignore[misc]
+        with _saving_recipes(outer):
+            return super().forward(x)
 
 
 class RebuiltStemPool(nn.Module):
@@ -172,18 +259,11 @@ class RebuiltStemPool(nn.Module):
 
     memguard_prefix = "RebuiltStem"
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_memguard_recipe", None)  # one forward pass's hand-over: not state, and not picklable
-        return state
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        entry = self.__dict__.pop("_memguard_recipe", None)
         active, outer = _may_rebuild(self)
-        if entry is None or entry[0]() is not x or not active:
+        if not active or _registered(x) is None:
             return super().forward(x)
-        target, recipe = entry
-        with _saving_recipes(lambda t: recipe if t is target() else None, outer):
+        with _saving_recipes(outer):
             return super().forward(x)
 
 
@@ -205,7 +285,7 @@ def rebuild_stem(bn: nn.Module, relu: nn.Module, pool: nn.Module) -> bool:
     checkpointed."""
     if isinstance(relu, RebuiltStemReLU) or any(is_checkpointed(m) for m in (bn, relu, pool)):
         return False
-    relu.__dict__["memguard_bn"], relu.__dict__["memguard_pool"] = bn, pool  # plain references, not submodules
+    relu.__dict__["memguard_bn"] = bn  # a plain reference, not a submodule
     relu.__class__ = swapped_class(type(relu), RebuiltStemReLU)
     pool.__class__ = swapped_class(type(pool), RebuiltStemPool)
     return True
@@ -230,10 +310,73 @@ def _eligible(module: nn.Module) -> tuple[nn.Module, ...] | None:
     return bns if all(type(bn) is nn.BatchNorm2d for bn in bns) else None  # not a frozen or other norm layer
 
 
+def _tail(block: nn.Module) -> tuple[nn.Module, nn.Module | None] | None:
+    """For a torchvision BasicBlock or Bottleneck with torchvision's forward, whose output is its last BatchNorm's,
+    added to in place and made non-negative in place: that BatchNorm and its shortcut's (None without one)."""
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    forward = getattr(type(block), "_memguard_original", type(block)).forward
+    name = "bn3" if forward is Bottleneck.forward else "bn2" if forward is BasicBlock.forward else None
+    last = getattr(block, name) if name is not None else None
+    if type(last) is not nn.BatchNorm2d or not getattr(block.relu, "inplace", False):
+        return None
+    shortcut = block.downsample
+    if shortcut is None:
+        return last, None
+    if type(shortcut) is nn.Sequential and len(shortcut) == 2 and type(shortcut[1]) is nn.BatchNorm2d:
+        return last, shortcut[1]
+    return None
+
+
+def _following(model: nn.Module) -> dict[int, nn.Module]:
+    """What runs next on each module's output, where the model's structure says so: the next child of an
+    ``nn.Sequential``, and in a torchvision ResNet the next stage's first block after a stage's last."""
+    after: dict[int, nn.Module] = {}
+    for module in model.modules():
+        if type(module).forward is nn.Sequential.forward:
+            children = list(module.children())
+            after.update((id(a), b) for a, b in zip(children, children[1:], strict=False))
+        if stock_resnet(module):
+            stages = [getattr(module, f"layer{i}") for i in range(1, 5)]
+            for a, b in zip(stages, stages[1:], strict=False):
+                if len(a) and len(b):
+                    after[id(a[-1])] = b[0]
+    return after
+
+
+def link_outputs(model: nn.Module) -> int:
+    """Rebuild the output of each rebuilt block of ``model`` too, ``relu(last_bn(.) + shortcut)``, where the block
+    after it is rebuilt and not checkpointed (it then saves that output as a recipe too); return how many.
+
+    Rebuilding a stage's outputs in backward needs the one before, back to the stage's first block, whose shortcut
+    has its own BatchNorm: they are built in turn and each is let go after its last use. A block whose output goes
+    anywhere else keeps it. Called again whenever which blocks are rebuilt or checkpointed changes.
+    """
+    after = _following(model)
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, RebuiltBatchNormReLU):
+            continue
+        following = after.get(id(module))
+        tail = _tail(module)
+        if (
+            tail is not None
+            and isinstance(following, RebuiltBatchNormReLU)
+            and not is_checkpointed(following)
+            and _tail(following) is not None  # torchvision's forward: it does not change its input in place
+        ):
+            module.__dict__["memguard_tail"] = tail
+            count += 1
+        else:
+            module.__dict__.pop("memguard_tail", None)
+    return count
+
+
 def rebuild_bn_relu(model: nn.Module) -> int:
     """Rebuild BatchNorm + ReLU outputs in backward in every torchvision Bottleneck (after bn1 and bn2), BasicBlock
     (after bn1) and ResNet stem (after bn1) of ``model`` that is not checkpointed, in place; return how many blocks
-    and stems changed.
+    and stems changed. The output of a block that feeds another rebuilt block is rebuilt too (see
+    :func:`link_outputs`): in a ResNet, every block's but the last.
 
     ``state_dict`` keys do not change; :func:`remove_rebuild` undoes it.
 
@@ -253,6 +396,7 @@ def rebuild_bn_relu(model: nn.Module) -> int:
         module.__dict__["memguard_bns"] = bns  # plain references, not submodules
         module.__class__ = swapped_class(type(module), RebuiltBatchNormReLU)
         count += 1
+    link_outputs(model)
     return count
 
 
@@ -263,6 +407,7 @@ def remove_rebuild(model: nn.Module) -> int:
         if isinstance(module, RebuiltBatchNormReLU | RebuiltStemReLU | RebuiltStemPool):
             count += not isinstance(module, RebuiltStemPool)  # a stem counts once
             module.__class__ = type(module)._memguard_original  # type: ignore[union-attr]
-            for key in ("memguard_bns", "memguard_bn", "memguard_pool", "_memguard_recipe"):
+            for key in ("memguard_bns", "memguard_tail", "memguard_bn"):
                 module.__dict__.pop(key, None)
+    link_outputs(model)
     return count

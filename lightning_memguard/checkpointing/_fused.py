@@ -1,0 +1,125 @@
+"""One-pass rebuild of ``relu(batch_norm(x) [+ identity])`` on CUDA, as a Triton kernel.
+
+Eagerly the rebuild is two or three passes over the tensor (BatchNorm, the residual add, the ReLU); this kernel
+reads each input once and writes the result once. It computes what training-mode BatchNorm's CUDA kernel computes,
+``weight * (x - mean) * invstd + bias`` in float32, rounded to the tensor's dtype, then the add, rounded again, then
+the ReLU. Triton comes with PyTorch's CUDA builds; where it is missing, or a tensor's layout is not one of the two
+dense ones (contiguous, channels_last), :func:`fused` returns None and the caller rebuilds eagerly.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Any
+
+import torch
+
+_BLOCK = 2048
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether the kernel can run on ``t``'s device: CUDA with Triton, or Triton's CPU interpreter."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def bn_relu(
+        x_ptr,
+        mean_ptr,
+        invstd_ptr,
+        weight_ptr,
+        bias_ptr,
+        r_ptr,
+        r_mean_ptr,
+        r_invstd_ptr,
+        r_weight_ptr,
+        r_bias_ptr,
+        out_ptr,
+        n,
+        C: tl.constexpr,
+        INNER: tl.constexpr,
+        IDENTITY: tl.constexpr,  # 0: none, 1: a tensor, 2: BatchNorm of a second tensor
+        RELU: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        channel = (offsets // INNER) % C
+        x = tl.load(x_ptr + offsets, mask=inside, other=0.0)
+        mean = tl.load(mean_ptr + channel, mask=inside, other=0.0).to(tl.float32)
+        invstd = tl.load(invstd_ptr + channel, mask=inside, other=0.0).to(tl.float32)
+        weight = tl.load(weight_ptr + channel, mask=inside, other=0.0).to(tl.float32)
+        bias = tl.load(bias_ptr + channel, mask=inside, other=0.0).to(tl.float32)
+        y = (weight * (x.to(tl.float32) - mean) * invstd + bias).to(x.dtype)
+        if IDENTITY == 1:
+            r = tl.load(r_ptr + offsets, mask=inside, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        if IDENTITY == 2:
+            r = tl.load(r_ptr + offsets, mask=inside, other=0.0)
+            r_mean = tl.load(r_mean_ptr + channel, mask=inside, other=0.0).to(tl.float32)
+            r_invstd = tl.load(r_invstd_ptr + channel, mask=inside, other=0.0).to(tl.float32)
+            r_weight = tl.load(r_weight_ptr + channel, mask=inside, other=0.0).to(tl.float32)
+            r_bias = tl.load(r_bias_ptr + channel, mask=inside, other=0.0).to(tl.float32)
+            z = (r_weight * (r.to(tl.float32) - r_mean) * r_invstd + r_bias).to(x.dtype)
+            y = (y.to(tl.float32) + z.to(tl.float32)).to(x.dtype)
+        if RELU:
+            y = tl.maximum(y, 0.0).to(x.dtype)
+        tl.store(out_ptr + offsets, y, mask=inside)
+
+    return bn_relu
+
+
+BatchNormArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""A BatchNorm's input and what its training-mode forward normalised it with: mean, inverse deviation, weight,
+bias (per channel)."""
+
+
+def _inner(x: torch.Tensor) -> int | None:
+    """Elements between one channel and the next in memory, for the dense layouts the kernel handles."""
+    if x.dim() < 2 or x.numel() >= 2**31:
+        return None
+    if x.is_contiguous():
+        return int(x[0, 0].numel())
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return 1
+    return None
+
+
+def fused(
+    bn: BatchNormArgs, identity: torch.Tensor | BatchNormArgs | None = None, relu: bool = True
+) -> torch.Tensor | None:
+    """``relu(bn + identity)`` in one pass, each BatchNorm as its training-mode forward computed it; None where
+    the kernel cannot run (the caller then rebuilds eagerly)."""
+    x = bn[0]
+    inner = _inner(x)
+    if inner is None or not available(x):
+        return None
+    tensors = [identity] if isinstance(identity, torch.Tensor) else [] if identity is None else [identity[0]]
+    if any(t.shape != x.shape or t.stride() != x.stride() or t.dtype != x.dtype for t in tensors):
+        return None
+    if identity is None:
+        second: tuple[torch.Tensor, ...] = (x,) * 5  # not read
+        kind = 0
+    elif isinstance(identity, torch.Tensor):
+        second, kind = (identity,) + (x,) * 4, 1
+    else:
+        second, kind = identity, 2
+    out = torch.empty_like(x)
+    n = x.numel()
+    _kernel()[(triton_blocks(n),)](
+        *bn, *second, out, n, C=x.shape[1], INNER=inner, IDENTITY=kind, RELU=relu, BLOCK=_BLOCK
+    )
+    return out
+
+
+def triton_blocks(n: int) -> int:
+    return (n + _BLOCK - 1) // _BLOCK
