@@ -599,6 +599,11 @@ def test_the_stems_relu_output_is_rebuilt_too_and_the_model_still_copies_and_pic
         out.sum().backward()
         handle.remove()
     assert kept == {"plain": True, "ours": False}
+    for model, indices in ((plain, torch.int64), (ours, torch.int16)):  # the pooling's indices: a quarter of the bytes
+        dtypes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, d=dtypes: d.append(t.dtype) or t, lambda t: t):
+            model(x).sum().backward()
+        assert {torch.int16, torch.int64} & set(dtypes) == {indices}
     again = pickle.loads(pickle.dumps(ours))
     copied = copy.deepcopy(ours)
     for clone in (again, copied):

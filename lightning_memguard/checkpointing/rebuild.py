@@ -254,8 +254,20 @@ class RebuiltStemReLU(nn.Module):
             return super().forward(x)
 
 
+class _Narrowed:
+    """Max-pooling indices kept as 16-bit integers (as packed by the hooks around): each is a position within one
+    input plane, which is small."""
+
+    __slots__ = ("indices",)
+
+    def __init__(self, indices: Any) -> None:
+        self.indices = indices
+
+
 class RebuiltStemPool(nn.Module):
-    """Mixin for the max-pooling of a ResNet's stem: its input is saved as the recipe the stem's ReLU made."""
+    """Mixin for the max-pooling of a ResNet's stem: its input is saved as the recipe the stem's ReLU made, and
+    the indices of the maxima, positions within an input plane, as 16-bit integers where a plane is small enough
+    (a quarter of the 64-bit ones: exact, one cast each way)."""
 
     memguard_prefix = "RebuiltStem"
 
@@ -263,7 +275,19 @@ class RebuiltStemPool(nn.Module):
         active, outer = _may_rebuild(self)
         if not active or _registered(x) is None:
             return super().forward(x)
-        with _saving_recipes(outer):
+        narrow = x.dim() >= 2 and x.shape[-1] * x.shape[-2] <= torch.iinfo(torch.int16).max
+        inner = _saving_recipes(outer)
+        pack, unpack = inner.pack_hook, inner.unpack_hook
+
+        def pack_narrowed(t: torch.Tensor) -> Any:
+            if narrow and t.dtype == torch.int64:  # the only integer tensor max-pooling saves: its indices
+                return _Narrowed(pack(t.to(torch.int16)))  # hooks around the model see the narrow copy
+            return pack(t)
+
+        def unpack_narrowed(saved: Any) -> torch.Tensor:
+            return unpack(saved.indices).to(torch.int64) if isinstance(saved, _Narrowed) else unpack(saved)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack_narrowed, unpack_narrowed):
             return super().forward(x)
 
 
