@@ -28,8 +28,8 @@ class ActivationCheckpointing(Callback):
         memory_budget: a fraction in (0, 1] of the un-checkpointed peak, or bytes (``"6GB"``); None: every block.
         bn_correct: recomputation leaves BatchNorm running statistics alone (they update once per step).
         rebuild_bn_relu: torchvision BasicBlocks, Bottlenecks and ResNet stems left unchecked rebuild their
-            BatchNorm + ReLU outputs in backward instead of keeping them; without a budget, that alone (no block is
-            checkpointed).
+            BatchNorm + ReLU outputs (and a block its output, where the next block is rebuilt too) in backward
+            instead of keeping them; without a budget, that alone (no block is checkpointed).
 
     Raises:
         ValueError: bad ``memory_budget``; at fit start, no blocks found or a budget without

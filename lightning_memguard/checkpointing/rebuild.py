@@ -4,14 +4,18 @@ In a torchvision Bottleneck, ``relu(bn1(conv1(x)))`` and ``relu(bn2(conv2(.)))``
 ReLU and by the next convolution) although BatchNorm has already saved its input. Here those tensors are saved as
 a recipe instead (the BatchNorm input and the batch's mean and inverse deviation) and the ReLU output is rebuilt,
 once, when backward first needs it: one element-wise pass instead of a second copy of the tensor, where block
-checkpointing re-runs the block's convolutions. BatchNorm's running statistics are untouched (nothing runs
-BatchNorm in training mode again). Gradients match the plain model to rounding, not bit for bit: the rebuilt
-tensor comes from BatchNorm's inference kernel. A torchvision ResNet's stem gets the same: the output of its
-``relu(bn1(.))``, kept by the ReLU and by the max-pooling after it, is rebuilt once for both.
+checkpointing re-runs the block's convolutions. The block's output, ``relu(bn3(.) + shortcut)``, kept by its last
+ReLU and by the next block, is a recipe too where the next block is rebuilt as well: the shortcut is the block's
+input (the block before's rebuilt output, or a tensor kept anyway) or a BatchNorm of it, so a stage's outputs are
+rebuilt one after another, each let go after its last use. BatchNorm's running statistics are untouched (nothing
+runs BatchNorm in training mode again). Gradients match the plain model to rounding. A torchvision ResNet's stem
+gets the same: the output of its ``relu(bn1(.))``, kept by the ReLU and by the max-pooling after it, is rebuilt
+once for both, and the max-pooling's indices are kept as 16-bit integers.
 
-Saved-tensor hooks around the model (a profiler, an offloader) still see every other tensor the block saves.
-Inside a checkpoint, and under ``torch.compile``, a block runs as usual.
-
+On CUDA each rebuilt tensor is one pass of a Triton kernel (:mod:`._fused`) that computes what training-mode
+BatchNorm computed; elsewhere PyTorch's own kernels, two or three passes. Saved-tensor hooks around the model (a
+profiler, an offloader) still see every other tensor a block saves. Inside a checkpoint, and under
+``torch.compile``, a block runs as usual.
 """
 
 from __future__ import annotations
