@@ -340,8 +340,9 @@ def checkpoint_blocks(
     With ``rebuild_bn_relu=True``, torchvision BasicBlocks, Bottlenecks and ResNet stems that are not checkpointed
     keep their convolution outputs and rebuild the ReLU outputs after bn1 (and bn2), and their own outputs where
     the next block is rebuilt too, in backward, one element-wise pass each, instead of keeping them (see
-    :mod:`lightning_memguard.checkpointing.rebuild`): less memory for far less recomputation than a whole block. Without a budget, that is all that happens (no block is checkpointed); with
-    one, the rebuild comes first and whole blocks are checkpointed only for what it leaves over the budget.
+    :mod:`lightning_memguard.checkpointing.rebuild`): less memory for far less recomputation than a whole block.
+    Without a budget, that is all that happens (no block is checkpointed); with one, the rebuild comes first and
+    whole blocks are checkpointed only for what it leaves over the budget.
 
     Args:
         model: the model, changed in place.
