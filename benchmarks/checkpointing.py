@@ -7,8 +7,10 @@ Configurations: no checkpointing; the write-up's `checkpoint_sequential` over th
 ours with every block (and the stem); ours at memory budgets 0.8, 0.7, 0.6, 0.57, 0.5 and 0.4 of the un-checkpointed
 peak of one pass (0.57 of it is about the 4-segment version's saving of the training peak); and the same with
 `rebuild_bn_relu=True` (every Bottleneck left unchecked rebuilds its BatchNorm + ReLU outputs, and its output where
-the next block is rebuilt too, in backward instead of keeping them), alone (with the one-pass Triton kernel, and with
-PyTorch's own kernels: "ours_rebuild_eager") and at budgets 0.8, 0.7, 0.6, 0.57, 0.5 and 0.4. Each is timed with
+the next block is rebuilt too, in backward instead of keeping them), alone and at budgets 0.8, 0.7, 0.6, 0.57, 0.5
+and 0.4; and the rebuild alone done other ways (`VARIANTS`): with PyTorch's own kernels instead of the one-pass
+Triton kernel, and keeping 1 or all of a stage's earlier outputs when its last is rebuilt (`rebuild.chain_kept`,
+default 2). Each is timed with
 CUDA events (median step) in two interleaved rounds; peak is `torch.cuda.max_memory_allocated()` over the timed
 steps. Also: whether BatchNorm buffers stay bit-identical to the plain model under bf16 and channels_last.
 """
@@ -36,6 +38,13 @@ from _common import environment, free_memory, median, write_json  # noqa: E402
 from lightning_memguard import checkpoint_resnet  # noqa: E402
 from lightning_memguard.checkpointing import apply_plan  # noqa: E402
 from lightning_memguard.checkpointing import rebuild as rebuild_module  # noqa: E402
+
+DEFAULT_KEPT = rebuild_module.chain_kept
+VARIANTS = {  # the rebuild alone, other ways: (one-pass kernel?, rebuild.chain_kept)
+    "ours_rebuild_eager": (False, DEFAULT_KEPT),  # PyTorch's own kernels
+    "ours_rebuild_chain_kept_1": (True, 1),
+    "ours_rebuild_chain_kept_all": (True, 100),
+}
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -141,7 +150,7 @@ def main() -> None:
             checkpoint_resnet(model)
             return model, model
         rebuild = name.startswith("ours_rebuild")  # BatchNorm + ReLU outputs rebuilt in the blocks left unchecked
-        if name in ("ours_rebuild", "ours_rebuild_eager"):
+        if name in ("ours_rebuild", *VARIANTS):
             checkpoint_resnet(model, rebuild_bn_relu=True)
             return model, model
         budget = float(name.split("_")[-1])
@@ -174,7 +183,7 @@ def main() -> None:
         "ours_budget_0.5",
         "ours_budget_0.4",
         "ours_rebuild",
-        "ours_rebuild_eager",
+        *VARIANTS,
         "ours_rebuild_budget_0.8",
         "ours_rebuild_budget_0.7",
         "ours_rebuild_budget_0.6",
@@ -187,9 +196,10 @@ def main() -> None:
         for name in names:
             free_memory()
             model, forward = build(name)
-            rebuild_module.fused_rebuild = name != "ours_rebuild_eager"  # the same rebuild with PyTorch's own kernels
+            fused, kept = VARIANTS.get(name, (True, DEFAULT_KEPT))
+            rebuild_module.fused_rebuild, rebuild_module.chain_kept = fused, kept
             row = train_steps(model, forward, batches, args.steps, args.warmup)
-            rebuild_module.fused_rebuild = True
+            rebuild_module.fused_rebuild, rebuild_module.chain_kept = True, DEFAULT_KEPT
             runs[name].append(row)
             print(name, row, flush=True)
             del model, forward
@@ -243,7 +253,7 @@ def plot(summary: dict[str, dict[str, float]], path: str) -> None:
         points = sorted(
             (r["peak_gb"], r["images_per_sec"])
             for n, r in summary.items()
-            if n.startswith(prefix) and n != "ours_rebuild_eager"
+            if n.startswith(prefix) and n not in VARIANTS
         )
         if points:
             ax.plot(*zip(*points, strict=True), style, color="gray", linewidth=1, zorder=0)

@@ -412,20 +412,57 @@ def test_block_outputs_are_rebuilt_too_except_where_they_leave_the_rebuilt_block
     plain = torchvision.models.resnet50(num_classes=10)
     ours = copy.deepcopy(plain)
     rebuild_bn_relu(ours)
-    assert link_outputs(ours) == 15  # every block but the last, whose output goes to the pooling
+    assert link_outputs(ours) == 16  # every block: the last one's output goes to a pooling that keeps nothing
     x = torch.randn(2, 3, 64, 64)
     blocks = ["layer1.0", "layer1.2", "layer2.0", "layer3.5", "layer4.1"]
     assert all(_kept_after_forward(plain, blocks, x).values())
     assert not any(_kept_after_forward(ours, blocks, x).values())
     # a checkpoint keeps its input: the block before a checkpointed one keeps its output, the rest still rebuild
     apply_plan(ours, [["layer2.1"]])
-    assert "memguard_tail" not in ours.layer2[0].__dict__ and link_outputs(ours) == 13
+    assert "memguard_tail" not in ours.layer2[0].__dict__ and link_outputs(ours) == 14
     assert _kept_after_forward(ours, blocks, x) == {b: b == "layer2.0" for b in blocks}
     a, b = _train(plain, steps=1), _train(ours, steps=1)
     assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("buf:"))
     assert all((a[k] - b[k]).abs().max() <= 1e-5 * a[k].abs().max() for k in a if k.startswith("grad:"))
     remove_rebuild(ours)
     assert link_outputs(ours) == 0 and not any("memguard_tail" in m.__dict__ for m in ours.modules())
+
+
+def test_a_stage_rebuilds_its_outputs_with_few_kept_at_once(monkeypatch):
+    from lightning_memguard.checkpointing import rebuild as rb
+
+    made, builds, most = [], [0], [0]
+    init, build = rb._Recipe.__init__, rb._Recipe._build
+
+    def recorded_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    def counted_build(self, depth):
+        builds[0] += 1
+        most[0] = max(most[0], sum(r.rebuilt is not None for r in made))
+        return build(self, depth)
+
+    monkeypatch.setattr(rb._Recipe, "__init__", recorded_init)
+    monkeypatch.setattr(rb._Recipe, "_build", counted_build)
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50(num_classes=10)
+    rebuild_bn_relu(model)
+    x = torch.randn(2, 3, 64, 64)
+    seen = {}
+    for kept in (100, 2, 0):
+        monkeypatch.setattr(rb, "chain_kept", kept)
+        made.clear()
+        builds[0] = most[0] = 0
+        model.zero_grad()
+        with preserved_state(model):
+            model(x).sum().backward()
+            seen[kept] = (builds[0], most[0], [p.grad.clone() for p in model.parameters()])
+    # everything kept: each recipe built once (33 ReLU outputs, 16 block outputs, 4 shortcuts); fewer kept: more
+    # passes, fewer tensors held at once, and the same gradients bit for bit
+    assert seen[100][0] == 33 + 16 + 4 < seen[2][0] < seen[0][0]
+    assert seen[100][1] > seen[2][1] > seen[0][1]
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(*(seen[k][2] for k in seen), strict=True))
 
 
 def test_a_block_with_its_own_forward_keeps_its_output():
@@ -471,8 +508,8 @@ def test_the_one_pass_rebuild_kernel_trains_like_the_plain_model(monkeypatch):
         a, b = _train(plain, steps=1), _train(ours, steps=1)
     finally:
         _fused._kernel.cache_clear()
-    # the stem and 8 blocks' bn1 + ReLU; 7 block outputs, the 3 after a shortcut's BatchNorm in the same pass
-    assert len(ran) == 1 + 8 + 7 and all(ran) and rb.fused_rebuild
+    # the stem and 8 blocks' bn1 + ReLU; 8 block outputs, the 3 after a shortcut's BatchNorm in the same pass
+    assert len(ran) == 1 + 8 + 8 and all(ran) and rb.fused_rebuild
     assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("buf:"))
     assert all((a[k] - b[k]).abs().max() <= 1e-5 * a[k].abs().max() for k in a if k.startswith("grad:"))
 

@@ -153,7 +153,7 @@ def test_rebuilt_batchnorm_relu_under_bf16_and_channels_last(monkeypatch):
         torch.cuda.synchronize()
         peaks[name] = torch.cuda.max_memory_allocated()
         grads[name] = [p.grad.float() for p in model.parameters()]
-    assert len(ran) == 1 + 16 * 2 + 15 and all(ran)  # one Triton pass for each tensor rebuilt
+    assert len(ran) == 1 + 16 * 2 + 16 and all(ran)  # one Triton pass for each tensor rebuilt
     assert peaks["ours"] < 0.75 * peaks["plain"], peaks  # ReLU and block outputs: about 40 % of the activations
     for a, b in zip(grads["plain"], grads["ours"], strict=True):
         assert (a - b).abs().max() <= 2e-2 * a.abs().max() + 1e-6  # bf16 rounding of the rebuilt tensors

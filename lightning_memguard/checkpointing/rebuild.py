@@ -33,6 +33,11 @@ from lightning_memguard.checkpointing.wrap import _compiling, is_checkpointed, s
 fused_rebuild = True
 """Rebuild with one Triton kernel pass where it can run (CUDA); False: always with PyTorch's own kernels."""
 
+chain_kept = 2
+"""When backward first needs a block's output, the stage's earlier outputs it is built from are built too: this
+many of them (the nearest) are kept for their own use soon after; the others are let go and built again when
+needed. Fewer: less memory early in a stage's backward, more passes."""
+
 
 class _Recipe:
     """How to rebuild one tensor: ``batch_norm(source)`` with the batch's own statistics, plus ``identity`` (a
@@ -75,7 +80,7 @@ class _Recipe:
             out.add_(identity)
         return out.relu_() if self.relu else out
 
-    def _build(self) -> torch.Tensor:
+    def _build(self, depth: int) -> torch.Tensor:
         identity = self.identity
         own = self._args() if fused_rebuild and _fused.available(self.source) else None
         if own is not None and isinstance(identity, _Recipe) and identity.packed == 0 and identity.rebuilt is None:
@@ -83,14 +88,18 @@ class _Recipe:
             out = _fused.fused(own, second, self.relu) if second is not None else None  # both BatchNorms, one pass
             if out is not None:
                 return out
-        value = identity.value() if isinstance(identity, _Recipe) else identity
+        value = identity.value(depth + 1) if isinstance(identity, _Recipe) else identity
         out = _fused.fused(own, value, self.relu) if own is not None else None
         return out if out is not None else self._eager(value)
 
-    def value(self) -> torch.Tensor:
-        """The rebuilt tensor, kept while saved copies of it are still to be unpacked."""
-        out = self.rebuilt if self.rebuilt is not None else self._build()
-        self.rebuilt = out if self.unpacked < self.packed else None
+    def value(self, depth: int = 0) -> torch.Tensor:
+        """The rebuilt tensor, kept while saved copies of it are still to be unpacked; ``depth``: how many recipes
+        up the chain asked for it (0: unpacked itself), past :data:`chain_kept` it is not kept."""
+        out = self.rebuilt
+        if out is None:
+            out = self._build(depth)
+            if self.unpacked < self.packed and depth <= chain_kept:
+                self.rebuilt = out
         return out
 
     def rebuild(self) -> torch.Tensor:
@@ -369,12 +378,29 @@ def _following(model: nn.Module) -> dict[int, nn.Module]:
             for a, b in zip(stages, stages[1:], strict=False):
                 if len(a) and len(b):
                     after[id(a[-1])] = b[0]
+            if len(stages[-1]):
+                after[id(stages[-1][-1])] = module.get_submodule("avgpool")
     return after
+
+
+def _keeps_nothing(module: nn.Module) -> bool:
+    """Whether ``module`` keeps nothing of its input for backward: average pooling to one value per channel."""
+    return type(module) is nn.AdaptiveAvgPool2d and module.output_size in (1, (1, 1))
+
+
+def _takes_recipes(module: nn.Module | None) -> bool:
+    """Whether a block's output may be saved as a recipe, given what runs next on it: a rebuilt block (not
+    checkpointed, with torchvision's forward, which does not change its input in place), or a module that keeps
+    nothing of it."""
+    if isinstance(module, RebuiltBatchNormReLU):
+        return not is_checkpointed(module) and _tail(module) is not None
+    return module is not None and _keeps_nothing(module)
 
 
 def link_outputs(model: nn.Module) -> int:
     """Rebuild the output of each rebuilt block of ``model`` too, ``relu(last_bn(.) + shortcut)``, where the block
-    after it is rebuilt and not checkpointed (it then saves that output as a recipe too); return how many.
+    after it is rebuilt and not checkpointed (it then saves that output as a recipe too), and in a torchvision
+    ResNet the last block's, which the average pooling does not keep; return how many.
 
     Rebuilding a stage's outputs in backward needs the one before, back to the stage's first block, whose shortcut
     has its own BatchNorm: they are built in turn and each is let go after its last use. A block whose output goes
@@ -385,14 +411,8 @@ def link_outputs(model: nn.Module) -> int:
     for module in model.modules():
         if not isinstance(module, RebuiltBatchNormReLU):
             continue
-        following = after.get(id(module))
         tail = _tail(module)
-        if (
-            tail is not None
-            and isinstance(following, RebuiltBatchNormReLU)
-            and not is_checkpointed(following)
-            and _tail(following) is not None  # torchvision's forward: it does not change its input in place
-        ):
+        if tail is not None and _takes_recipes(after.get(id(module))):
             module.__dict__["memguard_tail"] = tail
             count += 1
         else:
@@ -404,7 +424,7 @@ def rebuild_bn_relu(model: nn.Module) -> int:
     """Rebuild BatchNorm + ReLU outputs in backward in every torchvision Bottleneck (after bn1 and bn2), BasicBlock
     (after bn1) and ResNet stem (after bn1) of ``model`` that is not checkpointed, in place; return how many blocks
     and stems changed. The output of a block that feeds another rebuilt block is rebuilt too (see
-    :func:`link_outputs`): in a ResNet, every block's but the last.
+    :func:`link_outputs`): in a ResNet, every block's.
 
     ``state_dict`` keys do not change; :func:`remove_rebuild` undoes it.
 
