@@ -238,7 +238,8 @@ def plot(summary: dict[str, dict[str, float]], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(12, 5.5))
     markers = {"baseline": "s", "checkpoint_sequential_4": "D"}
-    for name, row in summary.items():
+    colors = plt.get_cmap("tab20").colors  # one color each (the default cycle repeats after ten)
+    for (name, row), color in zip(summary.items(), colors * 2, strict=False):
         label = name.replace("_", " ")
         if name != "baseline":
             label += f": {row['memory_saved']:.0%} less memory, {row['throughput_cost']:.0%} slower"
@@ -247,6 +248,7 @@ def plot(summary: dict[str, dict[str, float]], path: str) -> None:
             row["images_per_sec"],
             s=70,
             marker=markers.get(name, "^" if "rebuild" in name else "o"),
+            color=color,
             label=label,
         )
     for prefix, style in (("ours_budget", ":"), ("ours_rebuild", "--")):  # each mode's memory-for-speed curve
