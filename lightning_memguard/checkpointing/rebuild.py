@@ -44,8 +44,8 @@ class _Recipe:
     tensor, or another recipe) where there is one, then a ReLU.
 
     Built when backward first unpacks it, kept until every saved copy (``packed``) has been unpacked, then let go.
-    A recipe another one needs as its identity is built then, and kept the same way; one nothing saved is never
-    kept.
+    A recipe another one needs as its identity is built then, and kept the same way if it is one of the
+    :data:`chain_kept` nearest in the chain (else built again when unpacked); one nothing saved is never kept.
     """
 
     __slots__ = ("source", "bn", "mean", "invstd", "identity", "relu", "packed", "unpacked", "rebuilt")
