@@ -514,6 +514,34 @@ def test_the_one_pass_rebuild_kernel_trains_like_the_plain_model(monkeypatch):
     assert all((a[k] - b[k]).abs().max() <= 1e-5 * a[k].abs().max() for k in a if k.startswith("grad:"))
 
 
+class _BrokenKernel:
+    """A Triton kernel that cannot run here: launching it on any grid fails."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise RuntimeError("no kernel for this GPU")
+
+        return launch
+
+
+def test_a_kernel_that_fails_warns_once_and_the_rebuild_goes_on_eagerly(monkeypatch):
+    pytest.importorskip("triton")
+    from lightning_memguard.checkpointing import _fused
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets the CPU take the kernel's path
+    monkeypatch.setattr(_fused, "_kernel", _BrokenKernel)
+    monkeypatch.setattr(_fused, "_failed", [])
+    torch.manual_seed(1)
+    plain = torchvision.models.resnet18(num_classes=10)
+    ours = copy.deepcopy(plain)
+    rebuild_bn_relu(ours)
+    with pytest.warns(RuntimeWarning, match="no kernel for this GPU.*PyTorch's own kernels") as caught:
+        a, b = _train(plain, steps=1), _train(ours, steps=1)
+    assert len([w for w in caught if "rebuild kernel" in str(w.message)]) == 1  # once, not per tensor
+    assert not _fused.available(torch.zeros(1))
+    assert all((a[k] - b[k]).abs().max() <= 1e-5 * a[k].abs().max() for k in a if k.startswith("grad:"))
+
+
 def test_the_kernel_declines_what_it_cannot_run_and_the_rebuild_goes_eager():
     from lightning_memguard.checkpointing import _fused
 

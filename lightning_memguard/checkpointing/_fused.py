@@ -3,8 +3,9 @@
 Eagerly the rebuild is two or three passes over the tensor (BatchNorm, the residual add, the ReLU); this kernel
 reads each input once and writes the result once. It computes what training-mode BatchNorm's CUDA kernel computes,
 ``weight * (x - mean) * invstd + bias`` in float32, rounded to the tensor's dtype, then the add, rounded again, then
-the ReLU. Triton comes with PyTorch's CUDA builds; where it is missing, or a tensor's layout is not one of the two
-dense ones (contiguous, channels_last), :func:`fused` returns None and the caller rebuilds eagerly.
+the ReLU. Triton comes with PyTorch's CUDA builds; where it is missing, where a tensor's layout is not one of the
+two dense ones (contiguous, channels_last), or once the kernel has failed to build or run (with one warning),
+:func:`fused` returns None and the caller rebuilds eagerly.
 """
 
 from __future__ import annotations
@@ -12,18 +13,26 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import warnings
 from typing import Any
 
 import torch
 
 _BLOCK = 2048
 
+_failed: list[str] = []  # why the kernel could not run here, once it has failed: from then on, PyTorch's kernels
+
 
 def available(t: torch.Tensor) -> bool:
     """Whether the kernel can run on ``t``'s device: CUDA with Triton, or Triton's CPU interpreter."""
-    if importlib.util.find_spec("triton") is None:
+    if _failed or not _triton_installed():
         return False
     return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache
@@ -115,9 +124,19 @@ def fused(
         second, kind = identity, 2
     out = torch.empty_like(x)
     n = x.numel()
-    _kernel()[(triton_blocks(n),)](
-        *bn, *second, out, n, C=x.shape[1], INNER=inner, IDENTITY=kind, RELU=relu, BLOCK=_BLOCK
-    )
+    try:
+        _kernel()[(triton_blocks(n),)](
+            *bn, *second, out, n, C=x.shape[1], INNER=inner, IDENTITY=kind, RELU=relu, BLOCK=_BLOCK
+        )
+    except Exception as err:  # Triton cannot build or run it for this GPU: rebuild eagerly, and say so once
+        _failed.append(f"{type(err).__name__}: {err}")
+        warnings.warn(
+            f"lightning-memguard: the one-pass rebuild kernel cannot run here ({_failed[0][:200]}); rebuilding"
+            " with PyTorch's own kernels instead (same result, slower)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
     return out
 
 
