@@ -39,8 +39,6 @@ def _triton_installed() -> bool:
 @functools.cache
 def _kernel() -> Any:
     """The Triton kernel, defined when first needed (under Triton's interpreter if ``TRITON_INTERPRET=1`` then)."""
-    import importlib
-
     name = "lightning_memguard.checkpointing._kernels"
     module = sys.modules.get(name)
     return (importlib.reload(module) if module is not None else importlib.import_module(name)).bn_relu
@@ -71,20 +69,19 @@ def fused(
     inner = _inner(x)
     if inner is None or not available(x):
         return None
-    tensors = [identity] if isinstance(identity, torch.Tensor) else [] if identity is None else [identity[0]]
-    if any(t.shape != x.shape or t.stride() != x.stride() or t.dtype != x.dtype for t in tensors):
-        return None
     if identity is None:
-        second: tuple[torch.Tensor, ...] = (x,) * 5  # not read
-        kind = 0
+        kind, second = 0, (x,) * 5  # not read
     elif isinstance(identity, torch.Tensor):
-        second, kind = (identity,) + (x,) * 4, 1
+        kind, second = 1, (identity,) + (x,) * 4  # only the first is read
     else:
-        second, kind = identity, 2
+        kind, second = 2, identity
+    r = second[0]
+    if kind and (r.shape != x.shape or r.stride() != x.stride() or r.dtype != x.dtype):
+        return None
     out = torch.empty_like(x)
     n = x.numel()
     try:
-        _kernel()[(triton_blocks(n),)](
+        _kernel()[(-(-n // _BLOCK),)](
             *bn, *second, out, n, C=x.shape[1], INNER=inner, IDENTITY=kind, RELU=relu, BLOCK=_BLOCK
         )
     except Exception as err:  # Triton cannot build or run it for this GPU: rebuild eagerly, and say so once
@@ -97,7 +94,3 @@ def fused(
         )
         return None
     return out
-
-
-def triton_blocks(n: int) -> int:
-    return (n + _BLOCK - 1) // _BLOCK

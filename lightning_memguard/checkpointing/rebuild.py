@@ -82,7 +82,7 @@ class _Recipe:
 
     def _build(self, depth: int) -> torch.Tensor:
         identity = self.identity
-        own = self._args() if fused_rebuild and _fused.available(self.source) else None
+        own = self._args() if fused_rebuild else None  # the kernel's path, where it can run (fused() says)
         if own is not None and isinstance(identity, _Recipe) and identity.packed == 0 and identity.rebuilt is None:
             second = identity._args() if identity.identity is None and not identity.relu else None
             out = _fused.fused(own, second, self.relu) if second is not None else None  # both BatchNorms, one pass
@@ -120,7 +120,12 @@ def _batch_stats(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | No
     return None
 
 
-def _outer_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+_Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+"""A pack hook and its unpack hook."""
+_Outer = _Hooks | None
+
+
+def _outer_hooks() -> _Outer:
     """The saved-tensor hooks in force around a block's forward (None if there are none)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return top(False) if top is not None else None
@@ -140,9 +145,6 @@ class _Passed:
 
     def __init__(self, packed: Any) -> None:
         self.packed = packed
-
-
-_Outer = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None
 
 
 def _may_rebuild(module: nn.Module) -> tuple[bool, _Outer]:
@@ -173,8 +175,8 @@ def _registered(t: Any) -> _Recipe | None:
     return entry[1] if entry is not None and entry[0]() is t else None
 
 
-def _saving_recipes(outer: _Outer) -> Any:
-    """Saved-tensor hooks that save a recipe where a tensor has one, and hand anything else to ``outer``."""
+def _recipe_hooks(outer: _Outer) -> _Hooks:
+    """Pack and unpack hooks that save a recipe where a tensor has one, and hand anything else to ``outer``."""
 
     def pack(t: torch.Tensor) -> Any:
         recipe = _registered(t)
@@ -188,7 +190,12 @@ def _saving_recipes(outer: _Outer) -> Any:
             return saved.rebuild()
         return saved if outer is None else outer[1](saved.packed)
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    return pack, unpack
+
+
+def _saving_recipes(outer: _Outer) -> Any:
+    """Saved-tensor hooks (a context manager) from :func:`_recipe_hooks`."""
+    return torch.autograd.graph.saved_tensors_hooks(*_recipe_hooks(outer))
 
 
 def _remember(bn: nn.BatchNorm2d, inputs: Any, output: torch.Tensor) -> None:
@@ -289,8 +296,7 @@ class RebuiltStemPool(nn.Module):
         if not active or _registered(x) is None:
             return super().forward(x)
         narrow = x.dim() >= 2 and x.shape[-1] * x.shape[-2] <= torch.iinfo(torch.int16).max
-        inner = _saving_recipes(outer)
-        pack, unpack = inner.pack_hook, inner.unpack_hook
+        pack, unpack = _recipe_hooks(outer)
 
         def pack_narrowed(t: torch.Tensor) -> Any:
             if narrow and t.dtype == torch.int64:  # the only integer tensor max-pooling saves: its indices

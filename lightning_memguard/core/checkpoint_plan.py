@@ -18,9 +18,10 @@ class BlockProfile:
     Attributes:
         name: the link's name (a block's qualified name in the model, or ``"stem"``).
         saved_bytes: activations first saved for backward while it runs.
-        input_bytes: the part of ``saved_bytes`` that is its input (kept when a run starts here).
-        output_bytes: the part of ``saved_bytes`` that is its output (kept when a run ends here: the next link
-            needs it).
+        input_bytes: its input's bytes that a run starting here keeps and no earlier link counts: the part of
+            ``saved_bytes`` that is its input, plus, with the rebuild, an input the link before rebuilds.
+        output_bytes: its output's bytes, kept when a run ends here (the next link needs it): the part of
+            ``saved_bytes`` that is its output, or with the rebuild, an output it would otherwise rebuild.
         forward_ms: its forward time (paid again in backward when it is checkpointed).
         recomputed_bytes: activations its recomputation brings back at once, where that differs from
             ``saved_bytes`` (a block that keeps less than a plain one while it is not checkpointed).
