@@ -18,6 +18,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/mypy --platform win32
 
 test: lint
 	$(BIN)/python -m pytest -m "not cuda"

@@ -63,6 +63,6 @@ def free_memory() -> None:
 
 def write_json(path: str, data: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2)
     print(f"wrote {path}")

@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--replot", action="store_true", help="only redraw the plot from --out's results")
     args = parser.parse_args()
     if args.replot:
-        with open(args.out) as f:
+        with open(args.out, encoding="utf-8") as f:
             plot(json.load(f)["summary"], args.plot)
         return
     torch.backends.cudnn.benchmark = True

@@ -95,13 +95,13 @@ def main() -> None:
     mine["spill_on_rank_1"] = outcome
 
     os.makedirs(args.tmp, exist_ok=True)
-    with open(os.path.join(args.tmp, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(args.tmp, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(mine, f, indent=2)
     if rank == 0:
         time.sleep(2)
         ranks = []
         for path in sorted(glob.glob(os.path.join(args.tmp, "rank*.json"))):
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 ranks.append(json.load(f))
         with_g = [r["median_step_ms"] for r in mine["overhead"] if r["memguard"]]
         without = [r["median_step_ms"] for r in mine["overhead"] if not r["memguard"]]
@@ -116,7 +116,7 @@ def main() -> None:
         }
         print(json.dumps(summary, indent=2))
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+        with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"summary": summary, "ranks": ranks}, f, indent=2)
 
 

@@ -41,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="demo_logs", help="folder for the CSV logs")
 
     doctor = sub.add_parser("doctor", help="this machine's risk of the silent sysmem spill")
-    doctor.add_argument("--probe", action="store_true", help="try to allocate more GPU memory than is free")
+    doctor.add_argument(
+        "--probe",
+        action="store_true",
+        help="try to allocate more memory than the GPU has (only the fallback accepts it)",
+    )
     doctor.add_argument("--json", action="store_true")
 
     sweep = sub.add_parser("sweep", help="step time, peak memory and throughput per batch size, as a table and a plot")
@@ -86,7 +90,7 @@ def _writable(folder: str) -> str:
     try:
         os.makedirs(folder, exist_ok=True)
         probe = os.path.join(folder, ".memguard-write-test")
-        with open(probe, "w") as f:
+        with open(probe, "w", encoding="utf-8") as f:
             f.write("")
         os.remove(probe)
     except OSError as err:

@@ -74,7 +74,7 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
 
 
 def write_csv(rows: Sequence[SweepRow], path: str) -> None:
-    with open(path, "w", newline="") as f:
+    with open(path, "w", encoding="utf-8", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(SweepRow.__dataclass_fields__))
         writer.writeheader()
         for row in rows:

@@ -45,7 +45,7 @@ def main() -> None:
         result["own_report"] = err.report is not None
     result["global_step"] = trainer.global_step
     result["should_stop"] = trainer.should_stop
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)
 
 

@@ -64,7 +64,7 @@ def main() -> None:
         default_root_dir=out,
     )
     trainer.fit(model)
-    with open(os.path.join(out, f"tuner{rank}.json"), "w") as f:
+    with open(os.path.join(out, f"tuner{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(
             {
                 "batch_size": tuner.batch_size,

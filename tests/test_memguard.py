@@ -26,7 +26,7 @@ KEYS = (
 
 
 def _epoch_rows(log_dir):
-    with open(f"{log_dir}/metrics.csv") as f:
+    with open(f"{log_dir}/metrics.csv", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     return [r for r in rows if r.get("memguard/step_ms")]
 

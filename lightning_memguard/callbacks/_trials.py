@@ -40,7 +40,7 @@ class _StepClock(Callback):
         self.starts.append(self.clock())
         if len(self.starts) == self.accumulate + 1:
             reading = self.probe.read()
-            over = max(reading.peak_allocated, reading.peak_reserved) + reading.other_processes > self.capacity
+            over = reading.used > self.capacity
             if trainer.strategy.reduce_boolean_decision(over, all=False):  # every rank ends the trial together
                 trainer.should_stop = True
 
@@ -183,7 +183,7 @@ class TrialSession:
             garbage_collection_cuda()
             return TrialResult(size, None, None, None, OOM, accumulate)
         reading = self.probe.read()
-        peak = max(reading.peak_allocated, reading.peak_reserved) + reading.other_processes
+        peak = reading.used
         times = [b - a for a, b in zip(clock.starts[:-1], clock.starts[1:], strict=True)]
         # one optimizer step is `accumulate` batches: time whole steps, after the warm-up ones
         steps_s = [sum(times[i : i + accumulate]) for i in range(0, len(times) - accumulate + 1, accumulate)]

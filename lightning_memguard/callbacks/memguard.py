@@ -22,8 +22,11 @@ from lightning_memguard.core.detector import (
     SpillReport,
     SysmemSpillError,
     Verdict,
+    allocator_cap,
+    fallback_advice,
     fallback_possible,
     format_spill_message,
+    is_wsl2,
 )
 from lightning_memguard.core.report import EpochRecord, format_epoch_table
 from lightning_memguard.core.throughput import summarize_steps
@@ -64,14 +67,18 @@ class MemGuard(Callback):
         headroom: fraction of capacity that counts as "at the capacity", in [0, 1).
         on_spill: ``"raise"`` raises :class:`SysmemSpillError`, ``"stop"`` stops the Trainer cleanly,
             ``"warn"`` only warns. Before raising or stopping after training progress, a checkpoint is saved.
-        prevent: cap PyTorch's CUDA allocator at the capacity (minus other processes' use), so an overflow is a
-            real, immediate out-of-memory error instead of a spill.
+        prevent: cap PyTorch's CUDA allocator at the capacity less what other processes hold (from NVML; under
+            WDDM the device's used memory less this run's) and ``prevent_margin``, so an overflow is a real,
+            immediate out-of-memory error instead of a spill.
         probe: the memory reader (see :mod:`lightning_memguard.probes`); default: the one for the Trainer's device.
-        preflight: at fit start, try to allocate more than is free; if that succeeds, fallback is on (warns).
+        preflight: at fit start, try to allocate more than the card's physical memory; if that succeeds, the
+            fallback is on (warns).
         warmup_steps: steps left out of the throughput reference.
         reference_steps: steps whose median throughput is the run's reference.
         collapse: a step this many times slower than the reference counts as collapsed.
         read_every: read memory every this many steps (plus every step during warm-up and after a slow step).
+        prevent_margin: with ``prevent=True``, memory left free beyond other processes' use (bytes or a string):
+            this process's CUDA context, which PyTorch does not count, and other processes' growth.
         clock: seconds as a float; ``time.perf_counter`` unless a test injects another.
 
     Raises:
@@ -105,6 +112,7 @@ class MemGuard(Callback):
         reference_steps: int = 5,
         collapse: float = 2.5,
         read_every: int = 50,
+        prevent_margin: int | str = "512MiB",
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.capacity = None if capacity is None else parse_bytes(capacity, "capacity")
@@ -128,6 +136,7 @@ class MemGuard(Callback):
         self.reference_steps = check_int("reference_steps", reference_steps, 1)
         self.collapse = float(collapse)
         self.read_every = check_int("read_every", read_every, 1)
+        self.prevent_margin = parse_bytes(prevent_margin, "prevent_margin")
         self._user_probe = probe
         self._clock = clock
 
@@ -143,6 +152,7 @@ class MemGuard(Callback):
         self._vote: StopVote | None = None
         self._restored_detector: dict[str, Any] = {}  # the detector's state from a checkpoint
         self._prevent_fraction: float | None = None
+        self._prevent_others: int | None = None
         self._durations: list[float] = []
         self._samples: list[int] = []
         self._last_start: float | None = None
@@ -256,10 +266,13 @@ class MemGuard(Callback):
         if self._prevent_fraction is not None and isinstance(exception, torch.OutOfMemoryError) and exception.args:
             detector = self._detector
             capacity = detector.capacity if detector is not None else 0
+            held = self._prevent_others
+            others = "use (unknown)" if held is None else f"{to_gb(held):.2f} GB"
             exception.args = (
                 f"{exception.args[0]}\n\nMemGuard(prevent=True) capped PyTorch at {self._prevent_fraction:.1%} of"
-                f" this GPU ({to_gb(capacity):.2f} GB capacity less other processes' use) so that this overflow"
-                " fails now instead of spilling into system RAM and running many times slower. "
+                f" this GPU ({to_gb(capacity):.2f} GB capacity less other processes' {others} and a margin of"
+                f" {to_gb(self.prevent_margin):.2f} GB) so that this overflow fails now instead of spilling into"
+                " system RAM and running many times slower. "
                 "Use less memory per step:\n" + FIXES,
                 *exception.args[1:],
             )
@@ -308,14 +321,14 @@ class MemGuard(Callback):
         """Read memory and, while watching for a spill, let the detector judge the latest steps by it."""
         reading = self._require_probe().read()
         if self._detector is not None and self.spill is None:
-            report = self._detector.observe_memory(self._used(reading))
+            report = self._detector.observe_memory(self._used(reading), reading.other_processes)
             if report.verdict is Verdict.SPILL:
                 self._on_spill_detected(replace(report, step=trainer.global_step), trainer)
         return reading
 
     @staticmethod
     def _used(reading: MemoryReading) -> int:
-        return max(reading.peak_allocated, reading.peak_reserved) + reading.other_processes
+        return reading.used
 
     def _batch_size(self, batch: Any) -> int:
         # the common batches, (inputs, targets) or a tensor, without Lightning's general traversal: this runs every step
@@ -361,12 +374,13 @@ class MemGuard(Callback):
     def _notice_platform(self) -> None:
         probe = self._require_probe()
         driver = probe.driver_info() if hasattr(probe, "driver_info") else {}
-        if fallback_possible(platform.system(), platform.release(), driver.get("driver_model")):
+        system, release = platform.system(), platform.release()
+        if fallback_possible(system, release, driver.get("driver_model")):
+            where = "inside WSL2" if is_wsl2(system, release) else "under a WDDM driver"
             rank_zero_warn(
-                "This GPU runs under a WDDM driver, where the CUDA Sysmem Fallback Policy can move memory into"
-                " system RAM instead of raising out-of-memory. MemGuard watches for it; to rule it out, set NVIDIA"
-                " Control Panel -> Manage 3D Settings -> CUDA - Sysmem Fallback Policy -> Prefer No Sysmem Fallback,"
-                " or use MemGuard(prevent=True).",
+                f"This GPU runs {where}, where the CUDA Sysmem Fallback Policy can move memory into system RAM instead"
+                " of raising out-of-memory. MemGuard watches for it; to rule it out: "
+                f"{fallback_advice(system, release)}; or use MemGuard(prevent=True).",
                 category=UserWarning,
             )
 
@@ -378,7 +392,7 @@ class MemGuard(Callback):
         self.fallback_enabled = bool(trial())
         if self.fallback_enabled:
             rank_zero_warn(
-                "MemGuard preflight: allocating more GPU memory than is free succeeded, so the driver's sysmem"
+                "MemGuard preflight: allocating more GPU memory than the card has succeeded, so the driver's sysmem"
                 " fallback is on and an overflow will slow this run down instead of failing. MemGuard will stop the"
                 " run if it spills.\n" + FIXES,
                 category=RuntimeWarning,
@@ -386,13 +400,29 @@ class MemGuard(Callback):
 
     def _cap_allocator(self, device: torch.device, capacity: int, probe: MemoryProbe) -> None:
         total = torch.cuda.get_device_properties(device).total_memory
-        allowed = min(capacity, total) - probe.read().other_processes
+        others = probe.read().other_processes
+        allowed = allocator_cap(capacity, total, others, self.prevent_margin)
         if allowed <= 0:
+            held = "unknown" if others is None else f"{to_gb(others):.2f} GB"
             raise ValueError(
-                f"`prevent=True` leaves no memory: capacity {to_gb(capacity):.2f} GB is used up by other processes"
+                f"`prevent=True` leaves no memory: capacity {to_gb(min(capacity, total)):.2f} GB, other processes"
+                f" hold {held}, margin {to_gb(self.prevent_margin):.2f} GB"
             )
+        if others is None:
+            rank_zero_warn(
+                "MemGuard(prevent=True): other processes' use of this GPU is unknown (NVML unavailable), so the cap"
+                f" leaves them only the margin of {to_gb(self.prevent_margin):.2f} GB (`prevent_margin`).",
+                category=RuntimeWarning,
+            )
+        self._prevent_others = others
         self._prevent_fraction = allowed / total
         torch.cuda.set_per_process_memory_fraction(self._prevent_fraction, device)
+        rank_zero_info(
+            f"MemGuard(prevent=True): PyTorch may use {to_gb(allowed):.2f} GB of this GPU's {to_gb(total):.2f} GB"
+            f" ({self._prevent_fraction:.1%}; other processes hold "
+            f"{'an unknown amount' if others is None else f'{to_gb(others):.2f} GB'},"
+            f" margin {to_gb(self.prevent_margin):.2f} GB)"
+        )
 
     def _require_probe(self) -> MemoryProbe:
         if self._probe is None:

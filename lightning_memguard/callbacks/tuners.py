@@ -167,7 +167,7 @@ class _MeasuringTuner(Callback):
         if not self.cache:
             return None
         try:
-            with open(self._cache_path()) as f:
+            with open(self._cache_path(), encoding="utf-8") as f:
                 return json.load(f).get(key)
         except (OSError, ValueError):
             return None
@@ -179,13 +179,13 @@ class _MeasuringTuner(Callback):
         try:
             os.makedirs(self.cache_dir, exist_ok=True)
             try:
-                with open(path) as f:
+                with open(path, encoding="utf-8") as f:
                     data = json.load(f)
             except (OSError, ValueError):
                 data = {}
             data[key] = self.state_dict()
             tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
+            with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(data, f)
             os.replace(tmp, path)
         except OSError as err:

@@ -33,6 +33,7 @@ class SpillReport:
         capacity: the device's physical memory, in bytes.
         reference_rate: the run's own samples/s after warm-up, or None before it is known.
         current_rate: samples/s of the latest step, or None.
+        other_bytes: the part of ``used_bytes`` that other processes hold (None: unknown, not counted).
     """
 
     verdict: Verdict
@@ -42,6 +43,7 @@ class SpillReport:
     capacity: int
     reference_rate: float | None = None
     current_rate: float | None = None
+    other_bytes: int | None = 0
 
     @property
     def slowdown(self) -> float | None:
@@ -250,8 +252,9 @@ class SpillDetector:
         total, samples = sums
         return total > 0 and samples / total < self.reference_rate / self.read_trigger
 
-    def observe_memory(self, used_bytes: int) -> SpillReport:
-        """Judge the latest steps against a memory reading (peak plus other processes, in bytes)."""
+    def observe_memory(self, used_bytes: int, other_bytes: int | None = 0) -> SpillReport:
+        """Judge the latest steps against a memory reading: ``used_bytes`` is this run's peak plus other processes'
+        use, ``other_bytes`` the latter alone (None where it cannot be known), reported with the verdict."""
         recent = self._recent_rates()
         verdict, reason = detect_spill(
             used_bytes,
@@ -287,6 +290,7 @@ class SpillDetector:
             capacity=self.capacity,
             reference_rate=self.reference_rate,
             current_rate=recent[-1] if recent else None,
+            other_bytes=other_bytes,
         )
 
     def state_dict(self) -> dict[str, float | None]:
@@ -299,10 +303,19 @@ class SpillDetector:
             self.healthy_used = int(state["healthy_used_bytes"])  # type: ignore[arg-type]
 
 
+CONTROL_PANEL = (
+    "NVIDIA Control Panel -> Manage 3D Settings -> CUDA - Sysmem Fallback Policy -> Prefer No Sysmem Fallback"
+)
+WSL2_SETTING = (
+    "the Windows host's NVIDIA Control Panel -> Manage 3D Settings -> Global Settings -> CUDA - Sysmem Fallback"
+    " Policy -> Prefer No Sysmem Fallback (WSL2 runs on the host's driver, and Program Settings lists only Windows"
+    " programs)"
+)
+
 FIXES = (
     "Fixes, most direct first:\n"
-    "  - Windows: NVIDIA Control Panel -> Manage 3D Settings -> CUDA - Sysmem Fallback Policy -> "
-    "Prefer No Sysmem Fallback (then an overflow raises a real OOM at once);\n"
+    f"  - Windows: {CONTROL_PANEL} (then an overflow raises a real OOM at once);\n"
+    f"  - WSL2: {WSL2_SETTING};\n"
     "  - keep the effective batch with less memory: `AccumulationTuner(effective_batch_size=...)`;\n"
     "  - activation checkpointing: `ActivationCheckpointing()` or `checkpoint_resnet(model)`;\n"
     "  - a smaller batch size (`BatchSizeTuner()` measures the fastest one that fits);\n"
@@ -317,8 +330,10 @@ def format_spill_message(report: SpillReport, batch_size: int | None, checkpoint
         >>> r = SpillReport(Verdict.SPILL, "peak memory above the physical capacity", 12, 18_900_000_000,
         ...                 16_000_000_000, 1094.0, 24.0)
         >>> message = format_spill_message(r, 448)
-        >>> print(message[:107])
-        GPU memory is spilling into system RAM at training step 12 (batch size 448): peak 18.90 GB against 16.00 GB
+        >>> print(message.splitlines()[0][:75])
+        GPU memory is spilling into system RAM at training step 12 (batch size 448)
+        >>> "peak 18.90 GB against 16.00 GB of physical memory;" in message
+        True
         >>> "(45.6x slower)" in message, "Prefer No Sysmem Fallback" in message
         (True, True)
     """
@@ -326,6 +341,10 @@ def format_spill_message(report: SpillReport, batch_size: int | None, checkpoint
     if batch_size is not None:
         parts.append(f" (batch size {batch_size})")
     parts.append(f": peak {to_gb(report.used_bytes):.2f} GB against {to_gb(report.capacity):.2f} GB of physical memory")
+    if report.other_bytes is None:
+        parts.append(" (other processes' use unknown, not counted)")
+    elif report.other_bytes:
+        parts.append(f" (counting {to_gb(report.other_bytes):.2f} GB that other processes hold)")
     if report.reference_rate and report.current_rate:
         parts.append(
             f"; throughput {report.current_rate:.1f} samples/s against {report.reference_rate:.1f} at the start"
@@ -370,4 +389,42 @@ def fallback_possible(system: str, release: str, driver_model: str | None) -> bo
     """
     if system == "Windows":
         return driver_model in (None, "WDDM")
+    return is_wsl2(system, release)
+
+
+def is_wsl2(system: str, release: str) -> bool:
+    """Whether this is Linux inside WSL2, whose kernel release names Microsoft.
+
+    Example:
+        >>> is_wsl2("Linux", "5.15.153.1-microsoft-standard-WSL2"), is_wsl2("Linux", "6.8.0-generic")
+        (True, False)
+    """
     return system == "Linux" and "microsoft" in release.lower()
+
+
+def fallback_advice(system: str, release: str) -> str:
+    """How to turn the fallback off on this platform.
+
+    Example:
+        >>> fallback_advice("Windows", "11").startswith("NVIDIA Control Panel")
+        True
+        >>> "Global Settings" in fallback_advice("Linux", "5.15.153.1-microsoft-standard-WSL2")
+        True
+    """
+    return WSL2_SETTING if is_wsl2(system, release) else CONTROL_PANEL
+
+
+def allocator_cap(capacity: int, total: int, other_bytes: int | None, margin: int) -> int:
+    """The bytes PyTorch may reserve so that this run, what other processes hold and a margin fit in ``capacity``.
+
+    ``total`` is the device's physical memory (a capacity set above it cannot be used), ``other_bytes`` what other
+    processes hold (None where unknown: only the margin is left for them); the margin covers what PyTorch does not
+    count (this process's CUDA context) and other processes' growth. Zero or less means nothing is left.
+
+    Example:
+        >>> allocator_cap(16 * 10**9, 16 * 10**9, 1_500_000_000, 512 * 2**20)
+        13963129088
+        >>> allocator_cap(16 * 10**9, 12 * 10**9, None, 0)
+        12000000000
+    """
+    return min(capacity, total) - (other_bytes or 0) - margin

@@ -14,13 +14,25 @@ class MemoryReading:
         peak_allocated: the highest memory held by tensors.
         peak_reserved: the highest memory held by the allocator (tensors plus its cache).
         capacity: the device's physical memory.
-        other_processes: memory that other processes hold on the same device now (0 where unknown).
+        other_processes: memory that other processes hold on the same device now; None where it cannot be known
+            (NVML unavailable). Under WDDM it is the device's used memory less this process's PyTorch memory, so it
+            also counts this process's CUDA context.
     """
 
     peak_allocated: int
     peak_reserved: int
     capacity: int
-    other_processes: int = 0
+    other_processes: int | None = 0
+
+    @property
+    def used(self) -> int:
+        """What this reading puts on the device: the higher peak plus other processes' use (0 where unknown).
+
+        Example:
+            >>> MemoryReading(3, 4, 16, 2).used, MemoryReading(3, 4, 16, None).used
+            (6, 4)
+        """
+        return max(self.peak_allocated, self.peak_reserved) + (self.other_processes or 0)
 
 
 @runtime_checkable

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import time
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_memguard.core.detector import fallback_possible
 from lightning_memguard.probes.base import MemoryReading
 
 
 class CudaProbe:
     """Peak allocated and reserved memory from PyTorch; other processes' use from NVML (``nvidia-ml-py``).
 
-    If NVML is missing or fails, the probe warns once and goes on with PyTorch alone (other processes then
-    count as 0). Nothing here synchronises the device.
+    If NVML is missing or fails, the probe warns once and goes on with PyTorch alone (other processes' use is then
+    unknown: ``None``). Nothing here synchronises the device.
 
     Other processes' use changes slowly and listing them through NVML costs far more than PyTorch's counters, so it
     is asked for at most every ``others_every_s`` seconds.
@@ -30,12 +32,13 @@ class CudaProbe:
     def __init__(self, device: int | str | torch.device | None = None, others_every_s: float = 5.0) -> None:
         self._device = device
         self._others_every_s = others_every_s
-        self._others: tuple[float, int] | None = None  # (time read, bytes)
+        self._others: tuple[float, int | None] | None = None  # (time read, bytes or None where unknown)
         self._index: int | None = None
         self._nvml: Any = None
         self._handle: Any = None
         self._nvml_state = "untried"  # "untried" | "ok" | "failed"
         self._capacity: int | None = None
+        self._device_wide: bool | None = None  # others' use from the device-wide figure (WDDM), not per process
 
     @property
     def index(self) -> int:
@@ -67,8 +70,14 @@ class CudaProbe:
             other_processes=self.other_processes(int(reserved.get("current", 0))),
         )
 
-    def other_processes(self, own_reserved: int | None = None) -> int:
-        """Bytes that other processes hold on this device, from NVML; 0 where NVML is unavailable."""
+    def other_processes(self, own_reserved: int | None = None) -> int | None:
+        """Bytes that other processes hold on this device, from NVML; None where NVML cannot say.
+
+        Where NVML names each process's use (Linux), the others' figures are summed. Where it lists processes without
+        their use (Windows and WSL2 under WDDM, where nvidia-ml-py gives ``usedGpuMemory=None``), the device's used
+        memory less this process's PyTorch memory (``own_reserved``; default: read now) is taken instead: it counts
+        the desktop, other applications and this process's own CUDA context.
+        """
         now = time.monotonic()
         if self._others is not None and now - self._others[0] < self._others_every_s:
             return self._others[1]
@@ -76,32 +85,44 @@ class CudaProbe:
         self._others = (now, others)
         return others
 
-    def _query_other_processes(self, own_reserved: int | None) -> int:
+    def _query_other_processes(self, own_reserved: int | None) -> int | None:
         handle = self._nvml_handle()
         if handle is None:
-            return 0
+            return None
+        nvml = self._nvml
+        own = torch.cuda.memory_reserved(self.index) if own_reserved is None else own_reserved
         try:
-            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            if self._device_wide is None:
+                model = self.driver_info()["driver_model"]
+                self._device_wide = fallback_possible(platform.system(), platform.release(), model)
+            procs = [*nvml.nvmlDeviceGetComputeRunningProcesses(handle)]
+            with contextlib.suppress(Exception):  # a desktop's compositor is a graphics process; optional
+                procs += nvml.nvmlDeviceGetGraphicsRunningProcesses(handle)
+            if self._device_wide or any(p.usedGpuMemory is None for p in procs):
+                # WDDM lists processes without their use (or not at all): the device's own count, less ours
+                return max(0, int(nvml.nvmlDeviceGetMemoryInfo(handle).used) - own)
         except Exception as err:  # NVML raises its own error classes; any failure means: fall back
             self._fail(err)
-            return 0
-        used = {p.pid: int(p.usedGpuMemory or 0) for p in procs}
+            return None
+        used: dict[int, int] = {}
+        for p in procs:  # a process can be listed as both compute and graphics
+            used[p.pid] = max(used.get(p.pid, 0), int(p.usedGpuMemory))
         if os.getpid() in used:
             used.pop(os.getpid())
         elif used:
             # In a container NVML reports host pids: take the process closest to our own use as ourselves.
-            own = torch.cuda.memory_reserved(self.index) if own_reserved is None else own_reserved
             used.pop(min(used, key=lambda pid: abs(used[pid] - own)))
         return sum(used.values())
 
     def overallocation_succeeds(self, extra: int = 256 * 2**20) -> bool:
-        """Try to allocate ``extra`` bytes more than the device has free; True means the driver spills (fallback on).
+        """Try to allocate ``extra`` bytes more than the device's physical memory; True means the driver spills.
 
-        A plain device allocation (never managed memory): on a normal driver it fails at once with out-of-memory.
+        The size does not depend on the free figure (``cudaMemGetInfo``), which under WDDM can be off by hundreds of
+        MB either way: no normal driver can place more than the whole card, only the sysmem fallback accepts it. A
+        plain device allocation (never managed memory): on a normal driver it fails at once with out-of-memory.
         """
-        free, _total = torch.cuda.mem_get_info(self.index)
         try:
-            block = torch.empty(free + extra, dtype=torch.uint8, device=torch.device("cuda", self.index))
+            block = torch.empty(self.capacity() + extra, dtype=torch.uint8, device=torch.device("cuda", self.index))
         except torch.OutOfMemoryError:
             return False
         else:
@@ -125,26 +146,9 @@ class CudaProbe:
     def driver_info(self) -> dict[str, Any]:
         """Driver version and driver model (WDDM / TCC / MCDM, or None where NVML does not say, as on Linux)."""
         handle = self._nvml_handle()
-        info: dict[str, Any] = {"driver_version": None, "driver_model": None}
         if handle is None:
-            return info
-        nvml = self._nvml
-        try:
-            version = nvml.nvmlSystemGetDriverVersion()
-            info["driver_version"] = version.decode() if isinstance(version, bytes) else version
-        except Exception:  # noqa: S110 - optional detail
-            pass
-        try:
-            current, _pending = nvml.nvmlDeviceGetDriverModel(handle)
-            names = {
-                getattr(nvml, "NVML_DRIVER_WDDM", 0): "WDDM",
-                getattr(nvml, "NVML_DRIVER_WDM", 1): "TCC",
-                getattr(nvml, "NVML_DRIVER_MCDM", 2): "MCDM",
-            }
-            info["driver_model"] = names.get(current, str(current))
-        except Exception:  # noqa: S110 - "not supported" on Linux
-            pass
-        return info
+            return {"driver_version": None, "driver_model": None}
+        return _driver_info(self._nvml, handle)
 
     def _nvml_handle(self) -> Any:
         if self._nvml_state == "untried":
@@ -181,3 +185,54 @@ class CudaProbe:
             )
         self._nvml_state = "failed"
         self._handle = None
+
+
+def nvml_gpus() -> list[dict[str, Any]] | None:
+    """The NVIDIA GPUs that NVML sees, without CUDA (so also under a CPU-only PyTorch); None where NVML cannot load.
+
+    Each entry: ``name``, ``memory`` and ``used`` (device-wide bytes), ``driver_version``, ``driver_model``.
+    """
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = int(pynvml.nvmlDeviceGetCount())
+    except Exception:  # no library, no driver, or no NVIDIA GPU
+        return None
+    gpus = []
+    for index in range(count):
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(handle)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        except Exception:  # noqa: S112 - a device NVML cannot describe is left out
+            continue
+        gpus.append(
+            {
+                "name": name.decode() if isinstance(name, bytes) else str(name),
+                "memory": int(memory.total),
+                "used": int(memory.used),
+                **_driver_info(pynvml, handle),
+            }
+        )
+    return gpus
+
+
+def _driver_info(nvml: Any, handle: Any) -> dict[str, Any]:
+    info: dict[str, Any] = {"driver_version": None, "driver_model": None}
+    try:
+        version = nvml.nvmlSystemGetDriverVersion()
+        info["driver_version"] = version.decode() if isinstance(version, bytes) else version
+    except Exception:  # noqa: S110 - optional detail
+        pass
+    try:
+        current, _pending = nvml.nvmlDeviceGetDriverModel(handle)
+        names = {
+            getattr(nvml, "NVML_DRIVER_WDDM", 0): "WDDM",
+            getattr(nvml, "NVML_DRIVER_WDM", 1): "TCC",
+            getattr(nvml, "NVML_DRIVER_MCDM", 2): "MCDM",
+        }
+        info["driver_model"] = names.get(current, str(current))
+    except Exception:  # noqa: S110 - "not supported" on Linux
+        pass
+    return info

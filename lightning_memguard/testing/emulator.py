@@ -207,5 +207,5 @@ class EmulatedProbe:
         return MemoryReading(peak, peak, self._emu.capacity)
 
     def overallocation_succeeds(self) -> bool:
-        """On a card with sysmem fallback, allocating more than is free succeeds."""
+        """On a card with sysmem fallback, allocating more than the card has succeeds."""
         return True

@@ -1,0 +1,10 @@
+"""``python -m lightning_memguard ...``: the ``memguard`` command, where no console script is on the PATH."""
+
+from __future__ import annotations
+
+import sys
+
+from lightning_memguard.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
