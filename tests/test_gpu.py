@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -63,7 +65,7 @@ def test_nvml_works_here_without_warnings():
         reading = probe.read()
         info = probe.driver_info()
     assert reading.capacity == torch.cuda.get_device_properties(0).total_memory
-    assert reading.other_processes >= 0
+    assert reading.other_processes is not None and reading.other_processes >= 0  # known on Linux, per process
     assert info["driver_version"]
 
 
@@ -87,6 +89,53 @@ def test_prevent_turns_the_overflow_into_an_immediate_oom(tmp_path):
             trainer.fit(model)
         assert trainer.global_step == 0
     finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+_HOLDER = """
+import sys, time, torch
+block = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device="cuda")
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+class _CapSeen(Callback):
+    """Notes MemGuard's cap at the first step, then asks for what the card would have left without it."""
+
+    def __init__(self, guard, ask):
+        self.guard, self.ask, self.fraction = guard, ask, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.fraction = self.guard._prevent_fraction
+        if batch_idx == 1:
+            torch.empty(self.ask, dtype=torch.uint8, device="cuda")
+
+
+def test_prevent_leaves_another_process_its_20_gb_and_explains_the_oom(tmp_path):
+    """CPU twin: tests/test_windows.py::test_prevent_leaves_the_desktop_its_share_and_a_margin (WDDM's path)."""
+    held = 20 * 10**9
+    torch.cuda.empty_cache()  # what earlier tests left cached would blur which NVML process is this one
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(held)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        total = torch.cuda.get_device_properties(0).total_memory
+        others = CudaProbe(0).other_processes()
+        assert others is not None and held <= others <= held + 2 * 10**9  # its 20 GB and its CUDA context
+        guard = MemGuard(prevent=True)
+        seen = _CapSeen(guard, ask=total - held)  # more than the cap leaves, less than the card
+        model = ImageClassifier("resnet18", image_size=64, batch_size=32, steps_per_epoch=5, channels_last=True)
+        trainer = _trainer(tmp_path, [guard, seen], max_epochs=1)
+        with pytest.raises(torch.OutOfMemoryError, match="less other processes' 2[0-1].[0-9][0-9] GB and a margin"):
+            trainer.fit(model)
+        assert trainer.global_step == 1  # the first step trained, the overflow failed at once
+        margin = 512 * 2**20
+        assert seen.fraction * total == pytest.approx(total - others - margin, abs=2 * 10**9)
+        assert seen.fraction * total <= total - held - margin
+    finally:
+        holder.kill()
+        holder.wait()
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
 

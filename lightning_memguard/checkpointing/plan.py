@@ -410,21 +410,23 @@ def checkpoint_blocks(
     def cut(indices: set[int]) -> list[list[int]]:
         return best_runs(indices, profiles, start, joinable, meter.cuda)
 
+    applied: list[str] = []  # what the last apply really checkpointed
+
     def apply(indices: set[int]) -> int:
         for link in links:  # only what this plan checkpoints: anything else in the model stays as it is
             for _, module in link.modules:
                 remove_checkpointing(module)
                 if rebuild_bn_relu:
                     remove_rebuild(module)
-        apply_runs([[links[i] for i in run] for run in cut(indices)], bn_correct)
+        applied[:] = apply_runs([[links[i] for i in run] for run in cut(indices)], bn_correct)
         if rebuild_bn_relu:  # the links left unchecked
             for link in links:
                 _rebuild_link(link)
         link_outputs(model)
         return meter.peak()
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:  # each apply repeats the same warnings: pass them on once
+        warnings.simplefilter("always")
         measured = apply(chosen)
         lowest = (measured, set(chosen))
         rest = sorted(set(range(len(links))) - chosen, key=lambda i: -value(profiles[i]))
@@ -441,9 +443,11 @@ def checkpoint_blocks(
         else:  # nothing fits: keep the lowest peak seen
             measured, chosen = lowest
         measured = apply(chosen)
+    for message in dict.fromkeys((w.category, str(w.message)) for w in caught):
+        warnings.warn(message[1], message[0], stacklevel=2)
     runs = cut(chosen)
     plan = CheckpointPlan(
-        blocks=[names[i] for i in sorted(chosen)],
+        blocks=[names[i] for i in sorted(chosen) if names[i] in applied],
         candidates=len(links),
         runs=[[names[i] for i in run] for run in runs],
         rebuilt=[link.name for link in links if _rebuilt(link)],

@@ -28,7 +28,13 @@ import torch
 from torch import nn
 
 from lightning_memguard.checkpointing import _fused
-from lightning_memguard.checkpointing.wrap import _compiling, is_checkpointed, stock_resnet, swapped_class
+from lightning_memguard.checkpointing.wrap import (
+    SwappedModule,
+    _compiling,
+    is_checkpointed,
+    stock_resnet,
+    swapped_class,
+)
 
 fused_rebuild = True
 """Rebuild with one Triton kernel pass where it can run (CUDA); False: always with PyTorch's own kernels."""
@@ -205,7 +211,7 @@ def _remember(bn: nn.BatchNorm2d, inputs: Any, output: torch.Tensor) -> None:
         _register(output, _Recipe(inputs[0], bn, *stats))
 
 
-class RebuiltBatchNormReLU(nn.Module):
+class RebuiltBatchNormReLU(SwappedModule):
     """Mixin placed in front of a block's class: within its forward, the outputs of ``memguard_bns`` (each followed
     by an in-place ReLU) are saved as recipes, and with ``memguard_tail`` (its last BatchNorm and its shortcut's
     BatchNorm or None) so is the block's output, ``relu(last(.) + shortcut)``."""
@@ -257,7 +263,7 @@ class RebuiltBatchNormReLU(nn.Module):
         return handles
 
 
-class RebuiltStemReLU(nn.Module):
+class RebuiltStemReLU(SwappedModule):
     """Mixin for the in-place ReLU of a torchvision ResNet's stem (conv1, bn1, relu, maxpool): its output, kept by
     the ReLU and by the max-pooling after it, is saved as a recipe."""
 
@@ -284,7 +290,7 @@ class _Narrowed:
         self.indices = indices
 
 
-class RebuiltStemPool(nn.Module):
+class RebuiltStemPool(SwappedModule):
     """Mixin for the max-pooling of a ResNet's stem: its input is saved as the recipe the stem's ReLU made, and
     the indices of the maxima, positions within an input plane, as 16-bit integers where a plane is small enough
     (a quarter of the 64-bit ones: exact, one cast each way)."""

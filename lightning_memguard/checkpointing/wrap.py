@@ -59,7 +59,39 @@ def _compiling() -> bool:
     return bool(is_compiling()) if is_compiling is not None else False
 
 
-class CheckpointedUnit(nn.Module):
+class SwappedModule(nn.Module):
+    """Base of every mixin that :func:`swapped_class` puts in front of a module's class.
+
+    A swapped class is made at run time, so another process (``torch.load``, ``ddp_spawn``, Windows' spawn) cannot
+    find it by name. A swapped module pickles as its mixins and its original class, both importable, and unpickling
+    makes the same swapped class again.
+    """
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        reduced = super().__reduce_ex__(protocol)
+        if not isinstance(reduced, tuple) or len(reduced) < 3:  # pragma: no cover - protocols 0 and 1
+            return reduced
+        mixins, original = swap_chain(type(self))
+        return (_new_swapped, (mixins, original), *reduced[2:])
+
+
+def swap_chain(cls: type) -> tuple[tuple[type, ...], type]:
+    """The mixins in front of ``cls``, innermost first, and the class they were put in front of."""
+    mixins: list[type] = []
+    while "_memguard_mixin" in cls.__dict__:
+        mixins.append(cls._memguard_mixin)  # type: ignore[attr-defined]
+        cls = cls._memguard_original  # type: ignore[attr-defined]
+    return tuple(reversed(mixins)), cls
+
+
+def _new_swapped(mixins: tuple[type, ...], original: type) -> nn.Module:
+    cls = original
+    for mixin in mixins:
+        cls = swapped_class(cls, mixin)
+    return cls.__new__(cls)  # type: ignore[no-any-return, call-overload]
+
+
+class CheckpointedUnit(SwappedModule):
     """Mixin placed in front of a block's own class: its forward runs under ``torch.utils.checkpoint``.
 
     The block keeps its attributes and parameter names, so ``state_dict`` keys do not change. At the head of a run
@@ -104,7 +136,7 @@ class CheckpointedUnit(nn.Module):
         return out
 
 
-class CheckpointedMember(nn.Module):
+class CheckpointedMember(SwappedModule):
     """Mixin for a module inside a run. Called by its parent right after the run's head, on the head's output, it
     hands that output on: the head already did its work. Called on anything else (on its own, say), it runs as
     usual. Forward hooks on a run's inner modules see the run's output."""
@@ -134,8 +166,8 @@ def swapped_class(cls: type[nn.Module], mixin: type[nn.Module]) -> type:
         name = f"{mixin.memguard_prefix}{cls.__name__}"  # type: ignore[attr-defined]
         sub = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name})
         sub._memguard_original = cls  # type: ignore[attr-defined]
+        sub._memguard_mixin = mixin  # type: ignore[attr-defined]
         _SUBCLASSES[(mixin, cls)] = sub
-        globals().setdefault(name, sub)  # lets pickle find it by name in this process
     return sub
 
 
@@ -264,11 +296,14 @@ def remove_checkpointing(model: nn.Module) -> int:
 
 @contextlib.contextmanager
 def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Restore buffers (BatchNorm statistics) and gradients after profiling runs, bit for bit."""
+    """Restore buffers (BatchNorm statistics), gradients and the random number generators (of the CPU and of the
+    model's CUDA devices: dropout, stochastic depth) after profiling runs, bit for bit."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     grads = {name: (p.grad.detach().clone() if p.grad is not None else None) for name, p in model.named_parameters()}
+    cuda = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"})
     try:
-        yield
+        with torch.random.fork_rng(devices=cuda):
+            yield
     finally:
         with torch.no_grad():
             for name, b in model.named_buffers():
