@@ -149,8 +149,14 @@ def test_errors():
         checkpoint_resnet(torchvision.models.resnet18(), memory_budget=0.5)
     with pytest.raises(ValueError, match="`memory_budget` as a fraction must be in \\(0, 1\\], got 1.5"):
         checkpoint_resnet(torchvision.models.resnet18(), memory_budget=1.5, example_input=torch.randn(1, 3, 32, 32))
-    with pytest.raises(TypeError, match="`units` must be 'auto', a set of module classes or a callable"):
+    with pytest.raises(TypeError, match="`units` must be 'auto', module classes or a callable .*, got 42"):
         checkpoint_blocks(torchvision.models.resnet18(), units=42)
+    with pytest.raises(TypeError, match="`units` must be 'auto', module classes or a callable .*, got None"):
+        checkpoint_blocks(torchvision.models.resnet18(), units=None)
+    with pytest.raises(ValueError, match="`units` must name at least one module class, got set\\(\\)"):
+        checkpoint_blocks(torchvision.models.resnet18(), units=set())
+    with pytest.raises(TypeError, match="`units` must hold nn.Module subclasses, got \\[3\\]"):
+        checkpoint_blocks(torchvision.models.resnet18(), units=[3])
     with pytest.raises(ValueError, match="`units` must be 'auto'.*'everything'"):
         checkpoint_blocks(torchvision.models.resnet18(), units="everything")
 
@@ -161,6 +167,9 @@ def test_units_by_class_and_by_name():
     assert plan.blocks == ["layer3", "layer4"]
     model = torchvision.models.resnet18(num_classes=10)
     assert checkpoint_blocks(model, units={torchvision.models.resnet.BasicBlock}).candidates == 9  # and the stem
+    for units in (torchvision.models.resnet.BasicBlock, [torchvision.models.resnet.BasicBlock]):  # a class, a list
+        model = torchvision.models.resnet18(num_classes=10)
+        assert checkpoint_blocks(model, units=units).candidates == 9
 
 
 @pytest.mark.parametrize("budget", [0.8, 0.7, 0.6])

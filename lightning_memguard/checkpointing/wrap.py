@@ -15,8 +15,6 @@ from torch.utils.checkpoint import checkpoint
 
 Units = str | set[type[nn.Module]] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
 
-_AUTO_SUFFIXES = ("Block", "Bottleneck", "EncoderLayer", "DecoderLayer")
-
 
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -202,13 +200,97 @@ def _wrapped_by_someone_else(module: nn.Module) -> bool:
     return "forward" in module.__dict__ or type(module).__name__ in _FOREIGN_WRAPPERS
 
 
+def check_units(units: Any) -> Units:
+    """``units`` as :func:`find_units` takes it: ``"auto"``, module classes (one, or a non-empty set, tuple, list or
+    frozenset of them, taken as a tuple) or a predicate ``(name, module) -> bool``.
+
+    Raises:
+        TypeError: for anything else, quoting it.
+        ValueError: for another string or an empty collection.
+
+    Example:
+        >>> from torchvision.models.resnet import BasicBlock
+        >>> check_units(BasicBlock), check_units("auto")
+        ((<class 'torchvision.models.resnet.BasicBlock'>,), 'auto')
+        >>> check_units(set())
+        Traceback (most recent call last):
+        ...
+        ValueError: `units` must name at least one module class, got set()
+    """
+    if isinstance(units, str):
+        if units != "auto":
+            raise ValueError(f"`units` must be 'auto', module classes or a callable, got {units!r}")
+        return units
+    if isinstance(units, type):
+        units = (units,)
+    if isinstance(units, set | frozenset | tuple | list):
+        if not units:
+            raise ValueError(f"`units` must name at least one module class, got {units!r}")
+        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in units):
+            raise TypeError(f"`units` must hold nn.Module subclasses, got {units!r}")
+        return tuple(units)
+    if callable(units):
+        return units  # type: ignore[no-any-return]
+    raise TypeError(f"`units` must be 'auto', module classes or a callable (name, module) -> bool, got {units!r}")
+
+
+def _base_class(module: nn.Module) -> type:
+    """The class a module had before this library swapped it, or the class that someone else's wrapper wraps."""
+    if type(module).__name__ in _FOREIGN_WRAPPERS:
+        inner = getattr(module, "_checkpoint_wrapped_module", None) or getattr(module, "module", None)
+        if isinstance(inner, nn.Module):
+            return _base_class(inner)
+    return swap_chain(type(module))[1]
+
+
+def _chain(container: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The elements of an ``nn.Sequential`` / ``nn.ModuleList`` with nested ones of those flattened, as (name,
+    module). A container subclass with a forward of its own (torchvision's Conv2dNormActivation) is an element."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, child in container.named_children():
+        plain = type(child) in (nn.Sequential, nn.ModuleList)
+        out.extend((f"{name}.{n}", m) for n, m in _chain(child)) if plain else out.append((name, child))
+    return out
+
+
+def _repeating(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost modules whose class repeats (twice or more in the model) as composite elements of chains."""
+    chains = [m for m in model.modules() if isinstance(m, nn.Sequential | nn.ModuleList)]
+    counts: dict[type, int] = {}
+    for chain in chains:
+        for _, element in _chain(chain):
+            cls = _base_class(element)
+            if any(True for _ in element.children()) and not issubclass(cls, nn.Sequential | nn.ModuleList):
+                counts[cls] = counts.get(cls, 0) + 1
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        if isinstance(module, nn.Sequential | nn.ModuleList):
+            for name, child in _chain(module):
+                if counts.get(_base_class(child), 0) > 1:
+                    found.append((f"{prefix}{name}", child))
+                else:
+                    visit(f"{prefix}{name}.", child)
+            return
+        for name, child in module.named_children():
+            visit(f"{prefix}{name}.", child)
+
+    visit("", model)
+    return found
+
+
+def _declared(model: nn.Module) -> set[str] | None:
+    """Class names a Hugging Face model declares as units that must stay whole (``_no_split_modules``)."""
+    for module in model.modules():
+        names = getattr(module, "_no_split_modules", None)
+        if names:
+            return set(names)
+    return None
+
+
 def _matches(units: Units, name: str, module: nn.Module) -> bool:
-    if units == "auto":
-        cls = type(module)
-        base = getattr(cls, "_memguard_original", cls)
-        return base.__name__.endswith(_AUTO_SUFFIXES) and not isinstance(module, nn.ModuleList | nn.Sequential)
-    if isinstance(units, set | tuple):
-        return isinstance(module, tuple(units))
+    if isinstance(units, tuple):
+        return isinstance(module, units)
     if callable(units):
         return bool(units(name, module))
     raise TypeError(
@@ -216,23 +298,34 @@ def _matches(units: Units, name: str, module: nn.Module) -> bool:
     )
 
 
-def find_units(model: nn.Module, units: Units = "auto") -> list[tuple[str, nn.Module]]:
-    """The outermost submodules that ``units`` selects, in forward order of registration.
+def find_units(model: nn.Module, units: Any = "auto") -> list[tuple[str, nn.Module]]:
+    """The outermost submodules that ``units`` selects, in order of registration.
+
+    ``"auto"`` finds blocks by structure: the classes a Hugging Face model names in ``_no_split_modules``, where it
+    declares them; else the outermost modules that repeat (the same class twice or more, with submodules of their
+    own) as elements of an ``nn.Sequential`` or ``nn.ModuleList`` chain, nested chains flattened: a ResNet's
+    Bottlenecks, MobileNet's InvertedResiduals, EfficientNet's MBConvs, a transformer's layers.
 
     Raises:
         TypeError: if ``units`` is of the wrong kind.
         ValueError: if nothing in the model matches.
     """
-    if isinstance(units, str) and units != "auto":
-        raise ValueError(f"`units` must be 'auto', a set of module classes or a callable, got {units!r}")
+    units = check_units(units)
     found: list[tuple[str, nn.Module]] = []
-    skip_prefixes: list[str] = []
-    for name, module in model.named_modules():
-        if not name or any(name.startswith(p) for p in skip_prefixes):
-            continue
-        if type(module).__name__ in _FOREIGN_WRAPPERS or _matches(units, name, module):
-            found.append((name, module))
-            skip_prefixes.append(name + ".")
+    if units == "auto":
+        declared = _declared(model)
+        if declared:
+            units = lambda name, module: _base_class(module).__name__ in declared  # noqa: E731
+        else:
+            found = _repeating(model)
+    if not found and units != "auto":
+        skip_prefixes: list[str] = []
+        for name, module in model.named_modules():
+            if not name or any(name.startswith(p) for p in skip_prefixes):
+                continue
+            if type(module).__name__ in _FOREIGN_WRAPPERS or _matches(units, name, module):
+                found.append((name, module))
+                skip_prefixes.append(name + ".")
     if not found:
         raise ValueError(
             f"no blocks to checkpoint found in {type(model).__name__} with units={units!r}; pass `units` as a set of"
