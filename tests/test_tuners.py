@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import FakeProbe, TinyModel, trainer_kwargs
 from lightning.pytorch import Callback, Trainer
+from tuner_helpers import BatchClock
 
 from lightning_memguard import AccumulationTuner, BatchSizeTuner
 from lightning_memguard.testing import ImageClassifier
@@ -77,13 +78,14 @@ def test_batch_size_tuner_sets_the_attribute_and_restores_everything(tmp_path):
 def test_batch_size_tuner_rejects_a_spilling_size(tmp_path):
     model = small()
     probe = MemoryByBatch(model, capacity=int(1e9))  # 8 fits, 16 is over 1 GB: a spill
-    # min_gain 0 and a wide tolerance: climb whatever the CPU's timings, until something does not fit
+    clock = BatchClock()  # throughput rises with the size: the search climbs until something does not fit
     tuner = BatchSizeTuner(
-        init_size=4, max_size=64, probe=probe, cache=False, warmup_steps=1, timed_steps=2, min_gain=0.0, tolerance=0.9
+        init_size=4, max_size=64, probe=probe, cache=False, warmup_steps=1, timed_steps=2, clock=clock
     )
-    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[tuner, Snapshot()], limit_train_batches=1)).fit(model)
+    callbacks = [clock, tuner, Snapshot()]
+    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=callbacks, limit_train_batches=1)).fit(model)
     assert [(r.size, r.outcome) for r in tuner.results] == [(4, "ok"), (8, "ok"), (16, "spill")]
-    assert tuner.batch_size in (4, 8)
+    assert tuner.batch_size == 8
     assert model.batch_size == tuner.batch_size
 
 
@@ -298,14 +300,16 @@ def test_a_trial_that_spills_ends_after_its_first_step(tmp_path):
     probe = MemoryByBatch(model, capacity=int(1e9))  # 16 is over 1 GB: a spill from its first step
     steps = Counter()
     steps.memguard_keep_in_trials = True
+    clock = BatchClock()
     tuner = BatchSizeTuner(init_size=4, max_size=64, probe=probe, cache=False, warmup_steps=2, timed_steps=4,
-                           min_gain=0.0, tolerance=0.9)  # fmt: skip
-    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, limit_train_batches=1, callbacks=[steps, tuner])).fit(model)
+                           clock=clock)  # fmt: skip
+    callbacks = [clock, steps, tuner]
+    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, limit_train_batches=1, callbacks=callbacks)).fit(model)
     assert [(r.size, r.outcome) for r in tuner.results] == [(4, "ok"), (8, "ok"), (16, "spill")]
-    assert tuner.batch_size == 4  # within the wide tolerance, the smaller size wins
-    assert steps.by_size[8] == 6  # 2 warm-up + 4 timed
-    assert steps.by_size[4] == 6 + 1  # and the real run's one batch: the cut trial did not stop it
-    assert steps.by_size[16] == 2  # the first step, then the one in flight when memory was read
+    assert tuner.batch_size == 8
+    assert steps.by_size[4] == 6  # 2 warm-up + 4 timed
+    assert steps.by_size[8] == 6 + 1  # and the real run's one batch: the cut trial did not stop it
+    assert steps.by_size[16] == 1  # the first step only: memory read after it, the trial ends there
 
 
 class Counter(Callback):
