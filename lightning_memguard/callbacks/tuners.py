@@ -360,8 +360,19 @@ class BatchSizeTuner(_MeasuringTuner):
         warmup_steps: untimed steps per trial; timed_steps: timed steps per trial (median).
         min_gain: stop climbing when a doubling gains less than this fraction of throughput.
         tolerance: sizes within this fraction of the best throughput are equal; the smaller is chosen.
-        cache: reuse a choice stored for the same model, input, precision, device and library versions.
+        cache: reuse a choice stored for the same model (as it trains: checkpointed blocks included), input (the
+            first train batch's shapes), datamodule, precision, device, capacity and library versions; a cached
+            choice is re-checked on its first optimizer step and measured again if it no longer fits.
         cache_dir: where the cache lives (default ``~/.cache/lightning-memguard``).
+        clock: seconds for timing the trials (default ``time.perf_counter``; tests inject their own).
+
+    Raises:
+        ValueError / TypeError: a bad argument (at construction); in ``setup``, a DataLoader passed to ``fit``; in a
+            trial, a loader whose batches do not hold the size set (it ignores ``batch_arg_name``).
+
+    Under ``fast_dev_run`` nothing is measured or set (a warning says so), as Lightning's ``BatchSizeFinder`` does.
+    Sizes above one epoch of the train loader are not tried (the whole epoch as one batch takes their place), and
+    throughput counts the samples really delivered.
 
     Attributes:
         results: one :class:`~lightning_memguard.core.search.TrialResult` per trial.
@@ -440,7 +451,10 @@ class AccumulationTuner(_MeasuringTuner):
 
     Raises:
         ValueError: an effective batch that cannot be split over the devices, a Trainer that already sets
-            ``accumulate_grad_batches``, or manual optimization (in ``setup``).
+            ``accumulate_grad_batches``, manual optimization or a DataLoader passed to ``fit`` (in ``setup``); an
+            effective batch larger than one epoch of the train loader (at fit start); a loader that ignores the
+            batch-size attribute (in a trial). A choice made with checkpointing turned on turns it on again
+            when it is re-applied (resume, cache, a second ``fit``).
 
     Attributes:
         results, batch_size (the micro-batch), accumulate_grad_batches, checkpointing (whether it was turned on).
