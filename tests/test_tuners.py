@@ -122,17 +122,11 @@ class Broken(ImageClassifier):
 
 def test_other_errors_propagate_after_restoring(tmp_path):
     model = Broken(arch="resnet18", image_size=16, batch_size=4, steps_per_epoch=50, pool_size=16)
+    clock = BatchClock()  # throughput rises with the size: the search reaches 16, where the model breaks
     tuner = BatchSizeTuner(
-        init_size=4,
-        max_size=64,
-        probe=FakeProbe(),
-        cache=False,
-        warmup_steps=1,
-        timed_steps=1,
-        min_gain=0.0,
-        tolerance=0.99,
+        init_size=4, max_size=64, probe=FakeProbe(), cache=False, warmup_steps=1, timed_steps=1, clock=clock
     )
-    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[tuner]))
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[clock, tuner]))
     with pytest.raises(KeyError, match="not a memory problem"):
         trainer.fit(model)
     assert model.batch_size == 4  # put back
@@ -196,17 +190,19 @@ def test_batch_size_tuner_bad_arguments(kwargs, error, match):
 def test_accumulation_tuner_sets_micro_batch_and_accumulation(tmp_path):
     model = small(batch_size=7)
     probe = MemoryByBatch(model, capacity=int(2e9))  # micro-batches above 19 do not fit
+    clock = BatchClock()  # 10 ms + 1 ms per sample: larger micro-batches are faster
     tuner = AccumulationTuner(
-        effective_batch_size=64, min_micro_batch=8, probe=probe, cache=False, warmup_steps=1, timed_steps=1
-    )
+        effective_batch_size=64, min_micro_batch=8, probe=probe, cache=False, warmup_steps=1, timed_steps=1,
+        clock=clock,
+    )  # fmt: skip
     snap = Snapshot()
+    callbacks = [clock, tuner, snap]
     with pytest.warns(UserWarning, match="BatchNorm, whose statistics are now per micro-batch of"):
-        Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[tuner, snap], limit_train_batches=1)).fit(model)
-    assert [(r.size, r.accumulate) for r in tuner.results][:2] == [(8, 8), (16, 4)]
-    assert tuner.batch_size in (8, 16) and tuner.batch_size * tuner.accumulate_grad_batches == 64
+        Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=callbacks, limit_train_batches=1)).fit(model)
+    assert [(r.size, r.accumulate, r.outcome) for r in tuner.results] == [(8, 8, "ok"), (16, 4, "ok"), (32, 2, "spill")]
+    assert (tuner.batch_size, tuner.accumulate_grad_batches) == (16, 4)
     assert snap.batch_size == tuner.batch_size and snap.accumulate == tuner.accumulate_grad_batches
     assert snap.loader_batch == tuner.batch_size
-    assert any(r.outcome != "ok" for r in tuner.results if r.size > 19)
 
 
 def test_accumulation_tuner_errors(tmp_path):
