@@ -1,6 +1,9 @@
-"""Two CPU processes under DDP (gloo) tune accumulation; rank 1's card is smaller. Run by test_ddp.py.
+"""Two CPU processes under DDP (gloo) tune; run by test_ddp.py.
 
-Usage: python ddp_tuner_run.py OUT_DIR
+Usage: python ddp_tuner_run.py OUT_DIR [accumulation|oom]
+
+accumulation: AccumulationTuner, rank 1's card is smaller. oom: BatchSizeTuner, and only rank 1 raises
+torch.OutOfMemoryError in its training step once a batch holds more than 8 samples.
 """
 
 from __future__ import annotations
@@ -10,10 +13,12 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 
+import torch  # noqa: E402
 from lightning.pytorch import Trainer  # noqa: E402
 
-from lightning_memguard import AccumulationTuner  # noqa: E402
+from lightning_memguard import AccumulationTuner, BatchSizeTuner  # noqa: E402
 from lightning_memguard.probes import MemoryReading  # noqa: E402
 from lightning_memguard.testing import ImageClassifier  # noqa: E402
 
@@ -35,28 +40,55 @@ class PerSampleProbe:
         return MemoryReading(peak, peak, self._capacity)
 
 
+class BatchClock:
+    """The tuner's clock: each batch takes 10 ms + 1 ms per sample, whatever this machine's speed."""
+
+    memguard_keep_in_trials = True
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.now += 0.01 + 0.001 * batch.shape[0]
+
+
+class OomOnRankOne(ImageClassifier):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch.shape[0] > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected, rank 1 only)")
+        return super().training_step(batch, batch_idx)
+
+
 def main() -> None:
     out = sys.argv[1]
+    mode = sys.argv[2] if len(sys.argv) > 2 else "accumulation"
     rank = int(os.environ.get("LOCAL_RANK", "0"))
-    model = ImageClassifier("resnet18", image_size=16, batch_size=2, steps_per_epoch=40, pool_size=8)
-    capacity = int(10e9) if rank == 0 else int(1.2e9)  # rank 1: micro-batches above 11 do not fit
-    tuner = AccumulationTuner(
-        effective_batch_size=64,
-        min_micro_batch=4,
-        probe=PerSampleProbe(model, capacity),
-        cache=False,
-        warmup_steps=1,
-        timed_steps=1,
-        min_gain=0.0,
-        tolerance=0.9,
-    )
+    from lightning.pytorch import Callback
+
+    clock = type("Clock", (BatchClock, Callback), {})()
+    if mode == "oom":
+        model = OomOnRankOne("resnet18", image_size=16, batch_size=2, steps_per_epoch=40, pool_size=8)
+        tuner = BatchSizeTuner(
+            mode="max_fit", init_size=4, max_size=32, probe=PerSampleProbe(model, int(100e9)), cache=False,
+            warmup_steps=1, timed_steps=2, clock=clock,
+        )  # fmt: skip
+    else:
+        model = ImageClassifier("resnet18", image_size=16, batch_size=2, steps_per_epoch=40, pool_size=8)
+        capacity = int(10e9) if rank == 0 else int(1.2e9)  # rank 1: micro-batches above 11 do not fit
+        tuner = AccumulationTuner(
+            effective_batch_size=64, min_micro_batch=4, probe=PerSampleProbe(model, capacity), cache=False,
+            warmup_steps=1, timed_steps=1, clock=clock,
+        )  # fmt: skip
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
         strategy="ddp",
         max_epochs=1,
         limit_train_batches=2,
-        callbacks=[tuner],
+        callbacks=[clock, tuner],
         logger=False,
         enable_progress_bar=False,
         enable_checkpointing=False,
@@ -64,7 +96,7 @@ def main() -> None:
         default_root_dir=out,
     )
     trainer.fit(model)
-    with open(os.path.join(out, f"tuner{rank}.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out, f"{mode}{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(
             {
                 "batch_size": tuner.batch_size,

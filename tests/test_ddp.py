@@ -51,21 +51,39 @@ def test_stop_mode_stops_both_ranks(tmp_path):
     assert results[0]["global_step"] == results[1]["global_step"] <= 2 + 4
 
 
-def test_accumulation_tuner_ranks_agree_on_one_choice_that_fits_everywhere(tmp_path):
+def _run_tuner(tmp_path, mode: str) -> dict[int, dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["PYTHONWARNINGS"] = "ignore"
     script = os.path.join(os.path.dirname(__file__), "ddp_tuner_run.py")
-    proc = subprocess.run(
-        [sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path
-    )
+    try:  # a rank left waiting in a collective would hang until gloo's 30-minute timeout: fail fast instead
+        proc = subprocess.run(
+            [sys.executable, script, str(tmp_path), mode], capture_output=True, text=True, timeout=240, env=env,
+            cwd=tmp_path,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the DDP tuner run did not end within {err.timeout} s: a rank was left waiting")
     results = {}
     for rank in (0, 1):
-        path = tmp_path / f"tuner{rank}.json"
+        path = tmp_path / f"{mode}{rank}.json"
         assert path.exists(), f"rank {rank} wrote nothing; stderr:\n{proc.stderr[-3000:]}"
         results[rank] = json.loads(path.read_text())
+    return results
+
+
+def test_accumulation_tuner_ranks_agree_on_one_choice_that_fits_everywhere(tmp_path):
+    results = _run_tuner(tmp_path, "accumulation")
     assert results[0] == results[1]
     r = results[0]
     # 32 samples per device: micro 4 x 8, 8 x 4, then 16 x 2 does not fit on rank 1, so not for anyone
     assert r["results"] == [[4, 8, "ok"], [8, 4, "ok"], [16, 2, "spill"]]
-    assert r["batch_size"] in (4, 8) and r["batch_size"] * r["accumulate"] == 32
+    assert r["batch_size"] == 8 and r["accumulate"] == 4  # the injected clock: 8 x 4 is the faster
     assert r["model_batch_size"] == r["batch_size"] and r["trainer_accumulate"] == r["accumulate"]
+
+
+def test_an_out_of_memory_error_on_one_rank_is_every_ranks_and_nobody_waits(tmp_path):
+    results = _run_tuner(tmp_path, "oom")
+    assert results[0] == results[1]
+    r = results[0]
+    # rank 1 alone raises above 8 samples: 16 is out of memory for both ranks, in the same step
+    assert r["results"] == [[4, 1, "ok"], [8, 1, "ok"], [16, 1, "oom"]]
+    assert r["batch_size"] == r["model_batch_size"] == 8

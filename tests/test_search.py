@@ -119,5 +119,6 @@ def test_accumulation_candidates():
 def test_classify_trial():
     assert classify_trial(17 * GB, 16 * GB, 0.05, 100.0, None, 2.5) == "spill"
     assert classify_trial(int(15.6 * GB), 16 * GB, 0.05, 100.0, None, 2.5) == "over_headroom"
-    assert classify_trial(10 * GB, 16 * GB, 0.05, 30.0, 100.0, 2.5) == "spill"
+    assert classify_trial(10 * GB, 16 * GB, 0.05, 30.0, 100.0, 2.5) == "ok"  # slow far from the capacity: just slow
+    assert classify_trial(int(15.6 * GB), 16 * GB, 0.05, 30.0, 100.0, 2.5) == "spill"  # collapsed at the capacity
     assert classify_trial(10 * GB, 16 * GB, 0.05, 90.0, 100.0, 2.5) == "ok"

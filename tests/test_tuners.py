@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import FakeProbe, TinyModel, trainer_kwargs
 from lightning.pytorch import Callback, Trainer
+from tuner_helpers import BatchClock
 
 from lightning_memguard import AccumulationTuner, BatchSizeTuner
 from lightning_memguard.testing import ImageClassifier
@@ -77,13 +78,14 @@ def test_batch_size_tuner_sets_the_attribute_and_restores_everything(tmp_path):
 def test_batch_size_tuner_rejects_a_spilling_size(tmp_path):
     model = small()
     probe = MemoryByBatch(model, capacity=int(1e9))  # 8 fits, 16 is over 1 GB: a spill
-    # min_gain 0 and a wide tolerance: climb whatever the CPU's timings, until something does not fit
+    clock = BatchClock()  # throughput rises with the size: the search climbs until something does not fit
     tuner = BatchSizeTuner(
-        init_size=4, max_size=64, probe=probe, cache=False, warmup_steps=1, timed_steps=2, min_gain=0.0, tolerance=0.9
+        init_size=4, max_size=64, probe=probe, cache=False, warmup_steps=1, timed_steps=2, clock=clock
     )
-    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[tuner, Snapshot()], limit_train_batches=1)).fit(model)
+    callbacks = [clock, tuner, Snapshot()]
+    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=callbacks, limit_train_batches=1)).fit(model)
     assert [(r.size, r.outcome) for r in tuner.results] == [(4, "ok"), (8, "ok"), (16, "spill")]
-    assert tuner.batch_size in (4, 8)
+    assert tuner.batch_size == 8
     assert model.batch_size == tuner.batch_size
 
 
@@ -120,17 +122,11 @@ class Broken(ImageClassifier):
 
 def test_other_errors_propagate_after_restoring(tmp_path):
     model = Broken(arch="resnet18", image_size=16, batch_size=4, steps_per_epoch=50, pool_size=16)
+    clock = BatchClock()  # throughput rises with the size: the search reaches 16, where the model breaks
     tuner = BatchSizeTuner(
-        init_size=4,
-        max_size=64,
-        probe=FakeProbe(),
-        cache=False,
-        warmup_steps=1,
-        timed_steps=1,
-        min_gain=0.0,
-        tolerance=0.99,
+        init_size=4, max_size=64, probe=FakeProbe(), cache=False, warmup_steps=1, timed_steps=1, clock=clock
     )
-    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[tuner]))
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[clock, tuner]))
     with pytest.raises(KeyError, match="not a memory problem"):
         trainer.fit(model)
     assert model.batch_size == 4  # put back
@@ -194,17 +190,19 @@ def test_batch_size_tuner_bad_arguments(kwargs, error, match):
 def test_accumulation_tuner_sets_micro_batch_and_accumulation(tmp_path):
     model = small(batch_size=7)
     probe = MemoryByBatch(model, capacity=int(2e9))  # micro-batches above 19 do not fit
+    clock = BatchClock()  # 10 ms + 1 ms per sample: larger micro-batches are faster
     tuner = AccumulationTuner(
-        effective_batch_size=64, min_micro_batch=8, probe=probe, cache=False, warmup_steps=1, timed_steps=1
-    )
+        effective_batch_size=64, min_micro_batch=8, probe=probe, cache=False, warmup_steps=1, timed_steps=1,
+        clock=clock,
+    )  # fmt: skip
     snap = Snapshot()
+    callbacks = [clock, tuner, snap]
     with pytest.warns(UserWarning, match="BatchNorm, whose statistics are now per micro-batch of"):
-        Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[tuner, snap], limit_train_batches=1)).fit(model)
-    assert [(r.size, r.accumulate) for r in tuner.results][:2] == [(8, 8), (16, 4)]
-    assert tuner.batch_size in (8, 16) and tuner.batch_size * tuner.accumulate_grad_batches == 64
+        Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=callbacks, limit_train_batches=1)).fit(model)
+    assert [(r.size, r.accumulate, r.outcome) for r in tuner.results] == [(8, 8, "ok"), (16, 4, "ok"), (32, 2, "spill")]
+    assert (tuner.batch_size, tuner.accumulate_grad_batches) == (16, 4)
     assert snap.batch_size == tuner.batch_size and snap.accumulate == tuner.accumulate_grad_batches
     assert snap.loader_batch == tuner.batch_size
-    assert any(r.outcome != "ok" for r in tuner.results if r.size > 19)
 
 
 def test_accumulation_tuner_errors(tmp_path):
@@ -298,14 +296,16 @@ def test_a_trial_that_spills_ends_after_its_first_step(tmp_path):
     probe = MemoryByBatch(model, capacity=int(1e9))  # 16 is over 1 GB: a spill from its first step
     steps = Counter()
     steps.memguard_keep_in_trials = True
+    clock = BatchClock()
     tuner = BatchSizeTuner(init_size=4, max_size=64, probe=probe, cache=False, warmup_steps=2, timed_steps=4,
-                           min_gain=0.0, tolerance=0.9)  # fmt: skip
-    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, limit_train_batches=1, callbacks=[steps, tuner])).fit(model)
+                           clock=clock)  # fmt: skip
+    callbacks = [clock, steps, tuner]
+    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, limit_train_batches=1, callbacks=callbacks)).fit(model)
     assert [(r.size, r.outcome) for r in tuner.results] == [(4, "ok"), (8, "ok"), (16, "spill")]
-    assert tuner.batch_size == 4  # within the wide tolerance, the smaller size wins
-    assert steps.by_size[8] == 6  # 2 warm-up + 4 timed
-    assert steps.by_size[4] == 6 + 1  # and the real run's one batch: the cut trial did not stop it
-    assert steps.by_size[16] == 2  # the first step, then the one in flight when memory was read
+    assert tuner.batch_size == 8
+    assert steps.by_size[4] == 6  # 2 warm-up + 4 timed
+    assert steps.by_size[8] == 6 + 1  # and the real run's one batch: the cut trial did not stop it
+    assert steps.by_size[16] == 1  # the first step only: memory read after it, the trial ends there
 
 
 class Counter(Callback):

@@ -6,7 +6,8 @@ import os
 import statistics
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from copy import deepcopy
 from typing import Any
 
@@ -14,40 +15,97 @@ import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.memory import garbage_collection_cuda, is_oom_error
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 
-from lightning_memguard.core.search import OOM, TrialResult, classify_trial
+from lightning_memguard.core.search import OOM, TrialResult, classify_trial, fits_in_memory
 from lightning_memguard.probes import MemoryProbe
 
 
-class _StepClock(Callback):
-    """Times each training batch of a trial; on CUDA it waits for the device so each time is the real one.
+class _AgreedOutOfMemory(torch.OutOfMemoryError):
+    """Raised on every rank, in the same step, once any rank ran out of memory inside a trial."""
 
-    After the first optimizer step it reads memory once: a trial whose peak is already above the capacity has
-    spilled, whatever its timing, so it ends there instead of spending its remaining (slow) steps.
+
+class _StepClock(Callback):
+    """Times each training batch of a trial and counts the samples it really holds.
+
+    On CUDA it waits for the device so each time is the real one. After the first optimizer step it reads memory
+    once: a trial whose peak already leaves no headroom (or is above the capacity: a spill) does not fit, whatever
+    its timing, so every rank ends it there instead of spending its remaining (slow) steps.
     """
 
-    def __init__(self, cuda: bool, clock: Callable[[], float], probe: MemoryProbe, capacity: int, accumulate: int):
+    def __init__(
+        self,
+        cuda: bool,
+        clock: Callable[[], float],
+        probe: MemoryProbe,
+        capacity: int,
+        headroom: float,
+        size: int,
+        accumulate: int,
+    ) -> None:
         self.cuda = cuda
+        self.size = size
         self.clock = clock
-        self.probe, self.capacity, self.accumulate = probe, capacity, accumulate
-        self.starts: list[float] = []
+        self.probe, self.capacity, self.headroom, self.accumulate = probe, capacity, headroom, accumulate
+        self.marks: list[tuple[float, int | None]] = []  # (time, samples) at each batch start; (time, None): epoch end
+        self.batches = 0
+        self.cut = False
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def _now(self) -> float:
         if self.cuda:
             torch.cuda.synchronize()
-        self.starts.append(self.clock())
-        if len(self.starts) == self.accumulate + 1:
+        return self.clock()
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        samples = _samples_in(batch)  # a batch whose size cannot be read counts as the size set
+        self.marks.append((self._now(), self.size if samples is None else samples))
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.batches += 1
+        if self.batches == self.accumulate:  # the first optimizer step is done: its peak is known
             reading = self.probe.read()
-            over = reading.used > self.capacity
+            peak = reading.used
+            over = not fits_in_memory(peak, self.capacity, self.headroom)
             if trainer.strategy.reduce_boolean_decision(over, all=False):  # every rank ends the trial together
+                self.cut = True
                 trainer.should_stop = True
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.starts.append(self.clock())
+        self.marks.append((self._now(), None))
+
+    def steps(self) -> list[tuple[float, int]]:
+        """(seconds, samples) of each optimizer step: ``accumulate`` batches, each timed to the next mark."""
+        batches = [
+            (self.marks[i + 1][0] - t, n)
+            for i, (t, n) in enumerate(self.marks[:-1])
+            if n is not None  # an epoch's end closes its last batch; the gap to the next epoch is not a batch
+        ]
+        a = self.accumulate
+        return [
+            (sum(s for s, _ in batches[i : i + a]), sum(n for _, n in batches[i : i + a]))
+            for i in range(0, len(batches) - a + 1, a)
+        ]
+
+    def sizes_by_epoch(self) -> list[list[int]]:
+        epochs: list[list[int]] = [[]]
+        for _, n in self.marks:
+            if n is None:
+                epochs.append([])
+            else:
+                epochs[-1].append(n)
+        return [e for e in epochs if e]
+
+
+def _samples_in(batch: Any) -> int | None:
+    try:
+        return extract_batch_size(batch)
+    except (MisconfigurationException, RecursionError):
+        return None
 
 
 def require_batch_size_attribute(trainer: Trainer, batch_arg_name: str) -> None:
@@ -56,6 +114,16 @@ def require_batch_size_attribute(trainer: Trainer, batch_arg_name: str) -> None:
         raise ValueError(
             f"no `{batch_arg_name}` attribute on the model, its hparams or the datamodule; the tuner sets the batch"
             " size there, as Lightning's BatchSizeFinder does (use `batch_arg_name` to name another attribute)"
+        )
+
+
+def require_module_dataloaders(trainer: Trainer, tuner: str, batch_arg_name: str) -> None:
+    """Refuse, as Lightning's BatchSizeFinder does, a train loader passed to ``fit``: its batch size is fixed."""
+    if not trainer.fit_loop._data_source.is_module():
+        raise ValueError(
+            f"{tuner} cannot change the batch size of a DataLoader passed to `fit()` (it is fixed when the loader is"
+            f" built); return the loader from the LightningModule's or LightningDataModule's `train_dataloader()`,"
+            f" built with `self.{batch_arg_name}`"
         )
 
 
@@ -71,15 +139,71 @@ def reload_train_dataloader(trainer: Trainer) -> None:
     loop = trainer.fit_loop
     loop._combined_loader = None  # force a rebuild with the new batch size
     loop.setup_data()
+    val = loop.epoch_loop.val_loop
+    val._combined_loader = None  # built again, with the new size, when validation first runs
+
+
+@contextmanager
+def rng_kept() -> Iterator[None]:
+    """Building or reading a loader can draw random numbers (a sampler's seed): put every RNG back afterwards."""
+    states = _collect_rng_states(include_cuda=torch.cuda.is_initialized())
+    try:
+        yield
+    finally:
+        _set_rng_states(states)
+
+
+def deliverable_samples(trainer: Trainer) -> int | None:
+    """Samples one epoch of the (first) train loader holds on this rank; None when it has no length."""
+    combined = trainer.fit_loop._combined_loader
+    if combined is None or not combined.flattened:
+        return None
+    loader = combined.flattened[0]
+    for source in (getattr(loader, "sampler", None), getattr(loader, "dataset", None)):
+        try:
+            return len(source)  # type: ignore[arg-type]
+        except TypeError:
+            continue
+    return None
+
+
+def first_batch_signature(trainer: Trainer) -> list[Any] | None:
+    """Shape (without the batch dimension) and dtype of every tensor in the first train batch: what sets memory."""
+    combined = trainer.fit_loop._combined_loader
+    if combined is None or not combined.flattened:
+        return None
+    try:
+        batch = next(iter(combined.flattened[0]))
+    except StopIteration:
+        return None
+    signature: list[Any] = []
+
+    def visit(obj: Any) -> None:
+        if torch.is_tensor(obj):
+            signature.append([list(obj.shape[1:]), str(obj.dtype)])
+        elif isinstance(obj, dict):
+            for key in sorted(obj, key=str):
+                visit(obj[key])
+        elif isinstance(obj, list | tuple):
+            for item in obj:
+                visit(item)
+
+    visit(batch)
+    return signature
 
 
 class TrialSession:
     """Inside ``with TrialSession(...) as trials:``, ``trials.run(size, accumulate)`` measures a few training steps.
 
     On entry the full training state is saved as a checkpoint, with RNG states, the Trainer's limits, loggers and
-    callbacks. On exit, whether the trials succeeded, hit OOM or were interrupted, all of it is restored bit for bit
-    and the dataloaders are rebuilt. Callbacks with ``memguard_keep_in_trials = True`` (the spill emulator) stay
-    active during trials; the others are switched off.
+    callbacks. On exit, whether the trials succeeded, hit OOM or were interrupted, all of it is restored bit for bit,
+    the dataloaders are rebuilt and the checkpoint file is removed. A checkpoint that Lightning loaded for
+    ``fit(ckpt_path=...)`` but has not applied yet (optimizers, schedulers, loops are restored after
+    ``on_fit_start``) is put back untouched, so the run resumes where it was saved. Callbacks with
+    ``memguard_keep_in_trials = True`` (the spill emulator) stay active during trials; the others are switched off.
+
+    Under DDP every rank learns of an out-of-memory error on any rank at the end of the same training step,
+    backward or optimizer step, and every rank then counts the trial as out of memory.
     """
 
     def __init__(
@@ -108,91 +232,191 @@ class TrialSession:
 
     def __enter__(self) -> TrialSession:
         t = self.trainer
+        connector = t._checkpoint_connector
         path = os.path.join(t.default_root_dir, f".memguard_trials_{uuid.uuid4().hex}.ckpt")
         path = t.strategy.broadcast(path)  # one file for all ranks: rank zero writes it, every rank reads it
-        t.save_checkpoint(path)
-        self._saved = {
-            "ckpt": path,
-            "rng": _collect_rng_states(include_cuda=torch.cuda.is_initialized()),
-            "loggers": t.loggers,
-            "callbacks": t.callbacks,  # type: ignore[attr-defined]
-            "max_steps": t.fit_loop.epoch_loop.max_steps,
-            "limit_train_batches": t.limit_train_batches,
-            "limit_val_batches": t.limit_val_batches,
-            "accumulate_grad_batches": t.accumulate_grad_batches,
-            "loop_state": deepcopy(t.fit_loop.state_dict()),
-            "batch_size": get_batch_size(t, self.batch_arg_name),
-            "progress_bar": t.progress_bar_callback,
-            "should_stop": t.should_stop,
-        }
+        self._saved = {"ckpt": path}
+        try:
+            t.save_checkpoint(path)
+            fit_loop, epoch_loop = t.fit_loop, t.fit_loop.epoch_loop
+            self._saved.update(
+                {
+                    # what Lightning loaded for `fit(ckpt_path=...)` and applies after on_fit_start: kept as it is
+                    "connector": (connector._ckpt_path, connector._user_managed, connector._loaded_checkpoint),
+                    "rng": _collect_rng_states(include_cuda=torch.cuda.is_initialized()),
+                    "loggers": t.loggers,
+                    "callbacks": t.callbacks,  # type: ignore[attr-defined]
+                    "max_steps": epoch_loop.max_steps,
+                    "min_steps": epoch_loop.min_steps,
+                    "max_epochs": fit_loop.max_epochs,
+                    "min_epochs": fit_loop.min_epochs,
+                    "limit_train_batches": t.limit_train_batches,
+                    "limit_val_batches": t.limit_val_batches,
+                    "accumulate_grad_batches": t.accumulate_grad_batches,
+                    "loop_state": deepcopy(fit_loop.state_dict()),
+                    "batch_size": get_batch_size(t, self.batch_arg_name),
+                    "progress_bar": t.progress_bar_callback,
+                    "should_stop": t.should_stop,
+                }
+            )
+        except BaseException:
+            self._remove_checkpoint()
+            raise
         t.logger = DummyLogger() if t.logger is not None else None
         t.limit_train_batches = 1.0
         t.limit_val_batches = 0
+        t.fit_loop.max_epochs = -1  # a trial on a small dataset goes on into the next epoch
+        t.fit_loop.min_epochs = 0  # and nothing keeps a trial that is cut short from stopping
+        t.fit_loop.epoch_loop.min_steps = None
         if t.progress_bar_callback is not None:
             t.progress_bar_callback.disable()
         return self
 
     def __exit__(self, *exc: object) -> None:
         t, saved = self.trainer, self._saved
-        t.loggers = saved["loggers"]
-        t.callbacks = saved["callbacks"]  # type: ignore[attr-defined]
-        t.fit_loop.epoch_loop.max_steps = saved["max_steps"]
-        t.limit_train_batches = saved["limit_train_batches"]
-        t.limit_val_batches = saved["limit_val_batches"]
-        t.accumulate_grad_batches = saved["accumulate_grad_batches"]
-        t.should_stop = saved["should_stop"]  # a trial cut short must not stop the real run
-        set_batch_size(t, self.batch_arg_name, saved["batch_size"])
-        t.fit_loop.load_state_dict(deepcopy(saved["loop_state"]))
-        t.fit_loop.restarting = False
-        t._checkpoint_connector.restore(saved["ckpt"])
-        t.strategy.barrier("memguard-trials-restored")  # nobody deletes the file while another rank reads it
-        t.strategy.remove_checkpoint(saved["ckpt"])
-        if saved["progress_bar"] is not None:
-            saved["progress_bar"].enable()
-        reload_train_dataloader(t)
-        t.fit_loop.reset()
-        garbage_collection_cuda()
-        _set_rng_states(saved["rng"])
+        try:
+            t.loggers = saved["loggers"]
+            t.callbacks = saved["callbacks"]  # type: ignore[attr-defined]
+            fit_loop, epoch_loop = t.fit_loop, t.fit_loop.epoch_loop
+            epoch_loop.max_steps, epoch_loop.min_steps = saved["max_steps"], saved["min_steps"]
+            fit_loop.max_epochs, fit_loop.min_epochs = saved["max_epochs"], saved["min_epochs"]
+            t.limit_train_batches = saved["limit_train_batches"]
+            t.limit_val_batches = saved["limit_val_batches"]
+            t.accumulate_grad_batches = saved["accumulate_grad_batches"]
+            t.should_stop = saved["should_stop"]  # a trial cut short must not stop the real run
+            set_batch_size(t, self.batch_arg_name, saved["batch_size"])
+            self._restore_checkpoint()
+            fit_loop.load_state_dict(deepcopy(saved["loop_state"]))
+            fit_loop.restarting = False
+            if saved["progress_bar"] is not None:
+                saved["progress_bar"].enable()
+            reload_train_dataloader(t)
+            fit_loop.reset()
+            garbage_collection_cuda()
+            _set_rng_states(saved["rng"])
+        finally:
+            self._remove_checkpoint()
 
-    def run(self, size: int, accumulate: int = 1) -> TrialResult:
-        """Train ``warmup_steps + timed_steps`` optimizer steps at ``size`` (and ``accumulate``) and measure them."""
+    def _restore_checkpoint(self) -> None:
+        """Load the trials' own checkpoint (written by this process: trusted, so not ``weights_only``) and apply it.
+
+        The connector's path and pending checkpoint are the user's again afterwards: ``trainer.ckpt_path`` never
+        names the trials' file, nothing is logged about it, and a pending ``fit(ckpt_path=...)`` still applies.
+        """
+        t = self.trainer
+        connector = t._checkpoint_connector
+        ckpt_path, user_managed, pending = self._saved["connector"]
+        try:
+            connector._loaded_checkpoint = t.strategy.load_checkpoint(self._saved["ckpt"], weights_only=False)
+            connector.restore_datamodule()
+            connector.restore_model()
+            connector.restore_callbacks()
+            connector.restore_training_state()
+        finally:
+            connector._ckpt_path, connector._user_managed = ckpt_path, user_managed
+            connector._loaded_checkpoint = pending
+
+    def _remove_checkpoint(self) -> None:
+        t = self.trainer
+        t.strategy.barrier("memguard-trials-restored")  # nobody deletes the file while another rank reads it
+        if t.is_global_zero and os.path.exists(self._saved["ckpt"]):
+            t.strategy.remove_checkpoint(self._saved["ckpt"])
+
+    def run(self, size: int, accumulate: int = 1, steps: int | None = None) -> TrialResult:
+        """Train ``warmup_steps + timed_steps`` optimizer steps (or ``steps``) at ``size`` x ``accumulate``.
+
+        Raises:
+            ValueError: the batches delivered do not hold ``size`` samples: the train loader ignores the attribute.
+        """
         t = self.trainer
         cuda = t.strategy.root_device.type == "cuda"
-        clock = _StepClock(cuda, self.clock, self.probe, self.capacity, accumulate)
+        clock = _StepClock(cuda, self.clock, self.probe, self.capacity, self.headroom, size, accumulate)
         keep = [c for c in self._saved["callbacks"] if getattr(c, "memguard_keep_in_trials", False)]
         t.callbacks = [*keep, clock]  # type: ignore[attr-defined]
         t.should_stop = False
         t.accumulate_grad_batches = accumulate
         set_batch_size(t, self.batch_arg_name, size)
-        steps = self.warmup_steps + self.timed_steps
+        warmup = self.warmup_steps if steps is None else 0
+        steps = self.warmup_steps + self.timed_steps if steps is None else steps
         t.fit_loop.load_state_dict(deepcopy(self._saved["loop_state"]))
         t.fit_loop.restarting = False
         t.fit_loop.epoch_loop.max_steps = steps
-        t.limit_train_batches = steps * accumulate
         _reset_progress(t)
         reload_train_dataloader(t)
         if cuda:  # the last trial's cached blocks would count as this one's reserved peak
             torch.cuda.empty_cache()  # (a full garbage collection runs only after a failed trial and at the end)
         self.probe.reset_peak()
         try:
-            t.fit_loop.run()
+            with _ranks_agree_on_oom(t):
+                t.fit_loop.run()
         except (torch.OutOfMemoryError, RuntimeError) as err:
             if not (isinstance(err, torch.OutOfMemoryError) or is_oom_error(err)):
                 raise
             del err
             garbage_collection_cuda()
             return TrialResult(size, None, None, None, OOM, accumulate)
+        _check_delivered(clock.sizes_by_epoch(), size, self.batch_arg_name)
         reading = self.probe.read()
         peak = reading.used
-        times = [b - a for a, b in zip(clock.starts[:-1], clock.starts[1:], strict=True)]
-        # one optimizer step is `accumulate` batches: time whole steps, after the warm-up ones
-        steps_s = [sum(times[i : i + accumulate]) for i in range(0, len(times) - accumulate + 1, accumulate)]
-        timed = steps_s[self.warmup_steps :] or steps_s
-        step_s = statistics.median(timed) if timed else float("nan")
-        rate = size * accumulate / step_s if step_s > 0 else 0.0
+        measured = clock.steps()
+        timed = measured[warmup:] or measured  # a trial cut after its first step has only that one
+        step_s = statistics.median(s for s, _ in timed) if timed else float("nan")
+        rates = [n / s for s, n in timed if s > 0]
+        rate = statistics.median(rates) if rates else 0.0
         outcome = classify_trial(peak, self.capacity, self.headroom, rate, self.best_rate, self.collapse)
-        result = TrialResult(size, round(step_s * 1e3, 4), peak, round(rate, 3), outcome, accumulate)
-        return result
+        return TrialResult(size, round(step_s * 1e3, 4), peak, round(rate, 3), outcome, accumulate)
+
+
+def _check_delivered(epochs: list[list[int]], size: int, batch_arg_name: str) -> None:
+    """Every batch holds ``size`` samples; only an epoch's last one may hold fewer (the rest of the dataset)."""
+    for sizes in epochs:
+        if any(n != size for n in sizes[:-1]) or sizes[-1] > size:
+            seen = sorted(set(sizes))
+            raise ValueError(
+                f"the train loader delivered batches of {seen} samples while `{batch_arg_name}` was set to {size}:"
+                f" it does not build its batches from `{batch_arg_name}`, so no size can be measured or set; build"
+                f" the DataLoader in `train_dataloader()` with `batch_size=self.{batch_arg_name}`"
+            )
+
+
+@contextmanager
+def _ranks_agree_on_oom(trainer: Trainer) -> Iterator[None]:
+    """Under DDP, after every training step, backward and optimizer step all ranks learn whether any ran out of
+    memory, so a rank that hit OOM never leaves the others waiting in the next collective; every rank raises."""
+    strategy = trainer.strategy
+    if trainer.world_size <= 1:
+        yield
+        return
+    names = ("training_step", "backward", "optimizer_step")
+    originals = {name: getattr(strategy, name) for name in names}
+    own = {name: strategy.__dict__[name] for name in names if name in strategy.__dict__}
+
+    def agreeing(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            failed = False
+            try:
+                out = fn(*args, **kwargs)
+            except _AgreedOutOfMemory:
+                raise  # every rank already knows
+            except (torch.OutOfMemoryError, RuntimeError) as err:
+                if not (isinstance(err, torch.OutOfMemoryError) or is_oom_error(err)):
+                    raise
+                failed, out = True, None
+            if strategy.reduce_boolean_decision(failed, all=False):
+                raise _AgreedOutOfMemory(f"out of memory on {'this' if failed else 'another'} rank inside a trial")
+            return out
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(strategy, name, agreeing(fn))
+    try:
+        yield
+    finally:
+        for name in names:
+            delattr(strategy, name)  # the class's methods again, or what was set on the instance before
+        for name, fn in own.items():
+            setattr(strategy, name, fn)
 
 
 def _reset_progress(trainer: Trainer) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning
@@ -14,10 +16,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memguard.callbacks._trials import (
     TrialSession,
+    deliverable_samples,
+    first_batch_signature,
     reload_train_dataloader,
     require_batch_size_attribute,
+    require_module_dataloaders,
+    rng_kept,
     set_batch_size,
 )
+from lightning_memguard.callbacks.checkpointing import ActivationCheckpointing
+from lightning_memguard.checkpointing import checkpoint_blocks, is_checkpointed
 from lightning_memguard.core.checks import check_fraction, check_int
 from lightning_memguard.core.search import (
     MODES,
@@ -28,12 +36,22 @@ from lightning_memguard.core.search import (
     SizeSearch,
     TrialResult,
     accumulation_candidates,
+    capped_ladder,
     power_ladder,
 )
 from lightning_memguard.core.units import parse_bytes
 from lightning_memguard.probes import MemoryProbe, probe_for
 
 _SEVERITY = (OK, OVER_HEADROOM, SPILL, OOM)  # the worst outcome on any rank is everyone's
+
+
+def _qualname(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _hparams(obj: Any, batch_arg_name: str) -> dict[str, str]:
+    hparams = getattr(obj, "hparams", None) or {}
+    return {str(k): repr(v) for k, v in sorted(dict(hparams).items(), key=str) if k != batch_arg_name}
 
 
 class _MeasuringTuner(Callback):
@@ -51,13 +69,24 @@ class _MeasuringTuner(Callback):
         min_gain: float,
         tolerance: float,
         cache: bool,
-        cache_dir: str | None,
+        cache_dir: str | os.PathLike[str] | None,
+        clock: Callable[[], float] | None,
     ) -> None:
         self.capacity = None if capacity is None else parse_bytes(capacity, "capacity")
         if probe is not None and not isinstance(probe, MemoryProbe):
             raise TypeError(f"`probe` must have capacity(), reset_peak() and read() methods, got {probe!r}")
-        if not isinstance(batch_arg_name, str) or not batch_arg_name:
+        if not isinstance(batch_arg_name, str):
+            raise TypeError(f"`batch_arg_name` must be a string, got {batch_arg_name!r}")
+        if not batch_arg_name:
             raise ValueError(f"`batch_arg_name` must be a non-empty string, got {batch_arg_name!r}")
+        if not isinstance(cache, bool):
+            raise TypeError(f"`cache` must be a bool, got {cache!r}")
+        if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
+            raise TypeError(f"`cache_dir` must be a path (str or os.PathLike) or None, got {cache_dir!r}")
+        if cache_dir is not None and not os.fspath(cache_dir):
+            raise ValueError(f"`cache_dir` must be a non-empty path or None, got {cache_dir!r}")
+        if clock is not None and not callable(clock):
+            raise TypeError(f"`clock` must be a callable returning seconds, or None, got {clock!r}")
         self.headroom = check_fraction("headroom", headroom)
         self.probe = probe
         self.batch_arg_name = batch_arg_name
@@ -65,13 +94,19 @@ class _MeasuringTuner(Callback):
         self.timed_steps = check_int("timed_steps", timed_steps, 1)
         self.min_gain = check_fraction("min_gain", min_gain)
         self.tolerance = check_fraction("tolerance", tolerance)
-        self.cache = bool(cache)
-        self.cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "lightning-memguard")
+        self.cache = cache
+        self.cache_dir = (
+            os.fspath(cache_dir)
+            if cache_dir is not None
+            else os.path.join(os.path.expanduser("~"), ".cache", "lightning-memguard")
+        )
+        self.clock = clock
         # learned
         self.results: list[TrialResult] = []
         self.batch_size: int | None = None
         self.accumulate_grad_batches: int | None = None
         self.from_cache = False
+        self._restored = False  # load_state_dict ran in this fit: a resume, re-applied as it is
 
     # ------------------------------------------------------------------ state
 
@@ -83,18 +118,55 @@ class _MeasuringTuner(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._load(state_dict)
+        self._restored = self.batch_size is not None
+
+    def _load(self, state_dict: dict[str, Any]) -> None:
         self.batch_size = state_dict.get("batch_size", self.batch_size)
         self.accumulate_grad_batches = state_dict.get("accumulate_grad_batches", self.accumulate_grad_batches)
         self.results = [TrialResult(**row) for row in state_dict.get("results", [])]
 
+    # ------------------------------------------------------------------ checks
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        require_module_dataloaders(trainer, type(self).__name__, self.batch_arg_name)
+
+    def _skipped(self, trainer: Trainer) -> bool:
+        """Under ``fast_dev_run`` nothing is measured, as Lightning's BatchSizeFinder does."""
+        if getattr(trainer, "fast_dev_run", False):
+            rank_zero_warn(f"Skipping {type(self).__name__} since `fast_dev_run` is enabled: nothing measured or set")
+            self._restored = False
+            return True
+        return False
+
     # ------------------------------------------------------------------ measuring
 
-    def _session(self, trainer: Trainer) -> TrialSession:
+    def _probe_and_capacity(self, trainer: Trainer) -> tuple[MemoryProbe, int]:
         probe = self.probe if self.probe is not None else probe_for(trainer.strategy.root_device)
-        capacity = self.capacity if self.capacity is not None else probe.capacity()
+        return probe, self.capacity if self.capacity is not None else probe.capacity()
+
+    def _session(self, trainer: Trainer) -> TrialSession:
+        probe, capacity = self._probe_and_capacity(trainer)
         return TrialSession(
-            trainer, self.batch_arg_name, probe, capacity, self.headroom, self.warmup_steps, self.timed_steps
-        )
+            trainer, self.batch_arg_name, probe, capacity, self.headroom, self.warmup_steps, self.timed_steps,
+            clock=self.clock if self.clock is not None else time.perf_counter,
+        )  # fmt: skip
+
+    def _deliverable(self, trainer: Trainer) -> int | None:
+        """Samples one epoch of the train loader holds on this rank (the smallest over ranks); None: no length."""
+        with rng_kept():
+            reload_train_dataloader(trainer)
+            samples = deliverable_samples(trainer)
+        if trainer.world_size > 1:
+            known = torch.tensor(
+                [samples if samples is not None else -1], dtype=torch.float64, device=trainer.strategy.root_device
+            )
+            gathered = trainer.strategy.all_gather(known).reshape(-1)
+            lengths = [int(v) for v in gathered.tolist() if v >= 0]
+            samples = min(lengths) if lengths else None
+        return samples
 
     def _agree(self, trainer: Trainer, result: TrialResult) -> TrialResult:
         """Every rank adopts one result: it fits only if it fits everywhere, at the slowest rank's speed."""
@@ -127,7 +199,7 @@ class _MeasuringTuner(Callback):
                 accumulate = accumulate_for(size) if accumulate_for else 1
                 result = self._agree(trainer, trials.run(size, accumulate))
                 search.observe(result)
-                trials.best_rate = search.best_rate  # later trials are judged against it (a collapse is a spill)
+                trials.best_rate = search.best_rate  # near the capacity, a collapse against it makes a spill
                 rank_zero_info(
                     f"{type(self).__name__}: size {size} x {accumulate}: {result.outcome}, "
                     f"{result.samples_per_sec or 0:.1f} samples/s, peak {(result.peak_bytes or 0) / 1e9:.2f} GB"
@@ -138,24 +210,46 @@ class _MeasuringTuner(Callback):
     # ------------------------------------------------------------------ cache
 
     def _cache_key(self, trainer: Trainer, pl_module: LightningModule, extra: dict[str, Any]) -> str:
+        """Everything that decides memory and speed: the model as it will train (its modules, checkpointed ones
+        included), the input (the first train batch's shapes, ``example_input_array``), the datamodule, precision,
+        device, the capacity judged against and the tuner's own settings."""
         params = sum(p.numel() for p in pl_module.parameters())
         device = trainer.strategy.root_device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         example = getattr(pl_module, "example_input_array", None)
+        datamodule, arg = getattr(trainer, "datamodule", None), self.batch_arg_name
+        probe, capacity = self._probe_and_capacity(trainer)
+        structure = hashlib.sha256(
+            json.dumps([[n, type(m).__qualname__] for n, m in pl_module.named_modules()]).encode()
+        ).hexdigest()
+        with rng_kept():
+            reload_train_dataloader(trainer)
+            batch = first_batch_signature(trainer)
         fields = {
-            "model": f"{type(pl_module).__module__}.{type(pl_module).__qualname__}",
+            "model": _qualname(pl_module),
             "params": params,
+            "modules": structure,  # an activation-checkpointed or rebuilt block changes the classes here
+            "checkpointing": [
+                [type(c).__name__, repr(c.units), repr(c.memory_budget), c.bn_correct, c.rebuild_bn_relu]
+                for c in trainer.callbacks  # type: ignore[attr-defined]
+                if isinstance(c, ActivationCheckpointing)
+            ],
             "input": list(example.shape) if torch.is_tensor(example) else None,
-            "hparams": {k: repr(v) for k, v in sorted(dict(pl_module.hparams).items()) if k != self.batch_arg_name},
+            "batch": batch,
+            "hparams": _hparams(pl_module, arg),
+            "datamodule": None if datamodule is None else [_qualname(datamodule), _hparams(datamodule, arg)],
             "precision": str(trainer.precision),
             "device": name,
             "world_size": trainer.world_size,
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
             "torch": torch.__version__,
             "lightning": lightning.__version__,
             "tuner": type(self).__name__,
-            "capacity": self.capacity,
+            "capacity": capacity,
             "headroom": self.headroom,
-            "probe": type(self.probe).__name__ if self.probe is not None else None,
+            "min_gain": self.min_gain,
+            "tolerance": self.tolerance,
+            "probe": type(probe).__name__,
             **extra,
         }
         return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:24]
@@ -193,26 +287,56 @@ class _MeasuringTuner(Callback):
 
     def _apply(self, trainer: Trainer) -> None:
         assert self.batch_size is not None
+        self._apply_model(trainer.lightning_module)
         set_batch_size(trainer, self.batch_arg_name, self.batch_size)
         if self.accumulate_grad_batches is not None:
             trainer.accumulate_grad_batches = self.accumulate_grad_batches
         reload_train_dataloader(trainer)
 
+    def _apply_model(self, pl_module: LightningModule) -> None:
+        """What the choice changed in the model, made again (AccumulationTuner: activation checkpointing)."""
+
+    def _still_fits(self, trainer: Trainer) -> bool:
+        """Re-check a choice not measured in this fit (a cache entry, a reused tuner) on its first optimizer step."""
+        assert self.batch_size is not None
+        self._apply_model(trainer.lightning_module)
+        with self._session(trainer) as trials:
+            check = self._agree(trainer, trials.run(self.batch_size, self.accumulate_grad_batches or 1, steps=1))
+        if not check.fits:
+            peak = (check.peak_bytes or 0) / 1e9
+            rank_zero_warn(
+                f"{type(self).__name__}: the earlier choice (batch size {self.batch_size} x"
+                f" {self.accumulate_grad_batches or 1}) no longer fits: {check.outcome}, peak {peak:.2f} GB on its"
+                " first step; measuring again"
+            )
+        return check.fits
+
     def _decide(self, trainer: Trainer, pl_module: LightningModule, extra: dict[str, Any], search_fn: Any) -> None:
-        if self.batch_size is not None:  # resumed from a checkpoint: re-apply, do not search again
+        restored, self._restored = self._restored, False
+        self.from_cache = False
+        if self.batch_size is not None and restored:  # resumed from a checkpoint: re-apply, do not search again
             self._apply(trainer)
             return
-        key = self._cache_key(trainer, pl_module, extra)
+        if self.batch_size is not None and self._still_fits(trainer):  # this instance's choice from an earlier fit
+            self._apply(trainer)
+            return
+        self._forget()
+        key = self._cache_key(trainer, pl_module, extra) if self.cache else ""
         cached = self._cache_load(key)
         if cached is not None:
-            self.load_state_dict(cached)
-            self.from_cache = True
-            rank_zero_info(f"{type(self).__name__}: reusing a cached choice (batch size {self.batch_size})")
-            self._apply(trainer)
-            return
+            self._load(cached)
+            if self._still_fits(trainer):
+                self.from_cache = True
+                rank_zero_info(f"{type(self).__name__}: reusing a cached choice (batch size {self.batch_size})")
+                self._apply(trainer)
+                return
+            self._forget()
         search_fn()
         self._apply(trainer)
         self._cache_store(trainer, key)
+
+    def _forget(self) -> None:
+        self.batch_size, self.accumulate_grad_batches, self.results = None, None, []
 
 
 class BatchSizeTuner(_MeasuringTuner):
@@ -236,8 +360,19 @@ class BatchSizeTuner(_MeasuringTuner):
         warmup_steps: untimed steps per trial; timed_steps: timed steps per trial (median).
         min_gain: stop climbing when a doubling gains less than this fraction of throughput.
         tolerance: sizes within this fraction of the best throughput are equal; the smaller is chosen.
-        cache: reuse a choice stored for the same model, input, precision, device and library versions.
+        cache: reuse a choice stored for the same model (as it trains: checkpointed blocks included), input (the
+            first train batch's shapes), datamodule, precision, device, capacity and library versions; a cached
+            choice is re-checked on its first optimizer step and measured again if it no longer fits.
         cache_dir: where the cache lives (default ``~/.cache/lightning-memguard``).
+        clock: seconds for timing the trials (default ``time.perf_counter``; tests inject their own).
+
+    Raises:
+        ValueError / TypeError: a bad argument (at construction); in ``setup``, a DataLoader passed to ``fit``; in a
+            trial, a loader whose batches do not hold the size set (it ignores ``batch_arg_name``).
+
+    Under ``fast_dev_run`` nothing is measured or set (a warning says so), as Lightning's ``BatchSizeFinder`` does.
+    Sizes above one epoch of the train loader are not tried (the whole epoch as one batch takes their place), and
+    throughput counts the samples really delivered.
 
     Attributes:
         results: one :class:`~lightning_memguard.core.search.TrialResult` per trial.
@@ -265,9 +400,10 @@ class BatchSizeTuner(_MeasuringTuner):
         min_gain: float = 0.05,
         tolerance: float = 0.01,
         cache: bool = True,
-        cache_dir: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
-        if mode not in MODES:
+        if not isinstance(mode, str) or mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
         self.mode = mode
         self.init_size = check_int("init_size", init_size, 1)
@@ -275,14 +411,16 @@ class BatchSizeTuner(_MeasuringTuner):
         super().__init__(
             capacity=capacity, headroom=headroom, probe=probe, batch_arg_name=batch_arg_name,
             warmup_steps=warmup_steps, timed_steps=timed_steps, min_gain=min_gain, tolerance=tolerance,
-            cache=cache, cache_dir=cache_dir,
+            cache=cache, cache_dir=cache_dir, clock=clock,
         )  # fmt: skip
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         require_batch_size_attribute(trainer, self.batch_arg_name)
+        if self._skipped(trainer):
+            return
 
         def search() -> None:
-            ladder = power_ladder(self.init_size, self.max_size)
+            ladder = capped_ladder(power_ladder(self.init_size, self.max_size), self._deliverable(trainer))
             chosen = self._search(trainer, SizeSearch(ladder, self.mode, self.min_gain, self.tolerance))
             if chosen is None:
                 raise RuntimeError(
@@ -313,7 +451,10 @@ class AccumulationTuner(_MeasuringTuner):
 
     Raises:
         ValueError: an effective batch that cannot be split over the devices, a Trainer that already sets
-            ``accumulate_grad_batches``, or manual optimization (in ``setup``).
+            ``accumulate_grad_batches``, manual optimization or a DataLoader passed to ``fit`` (in ``setup``); an
+            effective batch larger than one epoch of the train loader (at fit start); a loader that ignores the
+            batch-size attribute (in a trial). A choice made with checkpointing turned on turns it on again
+            when it is re-applied (resume, cache, a second ``fit``).
 
     Attributes:
         results, batch_size (the micro-batch), accumulate_grad_batches, checkpointing (whether it was turned on).
@@ -340,7 +481,8 @@ class AccumulationTuner(_MeasuringTuner):
         min_gain: float = 0.0,
         tolerance: float = 0.01,
         cache: bool = True,
-        cache_dir: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.effective_batch_size = check_int("effective_batch_size", effective_batch_size, 1)
         self.min_micro_batch = check_int("min_micro_batch", min_micro_batch, 1)
@@ -351,12 +493,13 @@ class AccumulationTuner(_MeasuringTuner):
         super().__init__(
             capacity=capacity, headroom=headroom, probe=probe, batch_arg_name=batch_arg_name,
             warmup_steps=warmup_steps, timed_steps=timed_steps, min_gain=min_gain, tolerance=tolerance,
-            cache=cache, cache_dir=cache_dir,
+            cache=cache, cache_dir=cache_dir, clock=clock,
         )  # fmt: skip
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        super().setup(trainer, pl_module, stage)
         if self.effective_batch_size % trainer.world_size:
             raise ValueError(
                 f"`effective_batch_size` {self.effective_batch_size} cannot be split evenly over"
@@ -377,6 +520,15 @@ class AccumulationTuner(_MeasuringTuner):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         require_batch_size_attribute(trainer, self.batch_arg_name)
         self._world_size = trainer.world_size
+        if self._skipped(trainer):
+            return
+        deliverable = self._deliverable(trainer)
+        if deliverable is not None and deliverable < self.per_device_batch:
+            raise ValueError(
+                f"`effective_batch_size` {self.effective_batch_size} needs {self.per_device_batch} samples per device"
+                f" for one optimizer step, but an epoch of the train loader holds only {deliverable} per device:"
+                " every step would be smaller than the effective batch"
+            )
         pairs = accumulation_candidates(self.per_device_batch, min(self.min_micro_batch, self.per_device_batch))
         steps_for = dict(pairs)
 
@@ -387,8 +539,6 @@ class AccumulationTuner(_MeasuringTuner):
                 steps_for.get,
             )
             if chosen is None and self.allow_checkpointing:
-                from lightning_memguard.checkpointing import checkpoint_blocks
-
                 plan = checkpoint_blocks(pl_module)
                 self.checkpointing = True
                 rank_zero_info(f"AccumulationTuner: nothing fit; activation checkpointing on ({plan.summary()})")
@@ -405,7 +555,12 @@ class AccumulationTuner(_MeasuringTuner):
                 )
             self.batch_size, self.accumulate_grad_batches = chosen.size, steps_for[chosen.size]
 
-        self._decide(trainer, pl_module, {"effective": self.effective_batch_size}, search)
+        extra = {
+            "effective": self.effective_batch_size,
+            "min_micro_batch": self.min_micro_batch,
+            "allow_checkpointing": self.allow_checkpointing,
+        }
+        self._decide(trainer, pl_module, extra, search)
         if self.accumulate_grad_batches and self.accumulate_grad_batches > 1:
             has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules())
             if has_bn:
@@ -423,6 +578,12 @@ class AccumulationTuner(_MeasuringTuner):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "checkpointing": self.checkpointing}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+    def _load(self, state_dict: dict[str, Any]) -> None:
+        super()._load(state_dict)
         self.checkpointing = state_dict.get("checkpointing", self.checkpointing)
+
+    def _apply_model(self, pl_module: LightningModule) -> None:
+        """A choice made with activation checkpointing turned on needs it on again (resume, cache, a second fit)."""
+        if self.checkpointing and not any(is_checkpointed(m) for m in pl_module.modules()):
+            plan = checkpoint_blocks(pl_module)
+            rank_zero_info(f"AccumulationTuner: checkpointing on again, as for the choice ({plan.summary()})")

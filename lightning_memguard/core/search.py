@@ -38,26 +38,44 @@ class TrialResult:
         return asdict(self)
 
 
-def classify_trial(
-    peak_bytes: int, capacity: int, headroom: float, samples_per_sec: float, best_rate: float | None, collapse: float
-) -> str:
-    """``"spill"`` above the capacity, or when throughput collapsed against smaller sizes already measured;
-    ``"over_headroom"`` within ``headroom`` of the capacity; else ``"ok"``.
+def fits_in_memory(peak_bytes: int, capacity: int, headroom: float) -> bool:
+    """Whether ``peak_bytes`` leaves ``headroom`` (a fraction) of ``capacity`` free.
 
     Example:
-        >>> classify_trial(17 * 10**9, 16 * 10**9, 0.05, 900.0, 3500.0, 2.5)
+        >>> fits_in_memory(15 * 10**9, 16 * 10**9, 0.05), fits_in_memory(int(15.5e9), 16 * 10**9, 0.05)
+        (True, False)
+    """
+    return peak_bytes <= capacity * (1.0 - headroom)
+
+
+def classify_trial(
+    peak_bytes: int,
+    capacity: int,
+    headroom: float,
+    samples_per_sec: float | None = None,
+    best_rate: float | None = None,
+    collapse: float = 2.5,
+) -> str:
+    """What memory says about a trial, as MemGuard judges a run: ``"spill"`` above the capacity, or within
+    ``headroom`` of it with throughput collapsed (``collapse`` times below ``best_rate``, the best of the smaller
+    sizes); ``"over_headroom"`` within ``headroom`` of the capacity otherwise; else ``"ok"``. Throughput alone never
+    makes a spill: far from the capacity a slow trial is just slow.
+
+    Example:
+        >>> classify_trial(17 * 10**9, 16 * 10**9, 0.05)
         'spill'
         >>> classify_trial(15_500_000_000, 16 * 10**9, 0.05, 3400.0, 3500.0, 2.5)
         'over_headroom'
-        >>> classify_trial(12 * 10**9, 16 * 10**9, 0.05, 1000.0, 3500.0, 2.5)
+        >>> classify_trial(15_500_000_000, 16 * 10**9, 0.05, 1000.0, 3500.0, 2.5)
         'spill'
-        >>> classify_trial(12 * 10**9, 16 * 10**9, 0.05, 3300.0, 3500.0, 2.5)
+        >>> classify_trial(12 * 10**9, 16 * 10**9, 0.05, 1000.0, 3500.0, 2.5)
         'ok'
     """
-    if peak_bytes > capacity or (best_rate is not None and samples_per_sec < best_rate / collapse):
+    if peak_bytes > capacity:
         return SPILL
-    if peak_bytes > capacity * (1.0 - headroom):
-        return OVER_HEADROOM
+    if not fits_in_memory(peak_bytes, capacity, headroom):
+        collapsed = best_rate is not None and samples_per_sec is not None and samples_per_sec < best_rate / collapse
+        return SPILL if collapsed else OVER_HEADROOM
     return OK
 
 
@@ -76,6 +94,28 @@ def power_ladder(start: int, stop: int, factor: int = 2) -> list[int]:
         sizes.append(size)
         size *= factor
     return sizes
+
+
+def capped_ladder(sizes: Sequence[int], deliverable: int | None) -> list[int]:
+    """The sizes a loader of ``deliverable`` samples per epoch can really deliver: those above it are dropped, and
+    the whole epoch as one batch takes their place (None: a loader without length, nothing capped).
+
+    Example:
+        >>> capped_ladder([16, 32, 64, 128, 256, 512], 100)
+        [16, 32, 64, 100]
+        >>> capped_ladder([32, 64], 20)
+        [20]
+        >>> capped_ladder([32, 64], None)
+        [32, 64]
+    """
+    if deliverable is None:
+        return list(sizes)
+    if deliverable < 1:
+        raise ValueError(f"the train loader delivers no samples (an epoch of {deliverable}); nothing can be measured")
+    kept = [s for s in sizes if s <= deliverable]
+    if len(kept) < len(sizes) and deliverable not in kept:
+        kept.append(deliverable)
+    return kept
 
 
 class SizeSearch:
