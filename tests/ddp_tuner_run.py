@@ -1,9 +1,10 @@
 """Two CPU processes under DDP (gloo) tune; run by test_ddp.py.
 
-Usage: python ddp_tuner_run.py OUT_DIR [accumulation|oom]
+Usage: python ddp_tuner_run.py OUT_DIR [accumulation|oom|oom_backward]
 
 accumulation: AccumulationTuner, rank 1's card is smaller. oom: BatchSizeTuner, and only rank 1 raises
-torch.OutOfMemoryError in its training step once a batch holds more than 8 samples.
+torch.OutOfMemoryError in its training step once a batch holds more than 8 samples. oom_backward: the same, raised
+halfway through rank 1's backward.
 """
 
 from __future__ import annotations
@@ -62,6 +63,23 @@ class OomOnRankOne(ImageClassifier):
         return super().training_step(batch, batch_idx)
 
 
+class OomInRankOnesBackward(ImageClassifier):
+    """Rank 1 runs out of memory at the very end of its backward: the gradients of every layer exist (DDP would
+    have sent them off already), the images' gradient never comes."""
+
+    def _loss(self, batch):
+        if self.global_rank != 1 or batch.shape[0] <= 8:
+            return super()._loss(batch)
+        idx = batch % self.images.shape[0]
+        images = self.images[idx].clone().requires_grad_()
+
+        def fail(grad):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected, in backward)")
+
+        images.register_hook(fail)
+        return torch.nn.functional.cross_entropy(self(images), self.labels[idx])
+
+
 def main() -> None:
     out = sys.argv[1]
     mode = sys.argv[2] if len(sys.argv) > 2 else "accumulation"
@@ -69,8 +87,9 @@ def main() -> None:
     from lightning.pytorch import Callback
 
     clock = type("Clock", (BatchClock, Callback), {})()
-    if mode == "oom":
-        model = OomOnRankOne("resnet18", image_size=16, batch_size=2, steps_per_epoch=40, pool_size=8)
+    if mode in ("oom", "oom_backward"):
+        cls = OomOnRankOne if mode == "oom" else OomInRankOnesBackward
+        model = cls("resnet18", image_size=16, batch_size=2, steps_per_epoch=40, pool_size=8)
         tuner = BatchSizeTuner(
             mode="max_fit", init_size=4, max_size=32, probe=PerSampleProbe(model, int(100e9)), cache=False,
             warmup_steps=1, timed_steps=2, clock=clock,

@@ -80,8 +80,10 @@ def test_accumulation_tuner_ranks_agree_on_one_choice_that_fits_everywhere(tmp_p
     assert r["model_batch_size"] == r["batch_size"] and r["trainer_accumulate"] == r["accumulate"]
 
 
-def test_an_out_of_memory_error_on_one_rank_is_every_ranks_and_nobody_waits(tmp_path):
-    results = _run_tuner(tmp_path, "oom")
+@pytest.mark.parametrize("mode", ["oom", "oom_backward"])
+def test_an_out_of_memory_error_on_one_rank_is_every_ranks_and_nobody_waits(tmp_path, mode):
+    """In the training step, or at the end of backward, when DDP would already have sent the gradients off."""
+    results = _run_tuner(tmp_path, mode)
     assert results[0] == results[1]
     r = results[0]
     # rank 1 alone raises above 8 samples: 16 is out of memory for both ranks, in the same step

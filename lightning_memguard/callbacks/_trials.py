@@ -382,7 +382,12 @@ def _check_delivered(epochs: list[list[int]], size: int, batch_arg_name: str) ->
 @contextmanager
 def _ranks_agree_on_oom(trainer: Trainer) -> Iterator[None]:
     """Under DDP, after every training step, backward and optimizer step all ranks learn whether any ran out of
-    memory, so a rank that hit OOM never leaves the others waiting in the next collective; every rank raises."""
+    memory, so a rank that hit OOM never leaves the others waiting in the next collective; every rank raises.
+
+    The forward runs under DDP's ``no_sync``, so backward sends nothing, and the gradients are averaged in one
+    all-reduce after the ranks agree: the trial's step time includes that exchange, not overlapped with backward as
+    in training.
+    """
     strategy = trainer.strategy
     if trainer.world_size <= 1:
         yield
@@ -391,11 +396,23 @@ def _ranks_agree_on_oom(trainer: Trainer) -> Iterator[None]:
     originals = {name: getattr(strategy, name) for name in names}
     own = {name: strategy.__dict__[name] for name in names if name in strategy.__dict__}
 
-    def agreeing(fn: Callable[..., Any]) -> Callable[..., Any]:
+    ddp = strategy.model if hasattr(strategy.model, "no_sync") else None  # torch's DistributedDataParallel
+    pending = [False]  # the last local forward's gradients still have to be averaged
+
+    def agreeing(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             failed = False
+            local = name == "training_step" and ddp is not None and bool(ddp.require_backward_grad_sync)
             try:
-                out = fn(*args, **kwargs)
+                if local:
+                    # DDP all-reduces gradients from inside backward: a rank that fails halfway would leave the
+                    # others waiting in those all-reduces. A forward under `no_sync` makes backward local; the
+                    # gradients are averaged once every rank has finished it.
+                    pending[0] = True
+                    with ddp.no_sync():  # type: ignore[union-attr, operator]
+                        out = fn(*args, **kwargs)
+                else:
+                    out = fn(*args, **kwargs)
             except _AgreedOutOfMemory:
                 raise  # every rank already knows
             except (torch.OutOfMemoryError, RuntimeError) as err:
@@ -403,13 +420,17 @@ def _ranks_agree_on_oom(trainer: Trainer) -> Iterator[None]:
                     raise
                 failed, out = True, None
             if strategy.reduce_boolean_decision(failed, all=False):
+                pending[0] = False
                 raise _AgreedOutOfMemory(f"out of memory on {'this' if failed else 'another'} rank inside a trial")
+            if name == "backward" and pending[0]:
+                pending[0] = False
+                _average_gradients(ddp, trainer.world_size)  # type: ignore[arg-type]
             return out
 
         return call
 
     for name, fn in originals.items():
-        setattr(strategy, name, agreeing(fn))
+        setattr(strategy, name, agreeing(fn, name))
     try:
         yield
     finally:
@@ -417,6 +438,18 @@ def _ranks_agree_on_oom(trainer: Trainer) -> Iterator[None]:
             delattr(strategy, name)  # the class's methods again, or what was set on the instance before
         for name, fn in own.items():
             setattr(strategy, name, fn)
+
+
+def _average_gradients(ddp: torch.nn.Module, world_size: int) -> None:
+    """What DDP's backward would have done: every gradient averaged over the ranks, in one flat all-reduce."""
+    grads = [p.grad for p in ddp.parameters() if p.requires_grad and p.grad is not None]
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    torch.distributed.all_reduce(flat)
+    flat.div_(world_size)
+    for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+        grad.copy_(reduced)
 
 
 def _reset_progress(trainer: Trainer) -> None:
