@@ -102,7 +102,8 @@ def test_each_epoch_resets_the_peak(tmp_path, fake_probe):
 
 
 def test_no_memory_read_on_every_step(tmp_path, fake_probe):
-    guard = MemGuard(probe=fake_probe, read_every=25, warmup_steps=1, reference_steps=2)
+    # an injected clock: with the host's own, a busy machine's slow steps would ask for readings
+    guard = MemGuard(probe=fake_probe, read_every=25, warmup_steps=1, reference_steps=2, clock=StepClock(0.1))
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[guard]))
     trainer.fit(TinyModel(batch_size=1, n=200))
     # warm-up, reference and patience steps, then every 25th step, plus one read at epoch end
