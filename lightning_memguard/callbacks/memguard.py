@@ -47,7 +47,13 @@ class MemGuard(Callback):
     ``memguard/capacity_gb``, ``memguard/samples_per_sec`` (samples of the real batches over the summed step
     time; all ranks together under DDP) and ``memguard/step_ms`` (median time of one training batch). The progress
     bar shows the last epoch's ``peak/cap`` (peak as a share of capacity) and ``samples/s``. At the end of ``fit``
-    rank zero prints a table with one row per epoch.
+    rank zero prints a table with one row per epoch, with the logged (all-rank) figures. Several loaders in one batch
+    (a ``CombinedLoader``) count all their samples.
+
+    Each ``fit`` starts afresh (no earlier spill, table or reference), unless it resumes from a checkpoint that holds
+    MemGuard's state. A spill found in the last steps of an epoch is acted on at that epoch's end, so the last
+    epoch, ``fast_dev_run`` and ``limit_train_batches=1`` raise or stop too; under DDP every rank acts at the same
+    step, and every rank's message carries the spilling rank's numbers.
 
     Args:
         capacity: physical memory to judge against: bytes or a string such as ``"16GB"``, ``"16GiB"``;
