@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 
@@ -30,6 +30,9 @@ def _model_args(p: argparse.ArgumentParser, default_image: int = 224) -> None:
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--emulate-capacity", default=None, help="run on an emulated card with sysmem fallback: '16GB'")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument(
+        "--verbose", action="store_true", help="show Lightning's messages and MemGuard's table for every run"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +89,56 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(sizes)))
 
 
+def _check_device(device: str) -> None:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda, but no CUDA GPU is available")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _check_model_input(model: str, image_size: int, smallest_batch: int, batch_option: str) -> None:
+    """One training forward of the model on the meta device (no memory, no arithmetic), before any training: a model
+    that cannot take this image size (ViT's fixed size, Inception's minimum), or BatchNorm that cannot train on one
+    sample, is bad input. Where the meta device cannot run the model, the CPU decides, on the smallest batch."""
+    import warnings
+
+    import torch
+    import torchvision
+
+    def forward(batch: int, device: str) -> None:
+        with warnings.catch_warnings(), torch.device(device):
+            warnings.simplefilter("ignore")
+            net = torchvision.models.get_model(model, weights=None, num_classes=1000)
+            net.train()
+            net(torch.randn(batch, 3, image_size, image_size))
+
+    def fails(batch: int) -> BaseException | None:
+        try:
+            forward(batch, "meta")
+            return None
+        except Exception:  # the meta device lacks some kernels: only a real run can tell
+            pass
+        try:
+            forward(batch, "cpu")
+            return None
+        except Exception as err:
+            return err
+
+    err = fails(2)
+    if err is not None:
+        raise UsageError(f"--model {model} cannot take --image-size {image_size}: {_first_line(err)}")
+    if smallest_batch == 1 and (err := fails(1)) is not None:
+        raise UsageError(
+            f"{batch_option}: {model} at --image-size {image_size} cannot train on a batch of 1 sample"
+            f" ({_first_line(err)}); use batches of 2 or more"
+        )
+
+
 def _writable(folder: str) -> str:
     try:
         os.makedirs(folder, exist_ok=True)
@@ -112,9 +165,8 @@ def _capacity(text: str | None) -> int | None:
 def _precision(arg: str | None, device: str) -> str:
     import torch
 
+    _check_device(device)
     cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda, but no CUDA GPU is available")
     return arg or ("bf16-mixed" if cuda else "32-true")
 
 
@@ -135,6 +187,7 @@ def _sweep(args: argparse.Namespace) -> int:
     capacity = _capacity(args.emulate_capacity)
     precision = _precision(args.precision, args.device)
     out = _writable(args.out)
+    _check_model_input(args.model, args.image_size, sizes[0], "--batch-sizes 1")
 
     import torch
     from tqdm import tqdm
@@ -168,6 +221,10 @@ def _plan(args: argparse.Namespace) -> int:
     _positive("--image-size", args.image_size)
     capacity = _capacity(args.emulate_capacity)
     precision = _precision(args.precision, args.device)
+    from lightning_memguard.core.search import accumulation_candidates
+
+    smallest = accumulation_candidates(args.effective_batch, min(args.min_micro_batch, args.effective_batch))[0][0]
+    _check_model_input(args.model, args.image_size, smallest, f"micro-batch {smallest} (--min-micro-batch)")
 
     import tempfile
     import warnings
@@ -204,7 +261,10 @@ def _plan(args: argparse.Namespace) -> int:
     except _Measured:
         pass
     except RuntimeError as err:
-        print(f"memguard: {err}", file=sys.stderr)
+        if tuner.batch_size is None and tuner.results and not any(r.fits for r in tuner.results):
+            print(f"memguard: {_nothing_fits(args, tuner.results, smallest)}", file=sys.stderr)
+        else:
+            print(f"memguard: {err}", file=sys.stderr)
         return 1
     (chosen,) = [r for r in tuner.results if r.size == tuner.batch_size and r.fits][-1:]
     extra = ", with activation checkpointing" if tuner.checkpointing else ""
@@ -223,9 +283,29 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nothing_fits(args: argparse.Namespace, results: Sequence[Any], smallest: int) -> str:
+    """Plan already falls back to activation checkpointing: what is left to change is the command's own input."""
+    tried = ", ".join(f"{r.size} x {r.accumulate}: {r.outcome}" for r in results)
+    advice = [
+        f"a smaller --image-size (now {args.image_size})",
+        f"a smaller --effective-batch (now {args.effective_batch})",
+    ]
+    if smallest > 1:
+        advice.insert(0, f"a smaller --min-micro-batch (now {args.min_micro_batch})")
+    return (
+        f"nothing fits: not even a micro-batch of {smallest} trains on this device without spilling, with activation"
+        f" checkpointing as well ({tried}); try {', or '.join(advice)}"
+    )
+
+
 @contextlib.contextmanager
 def _quiet_lightning(quiet: bool) -> Iterator[None]:
-    """Sweep and plan run many short Trainers: keep Lightning's per-run messages off the screen meanwhile."""
+    """Sweep and plan run many short Trainers: keep Lightning's per-run messages (its banner, tips, "`Trainer.fit`
+    stopped") and MemGuard's table of each run off the screen meanwhile. Lightning is imported first: importing it
+    sets its loggers' levels, and would undo these."""
+    if quiet:
+        import lightning.pytorch  # noqa: F401
+
     loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric")] if quiet else []
     levels = [lg.level for lg in loggers]
     for lg in loggers:
@@ -239,7 +319,7 @@ def _quiet_lightning(quiet: bool) -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    with _quiet_lightning(args.command in ("sweep", "plan")):
+    with _quiet_lightning(args.command in ("sweep", "plan") and not args.verbose):
         return _run(args)
 
 
@@ -248,6 +328,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "demo":
             if args.epochs is not None:
                 _positive("--epochs", args.epochs)
+            _check_device(args.device)
+            _writable(args.out)
             from lightning_memguard.demo import run_demo
 
             run_demo(args.device, args.epochs, args.out)

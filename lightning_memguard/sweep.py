@@ -59,7 +59,8 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
             warnings.simplefilter("ignore")
             trainer.fit(model)
     except torch.OutOfMemoryError:
-        capacity = guard.capacity or (guard._detector.capacity if guard._detector else 0)
+        timeline = guard._timeline
+        capacity = guard.capacity or (timeline.detector.capacity if timeline is not None else 0)
         return SweepRow(batch, None, None, None, "oom"), capacity / 1e9
     finally:
         if cuda:

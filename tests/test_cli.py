@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
+import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from lightning_memguard.cli import main
 from lightning_memguard.doctor import verdict
 
 TINY = ["--model", "resnet18", "--image-size", "32", "--device", "cpu"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_doctor_prints_one_screen(capsys):
@@ -97,3 +103,102 @@ def test_unwritable_output_folder(tmp_path, capsys):
     code = main(["sweep", *TINY, "--batch-sizes", "4", "--out", str(blocker / "sub")])
     err = capsys.readouterr().err
     assert code == 2 and f"cannot write to '{blocker / 'sub'}'" in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- bad input is found before any training
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Any Trainer.fit fails the test: bad input must be reported before training starts."""
+    from lightning.pytorch import Trainer
+
+    def fit(*args, **kwargs):
+        raise AssertionError("training started before the input was checked")
+
+    monkeypatch.setattr(Trainer, "fit", fit)
+
+
+def _one_line_error(argv, capsys) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_demo_on_cuda_without_a_gpu(no_training, capsys):
+    err = _one_line_error(["demo", "--device", "cuda"], capsys)
+    assert "--device cuda, but no CUDA GPU is available" in err
+
+
+def test_demo_into_an_unwritable_folder(tmp_path, no_training, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    err = _one_line_error(["demo", "--device", "cpu", "--out", str(blocker / "logs")], capsys)
+    assert f"cannot write to '{blocker / 'logs'}'" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["sweep", "--model", "vit_b_16", "--image-size", "32", "--device", "cpu"],
+         "--model vit_b_16 cannot take --image-size 32: Wrong image height! Expected 224 but got 32!"),
+        (["sweep", "--model", "inception_v3", "--image-size", "32", "--device", "cpu"],
+         "--model inception_v3 cannot take --image-size 32: "),
+        (["sweep", *TINY, "--batch-sizes", "1,4"],
+         "--batch-sizes 1: resnet18 at --image-size 32 cannot train on a batch of 1 sample (Expected more than 1 value"
+         " per channel when training"),
+        (["plan", *TINY, "--effective-batch", "4", "--min-micro-batch", "1"],
+         "micro-batch 1 (--min-micro-batch): resnet18 at --image-size 32 cannot train on a batch of 1 sample"),
+    ],
+    ids=["vit-at-32px", "inception-at-32px", "batchnorm-batch-1", "plan-batchnorm-micro-batch-1"],
+)  # fmt: skip
+def test_a_model_that_cannot_take_the_input_is_bad_input(tmp_path, no_training, capsys, argv, message):
+    err = _one_line_error([*argv, *(["--out", str(tmp_path)] if argv[0] == "sweep" else [])], capsys)
+    assert message in err
+
+
+def test_batch_one_is_fine_where_batchnorm_sees_more_than_one_value(tmp_path, capsys):
+    # at 64 px resnet18's last BatchNorm sees 2 x 2 values per channel: a batch of 1 trains
+    code = main(["sweep", "--model", "resnet18", "--image-size", "64", "--device", "cpu", "--batch-sizes", "1",
+                 "--steps", "1", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0 and "    1  " in capsys.readouterr().out
+
+
+def test_plan_when_nothing_fits_does_not_advise_what_it_already_did(capsys):
+    code = main(["plan", *TINY, "--effective-batch", "4", "--min-micro-batch", "2", "--emulate-capacity", "1MB"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1
+    assert "nothing fits: not even a micro-batch of 2" in err and "with activation checkpointing as well" in err
+    assert "allow_checkpointing" not in err and "checkpoint" not in err.split("; try")[-1]
+    assert "--min-micro-batch (now 2)" in err and "--image-size (now 32)" in err
+
+
+# ---------------------------------------------------------------- sweep and plan are quiet unless asked
+
+
+def _command(tmp_path, *argv: str) -> subprocess.CompletedProcess:
+    """The command in a fresh process, as a user runs it (Lightning not yet imported), on this checkout's code."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "lightning_memguard.cli", *argv], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+
+
+LIGHTNING_CHATTER = ("GPU available:", "TPU available:", "`Trainer.fit` stopped", "MemGuard: peak memory")
+
+
+def test_sweep_is_quiet_by_default(tmp_path):
+    proc = _command(tmp_path, "sweep", *TINY, "--batch-sizes", "2,4", "--steps", "1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    for chatter in LIGHTNING_CHATTER:
+        assert chatter not in proc.stderr and chatter not in proc.stdout
+    assert "batch    step ms" in proc.stdout and "memguard sweep" in proc.stderr  # the table, the progress bar
+
+
+def test_sweep_verbose_shows_every_runs_messages(tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        assert main(["sweep", *TINY, "--batch-sizes", "2,4", "--steps", "1", "--out", str(tmp_path), "--verbose"]) == 0
+    assert caplog.text.count("`Trainer.fit` stopped") == 2
+    assert caplog.text.count("MemGuard: peak memory against throughput") == 2

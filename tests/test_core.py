@@ -330,3 +330,53 @@ def test_a_recomputed_run_holds_the_gradient_of_its_output_on_cuda():
     assert predict_peak(baseline, [first, rest], [[0]], gradients=False) == 100 + 500 + 0  # recomputed: all back
     assert predict_peak(baseline, [first, rest], [[0]]) == 100 + 500 + 2 * 100
     assert predict_peak(baseline, [first, rest], [[1]]) == baseline  # at the end: in the baseline's peak already
+
+
+def test_timeline_times_each_step_from_its_batch_start_to_the_next():
+    from lightning_memguard.core.timeline import StepTimeline
+
+    timeline = StepTimeline(detector=SpillDetector(16 * GB, warmup_steps=0, reference_steps=2), read_every=4)
+    wants = [timeline.batch_start(0.1 * i, samples=8 if i % 2 else 2) for i in range(4)]
+    assert wants == [False, True, True, True]  # no step before the first batch; then every step while watching
+    assert timeline.durations == pytest.approx([0.1] * 3) and timeline.samples == [2, 8, 2]
+    timeline.interrupt(0.5)  # validation: the open step (8 samples, 0.2 s) is kept aside ...
+    timeline.batch_start(1.0, samples=8)  # ... and no interval spans the pause
+    timeline.batch_start(1.1, samples=8)
+    assert timeline.durations == pytest.approx([0.1] * 4) and timeline.open_steps == [(pytest.approx(0.2), 8)]
+    stats = timeline.epoch_stats()
+    assert stats is not None and stats.samples_per_sec == pytest.approx(20 / 0.4)
+    timeline.start_epoch()
+    assert timeline.epoch_stats() is None and not timeline.step_open
+    timeline.batch_start(2.0, samples=8)
+    timeline.interrupt(2.3)  # an epoch of one batch: timed by the batch itself
+    assert timeline.epoch_stats().step_ms == pytest.approx(300.0)
+
+
+def test_timeline_records_one_spill_per_fit_and_stops_feeding_the_detector():
+    from lightning_memguard.core.timeline import StepTimeline
+
+    detector = SpillDetector(16 * GB, warmup_steps=0, reference_steps=1)
+    timeline = StepTimeline(detector=detector)
+    timeline.batch_start(0.0, 8)
+    timeline.batch_start(0.1, 8)
+    assert timeline.judge(10 * GB, step=1) is None and timeline.spill is None
+    report = timeline.judge(17 * GB, step=7)
+    assert report is not None and report.step == 7 and timeline.spill is report
+    assert timeline.judge(18 * GB, step=8) is None and timeline.spill is report  # the first one stands
+    steps = detector.steps
+    assert timeline.batch_start(0.2, 8) is False and detector.steps == steps  # nothing more to decide
+    timeline.start_epoch()
+    assert timeline.spill is report  # an epoch does not forget it; a new fit makes a new timeline
+    with pytest.raises(ValueError, match="`read_every` must be >= 1, got 0"):
+        StepTimeline(detector=detector, read_every=0)
+
+
+def test_timeline_reads_memory_every_read_every_steps_once_steady():
+    from lightning_memguard.core.timeline import StepTimeline
+
+    detector = SpillDetector(16 * GB, warmup_steps=0, reference_steps=1, patience=1, read_window=5)
+    timeline = StepTimeline(detector=detector, read_every=10)
+    reads = [i for i in range(41) if timeline.batch_start(0.1 * i, 8) and timeline.judge(GB, step=i) is None]
+    # watching for the first steps, then the detector takes 5 steps at a time (at steps 7, 12, 17, ...) and memory
+    # is read at the first feed past each 10 steps
+    assert reads == [1, 2, 12, 22, 32]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import time
 import types
 
 import pytest
@@ -35,6 +34,23 @@ def measured_need(model_factory, steps: int = 2) -> int:
     trainer.fit(model_factory())
     assert emu.total_spilled_bytes == 0
     return emu.probe.read().peak_allocated
+
+
+class VirtualTime:
+    """Host time that passes only when told: ``tick`` seconds at every read of the clock (MemGuard reads it once a
+    batch), plus whatever the emulator's transfers and the dataloader's stalls "sleep". No test waits on it, and a
+    busy machine changes nothing."""
+
+    def __init__(self, tick: float = 0.01) -> None:
+        self.tick = tick
+        self.now = 0.0
+
+    def clock(self) -> float:
+        self.now += self.tick
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
 
 
 class StepAtStop(Callback):
@@ -128,8 +144,9 @@ def test_on_spill_stop_ends_fit_cleanly(tmp_path, need):
 
 
 def test_on_spill_warn_warns_once_and_trains_on(tmp_path, need):
-    emu = SysmemSpillEmulator(capacity=int(need * 0.8))
-    guard = MemGuard(probe=emu.probe, on_spill="warn")
+    time = VirtualTime()
+    emu = SysmemSpillEmulator(capacity=int(need * 0.8), sleep=time.sleep)
+    guard = MemGuard(probe=emu.probe, on_spill="warn", clock=time.clock)
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, callbacks=[emu, guard]))
     with pytest.warns(RuntimeWarning, match="spilling into system RAM") as record:
         trainer.fit(small_classifier())
@@ -142,8 +159,11 @@ def test_spill_after_progress_saves_a_checkpoint_that_resumes(tmp_path):
         return GrowingClassifier("resnet18", image_size=32, batch_size=8, steps_per_epoch=12, pool_size=16, **kw)
 
     small, large = measured_need(grow), measured_need(lambda: grow(grow_at=0))
-    emu = SysmemSpillEmulator(capacity=(small + large) // 2, bandwidth="1GB")
-    guard = MemGuard(probe=emu.probe, warmup_steps=2, reference_steps=3)
+    # a step takes 10 ms of virtual time; from step 16 the spilled activations' transfers (tens of MB at 1 GB/s)
+    # add several times that, whatever this machine's own speed
+    time = VirtualTime(tick=0.01)
+    emu = SysmemSpillEmulator(capacity=(small + large) // 2, bandwidth="1GB", sleep=time.sleep)
+    guard = MemGuard(probe=emu.probe, warmup_steps=2, reference_steps=3, clock=time.clock)
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=3, callbacks=[emu, guard]))
     with pytest.raises(SysmemSpillError) as info:
         trainer.fit(grow(grow_at=16))
@@ -165,14 +185,14 @@ def test_spill_after_progress_saves_a_checkpoint_that_resumes(tmp_path):
 
 
 class Jitter(Callback):
-    """Dataloader stalls: every few batches, a pause of several step times."""
+    """Dataloader stalls: every few batches, a pause of several step times (of virtual time)."""
 
-    def __init__(self, every: int = 5, pause: float = 0.05, seed: int = 0):
-        self.every, self.pause, self.rng = every, pause, random.Random(seed)
+    def __init__(self, sleep, every: int = 5, pause: float = 0.05, seed: int = 0):
+        self.sleep, self.every, self.pause, self.rng = sleep, every, pause, random.Random(seed)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx % self.every == self.every - 1:
-            time.sleep(self.pause * self.rng.uniform(1.0, 3.0))
+            self.sleep(self.pause * self.rng.uniform(1.0, 3.0))
 
 
 @pytest.mark.parametrize(
@@ -187,8 +207,9 @@ class Jitter(Callback):
 )
 def test_no_false_alarm_with_validation_checkpoints_and_jitter(tmp_path, factory, margin):
     capacity = int(measured_need(factory) * margin)
-    emu = SysmemSpillEmulator(capacity=capacity)
-    guard = MemGuard(probe=emu.probe, warmup_steps=2, reference_steps=3)
+    time = VirtualTime(tick=0.01)  # stalls of 5 to 15 steps' time every 5th batch, validation and checkpoints
+    emu = SysmemSpillEmulator(capacity=capacity, sleep=time.sleep)
+    guard = MemGuard(probe=emu.probe, warmup_steps=2, reference_steps=3, clock=time.clock)
     checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
     trainer = Trainer(
         **trainer_kwargs(
@@ -197,7 +218,7 @@ def test_no_false_alarm_with_validation_checkpoints_and_jitter(tmp_path, factory
             enable_checkpointing=True,
             limit_val_batches=2,
             val_check_interval=0.5,
-            callbacks=[emu, guard, Jitter(), checkpoints],
+            callbacks=[emu, guard, Jitter(time.sleep), checkpoints],
         )
     )
     trainer.fit(factory())

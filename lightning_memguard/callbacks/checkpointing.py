@@ -10,7 +10,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_memguard.checkpointing.plan import CheckpointPlan, apply_plan, checkpoint_blocks
 from lightning_memguard.checkpointing.wrap import Units
-from lightning_memguard.core.units import parse_bytes
+from lightning_memguard.core.checks import check_memory_budget
 
 
 class ActivationCheckpointing(Callback):
@@ -25,15 +25,17 @@ class ActivationCheckpointing(Callback):
 
     Args:
         units: ``"auto"``, a set of module classes, or a predicate ``(name, module) -> bool``.
-        memory_budget: a fraction in (0, 1] of the un-checkpointed peak, or bytes (``"6GB"``); None: every block.
+        memory_budget: a float in (0, 1] is a fraction of the un-checkpointed peak; an int or a string (``"6GB"``) is
+            a size in bytes, at least 1 MB (so ``1`` is refused, not read as one byte); None: every block.
         bn_correct: recomputation leaves BatchNorm running statistics alone (they update once per step).
         rebuild_bn_relu: torchvision BasicBlocks, Bottlenecks and ResNet stems left unchecked rebuild their
             BatchNorm + ReLU outputs (and a block its output, where the next block is rebuilt too) in backward
             instead of keeping them; without a budget, that alone (no block is checkpointed).
 
     Raises:
-        ValueError: bad ``memory_budget``; at fit start, no blocks found or a budget without
-            ``example_input_array``.
+        TypeError: ``memory_budget`` of another type, or flags that are not bools.
+        ValueError: bad ``memory_budget`` (a fraction outside (0, 1], a size below 1 MB); at fit start, no blocks
+            found or a budget without ``example_input_array``.
 
     Example:
         >>> from lightning import Trainer
@@ -41,7 +43,7 @@ class ActivationCheckpointing(Callback):
         >>> ActivationCheckpointing(memory_budget=1.5)
         Traceback (most recent call last):
         ...
-        ValueError: `memory_budget` as a fraction must be in (0, 1], got 1.5
+        ValueError: `memory_budget` as a fraction must be in (0, 1], got 1.5 (bytes: an int or '6GB')
     """
 
     def __init__(
@@ -51,10 +53,7 @@ class ActivationCheckpointing(Callback):
         bn_correct: bool = True,
         rebuild_bn_relu: bool = False,
     ):
-        if isinstance(memory_budget, float) and not 0 < memory_budget <= 1:
-            raise ValueError(f"`memory_budget` as a fraction must be in (0, 1], got {memory_budget!r}")
-        if memory_budget is not None and not isinstance(memory_budget, float):
-            parse_bytes(memory_budget, "memory_budget")
+        check_memory_budget(memory_budget)
         for name, flag in (("bn_correct", bn_correct), ("rebuild_bn_relu", rebuild_bn_relu)):
             if not isinstance(flag, bool):
                 raise TypeError(f"`{name}` must be a bool, got {flag!r}")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import platform
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -21,28 +21,19 @@ from lightning_memguard.core.detector import (
     SpillDetector,
     SpillReport,
     SysmemSpillError,
-    Verdict,
     allocator_cap,
     fallback_advice,
     fallback_possible,
     format_spill_message,
     is_wsl2,
 )
-from lightning_memguard.core.report import EpochRecord, format_epoch_table
-from lightning_memguard.core.throughput import summarize_steps
+from lightning_memguard.core.report import EpochRecord, format_epoch_table, merge_epoch_records
+from lightning_memguard.core.timeline import StepTimeline
 from lightning_memguard.core.units import parse_bytes, to_gb
 from lightning_memguard.probes import MemoryProbe, MemoryReading, probe_for
 
 _ON_SPILL = ("raise", "stop", "warn")
 _SEQUENCES = (list, tuple)  # batches whose first element is sized directly
-# key -> how ranks combine it under DDP
-_LOGGED = {
-    "memguard/peak_allocated_gb": "max",
-    "memguard/peak_reserved_gb": "max",
-    "memguard/capacity_gb": "min",
-    "memguard/samples_per_sec": "sum",
-    "memguard/step_ms": "max",
-}
 
 
 class MemGuard(Callback):
@@ -59,7 +50,13 @@ class MemGuard(Callback):
     ``memguard/capacity_gb``, ``memguard/samples_per_sec`` (samples of the real batches over the summed step
     time; all ranks together under DDP) and ``memguard/step_ms`` (median time of one training batch). The progress
     bar shows the last epoch's ``peak/cap`` (peak as a share of capacity) and ``samples/s``. At the end of ``fit``
-    rank zero prints a table with one row per epoch.
+    rank zero prints a table with one row per epoch, with the logged (all-rank) figures. Several loaders in one batch
+    (a ``CombinedLoader``) count all their samples.
+
+    Each ``fit`` starts afresh (no earlier spill, table or reference), unless it resumes from a checkpoint that holds
+    MemGuard's state. A spill found in the last steps of an epoch is acted on at that epoch's end, so the last
+    epoch, ``fast_dev_run`` and ``limit_train_batches=1`` raise or stop too; under DDP every rank acts at the same
+    step, and every rank's message carries the spilling rank's numbers.
 
     Args:
         capacity: physical memory to judge against: bytes or a string such as ``"16GB"``, ``"16GiB"``;
@@ -140,33 +137,32 @@ class MemGuard(Callback):
         self._user_probe = probe
         self._clock = clock
 
-        # what the run taught us (saved in checkpoints)
+        # what the run taught us (saved in checkpoints); each fit starts afresh, unless a checkpoint restores it
         self.epochs: list[EpochRecord] = []
-        self.spill: SpillReport | None = None
         self.fallback_enabled: bool | None = None  # the preflight's answer, when it ran
         self.checkpoint_path: str | None = None
 
-        # per-run and per-epoch working state
+        # per-fit working state: the steps, the detector and the spill live in the timeline, made at fit start
         self._probe: MemoryProbe | None = None
-        self._detector: SpillDetector | None = None
+        self._timeline: StepTimeline | None = None
         self._vote: StopVote | None = None
         self._restored_detector: dict[str, Any] = {}  # the detector's state from a checkpoint
         self._prevent_fraction: float | None = None
         self._prevent_others: int | None = None
-        self._durations: list[float] = []
-        self._samples: list[int] = []
-        self._last_start: float | None = None
-        self._last_samples = 0
-        self._gap = False
-        self._open_steps: list[tuple[float, int]] = []
-        self._unfed = 0  # steps timed but not yet given to the detector
-        self._feed_every = 1  # give them over once this many have gathered
+        self._loader_paths: list[tuple[Any, ...]] | None = None  # where each loader's batch sits in a combined batch
+        self._shared_spill: tuple[int, SpillReport] | None = None  # the spilling rank and its report, once shared
+
+    @property
+    def spill(self) -> SpillReport | None:
+        """The spill this fit found on this rank (None before one is found, and at the start of every fit)."""
+        return self._timeline.spill if self._timeline is not None else None
 
     # ------------------------------------------------------------------ Lightning hooks
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self._start_fit()
         device = trainer.strategy.root_device
         self._probe = self._user_probe if self._user_probe is not None else probe_for(device)
         if self.prevent and device.type != "cuda":
@@ -177,10 +173,11 @@ class MemGuard(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         probe = self._require_probe()
         capacity = self.capacity if self.capacity is not None else probe.capacity()
-        self._detector = SpillDetector(
+        detector = SpillDetector(
             capacity, self.headroom, self.warmup_steps, self.reference_steps, self.collapse, patience=3
         )
-        self._detector.load_state_dict(self._restored_detector)
+        detector.load_state_dict(self._restored_detector)
+        self._timeline = StepTimeline(detector=detector, read_every=self.read_every)
         self._vote = StopVote(trainer.strategy.root_device, trainer.world_size)
         probe.read()  # the first reading sets up NVML (milliseconds): here, not inside a training step
         if self.preflight:
@@ -189,27 +186,25 @@ class MemGuard(Callback):
             self._cap_allocator(trainer.strategy.root_device, capacity, probe)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._reset_epoch()
+        self._loader_paths = _loader_paths(trainer.train_dataloader)
+        if self._timeline is not None:
+            self._timeline.start_epoch()
         self._require_probe().reset_peak()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        # every training step passes here: a clock read and two appends; the detector takes the steps a few at a
-        # time (every step while it watches closely), and now and then memory is read
+        # every training step passes here: a clock read, the batch's size and the timeline's two appends; now and
+        # then memory is read
         now = self._clock()
-        if self._last_start is not None and not self._gap:
-            self._durations.append(now - self._last_start)
-            self._samples.append(self._last_samples)
-            self._unfed += 1
-            if self._unfed >= self._feed_every:
-                self._feed(trainer)
-        self._gap = False
+        timeline = self._timeline
+        if timeline is None:
+            return
+        if timeline.batch_start(now, self._batch_size(batch)):
+            self._read_and_judge(trainer)
         vote = self._vote
         if vote is not None:
-            stop = self.spill is not None and self.on_spill != "warn"
+            stop = timeline.spill is not None and self.on_spill != "warn"
             if vote.cast(stop) if vote.distributed else stop:
                 self._act(trainer)
-        self._last_samples = self._batch_size(batch)
-        self._last_start = now
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close_step_early()
@@ -218,12 +213,13 @@ class MemGuard(Callback):
         self._close_step_early()
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        timeline = self._timeline
+        if timeline is None:
+            return
         self._close_step_early()
-        self._feed(trainer)  # the steps since the last feed, before the epoch's reading
+        timeline.feed()  # the steps since the last feed, before the epoch's reading
         reading = self._read_and_judge(trainer)  # the epoch's last steps are judged before the peak is reset
-        stats = summarize_steps(self._durations, self._samples)
-        if stats is None and self._open_steps:
-            stats = summarize_steps([d for d, _ in self._open_steps], [n for _, n in self._open_steps])
+        stats = timeline.epoch_stats()
         capacity = self.capacity if self.capacity is not None else reading.capacity
         record = EpochRecord(
             epoch=trainer.current_epoch,
@@ -233,6 +229,7 @@ class MemGuard(Callback):
             capacity_gb=round(to_gb(capacity), 6),
             samples_per_sec=stats.samples_per_sec if stats else float("nan"),
         )
+        record = self._merge_ranks(trainer, record)  # the table shows what the logged keys show: all ranks
         self.epochs.append(record)
         values = {
             "memguard/peak_allocated_gb": record.peak_allocated_gb,
@@ -241,17 +238,16 @@ class MemGuard(Callback):
             "memguard/samples_per_sec": record.samples_per_sec,
             "memguard/step_ms": record.step_ms,
         }
+        # the progress bar: epoch figures, so that no step pays for logging
+        bar = {"peak/cap": round(record.peak_allocated_gb / record.capacity_gb, 3), "samples/s": record.samples_per_sec}
+        # every rank holds the same merged figures: "max" of equal values passes them on exactly
         sync = trainer.world_size > 1
         for key, value in values.items():
-            pl_module.log(
-                key, value, on_step=False, on_epoch=True, sync_dist=sync, reduce_fx=_LOGGED[key], batch_size=1
-            )
-        # the progress bar: epoch figures, so that no step pays for logging
-        bar = {"peak/cap": (round(record.peak_allocated_gb / record.capacity_gb, 3), "max"),
-               "samples/s": (record.samples_per_sec, "sum")}  # fmt: skip
-        for key, (value, reduce_fx) in bar.items():
+            pl_module.log(key, value, on_step=False, on_epoch=True, sync_dist=sync, reduce_fx="max", batch_size=1)
+        for key, value in bar.items():
             pl_module.log(key, value, on_step=False, on_epoch=True, prog_bar=True, logger=False, batch_size=1,
-                          sync_dist=sync, reduce_fx=reduce_fx)  # fmt: skip
+                          sync_dist=sync, reduce_fx="max")  # fmt: skip
+        self._settle(trainer)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.epochs:
@@ -264,8 +260,8 @@ class MemGuard(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if self._prevent_fraction is not None and isinstance(exception, torch.OutOfMemoryError) and exception.args:
-            detector = self._detector
-            capacity = detector.capacity if detector is not None else 0
+            timeline = self._timeline
+            capacity = timeline.detector.capacity if timeline is not None else 0
             held = self._prevent_others
             others = "use (unknown)" if held is None else f"{to_gb(held):.2f} GB"
             exception.args = (
@@ -278,7 +274,8 @@ class MemGuard(Callback):
             )
 
     def state_dict(self) -> dict[str, Any]:
-        detector = self._detector.state_dict() if self._detector is not None else self._restored_detector
+        timeline = self._timeline
+        detector = timeline.detector.state_dict() if timeline is not None else self._restored_detector
         return {"epochs": [r.to_dict() for r in self.epochs], **detector, "fallback_enabled": self.fallback_enabled}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -288,42 +285,32 @@ class MemGuard(Callback):
 
     # ------------------------------------------------------------------ steps and memory
 
-    def _reset_epoch(self) -> None:
-        self._unfed = 0
-        self._feed_every = 1
-        self._durations = []
-        self._samples = []
-        self._last_start = None
-        self._last_samples = 0
-        self._gap = False
-        self._open_steps = []
+    def _start_fit(self) -> None:
+        """Forget the previous fit: its spill, table, checkpoint and reference (a checkpoint loaded after this, in
+        the same fit, brings back its own)."""
+        self.epochs = []
+        self.fallback_enabled = None
+        self.checkpoint_path = None
+        self._timeline = None
+        self._vote = None
+        self._restored_detector = {}
+        self._shared_spill = None
 
     def _close_step_early(self) -> None:
-        """Validation, a checkpoint or the epoch's end comes before the next batch: the open step has no clean
-        interval. It is timed up to now, kept aside, and used only if the epoch has no complete interval."""
-        if self._last_start is not None and not self._gap:
-            self._open_steps.append((self._clock() - self._last_start, self._last_samples))
-        self._gap = True
-
-    def _feed(self, trainer: Trainer) -> None:
-        """Give the detector the steps it has not seen; read memory if it asks, or every ``read_every`` steps."""
-        count, self._unfed = self._unfed, 0
-        detector = self._detector
-        if detector is None or self.spill is not None or count == 0:
-            return
-        steps = len(self._durations)
-        wants_read = detector.observe_steps(self._durations[-count:], self._samples[-count:])
-        if wants_read or steps % self.read_every < count:
-            self._read_and_judge(trainer)
-        self._feed_every = 1 if detector.watching else detector.read_window
+        """Validation, a checkpoint or the epoch's end comes before the next batch: the open step is timed up to now
+        and kept aside, used only if the epoch has no complete interval."""
+        timeline = self._timeline
+        if timeline is not None and timeline.step_open:
+            timeline.interrupt(self._clock())
 
     def _read_and_judge(self, trainer: Trainer) -> MemoryReading:
         """Read memory and, while watching for a spill, let the detector judge the latest steps by it."""
         reading = self._require_probe().read()
-        if self._detector is not None and self.spill is None:
-            report = self._detector.observe_memory(self._used(reading), reading.other_processes)
-            if report.verdict is Verdict.SPILL:
-                self._on_spill_detected(replace(report, step=trainer.global_step), trainer)
+        timeline = self._timeline
+        if timeline is not None:
+            report = timeline.judge(self._used(reading), trainer.global_step, reading.other_processes)
+            if report is not None:
+                self._on_spill_detected(report)
         return reading
 
     @staticmethod
@@ -331,23 +318,52 @@ class MemGuard(Callback):
         return reading.used
 
     def _batch_size(self, batch: Any) -> int:
-        # the common batches, (inputs, targets) or a tensor, without Lightning's general traversal: this runs every step
-        first = batch[0] if batch.__class__ in _SEQUENCES and batch else batch
-        if first.__class__ is torch.Tensor:
-            shape = first.shape
-            if shape:
-                return shape[0]
-        try:
-            return extract_batch_size(batch)
-        except Exception:  # a batch Lightning cannot size counts as one sample per step
-            return 1
+        paths = self._loader_paths
+        if paths is None:
+            return _samples_in(batch)
+        total = 0  # several loaders make one batch (CombinedLoader): all their samples count
+        for path in paths:
+            part = batch
+            for key in path:
+                part = part[key]
+            total += _samples_in(part)
+        return total
+
+    def _merge_ranks(self, trainer: Trainer, record: EpochRecord) -> EpochRecord:
+        if trainer.world_size <= 1:
+            return record
+        fields = [record.step_ms, record.peak_allocated_gb, record.peak_reserved_gb, record.capacity_gb,
+                  record.samples_per_sec]  # fmt: skip
+        mine = torch.tensor(fields, dtype=torch.float64, device=trainer.strategy.root_device)
+        rows = trainer.strategy.all_gather(mine).reshape(-1, len(fields)).tolist()
+        return merge_epoch_records([EpochRecord(record.epoch, *row) for row in rows])
 
     # ------------------------------------------------------------------ acting on a spill
 
-    def _on_spill_detected(self, report: SpillReport, trainer: Trainer) -> None:
-        self.spill = report
-        if self.on_spill == "warn":  # called once: detection stops when a spill is recorded
-            rank_zero_warn(format_spill_message(report, self._last_samples or None), category=RuntimeWarning)
+    def _on_spill_detected(self, report: SpillReport) -> None:
+        if self.on_spill == "warn":  # called once a fit: detection stops when a spill is recorded
+            batch = self._timeline.batch if self._timeline is not None else 0
+            rank_zero_warn(format_spill_message(report, batch or None), category=RuntimeWarning)
+
+    def _settle(self, trainer: Trainer) -> None:
+        """At an epoch's end no later batch start may come to act on a spill found in its last steps (the last
+        epoch, ``fast_dev_run``, ``limit_train_batches=1``): every rank decides now, together, without lag."""
+        if self.on_spill == "warn":
+            return
+        if trainer.strategy.reduce_boolean_decision(self.spill is not None, all=False):
+            self._act(trainer)
+
+    def _spilling_rank(self) -> tuple[int, SpillReport] | None:
+        """The lowest rank that found a spill, and its report, as every rank learns it (one gather, once)."""
+        if self._shared_spill is None:
+            vote = self._vote
+            reports: list[SpillReport | None] = [self.spill]
+            if vote is not None and vote.distributed:
+                reports = [None] * dist.get_world_size()
+                dist.all_gather_object(reports, self.spill)
+            found = [(rank, r) for rank, r in enumerate(reports) if r is not None]
+            self._shared_spill = found[0] if found else None
+        return self._shared_spill
 
     def _act(self, trainer: Trainer) -> None:
         """Every rank arrives here at the same step: save if there is progress to keep, then raise or stop."""
@@ -356,13 +372,21 @@ class MemGuard(Callback):
             self.checkpoint_path = os.path.join(root, f"memguard-spill-step={trainer.global_step}.ckpt")
             trainer.save_checkpoint(self.checkpoint_path)
         report = self.spill
-        if report is None:
+        spilling = self._spilling_rank()
+        batch = (self._timeline.batch if self._timeline is not None else 0) or None
+        if report is not None:
+            message = format_spill_message(report, batch, self.checkpoint_path)
+        elif spilling is not None:  # the numbers of the rank that spilled, on every rank (and in rank zero's warning)
+            rank, theirs = spilling
+            message = (
+                f"Another rank's GPU memory spilled into system RAM (rank {rank}); every rank stops with it."
+                f" Rank {rank}: " + format_spill_message(theirs, batch, self.checkpoint_path)
+            )
+        else:
             message = "Another rank's GPU memory spilled into system RAM; every rank stops with it."
             if self.checkpoint_path:
                 message += f" A checkpoint was saved to {self.checkpoint_path}."
             message += "\n" + FIXES
-        else:
-            message = format_spill_message(report, self._last_samples or None, self.checkpoint_path)
         if self.on_spill == "raise":
             raise SysmemSpillError(message, report, self.checkpoint_path)
         if not trainer.should_stop:
@@ -428,3 +452,36 @@ class MemGuard(Callback):
         if self._probe is None:
             self._probe = self._user_probe if self._user_probe is not None else probe_for(torch.device("cpu"))
         return self._probe
+
+
+def _samples_in(batch: Any) -> int:
+    """Samples in one loader's batch. The common batches, (inputs, targets) or a tensor, are sized without
+    Lightning's general traversal: this runs every step."""
+    first = batch[0] if batch.__class__ in _SEQUENCES and batch else batch
+    if first.__class__ is torch.Tensor:
+        shape = first.shape
+        if shape:
+            return shape[0]
+    try:
+        return extract_batch_size(batch)
+    except Exception:  # a batch Lightning cannot size counts as one sample per step
+        return 1
+
+
+def _loader_paths(iterables: Any) -> list[tuple[Any, ...]] | None:
+    """Where each loader's batch sits in a training batch when several loaders make one, as a ``CombinedLoader``
+    (or a dict or list of loaders) nests them; None for a single loader, whose batch is the whole batch."""
+    paths: list[tuple[Any, ...]] = []
+
+    def walk(node: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(node, Mapping):
+            for key, child in node.items():
+                walk(child, (*path, key))
+        elif isinstance(node, list | tuple) and node and not all(isinstance(c, int | float | str) for c in node):
+            for i, child in enumerate(node):
+                walk(child, (*path, i))
+        else:
+            paths.append(path)
+
+    walk(iterables, ())
+    return paths if paths and paths != [()] else None

@@ -9,8 +9,9 @@ from lightning_memguard.core.detector import (
     fallback_possible,
     format_spill_message,
 )
-from lightning_memguard.core.report import EpochRecord, format_epoch_table
+from lightning_memguard.core.report import EpochRecord, format_epoch_table, merge_epoch_records
 from lightning_memguard.core.throughput import StepStats, summarize_steps
+from lightning_memguard.core.timeline import StepTimeline
 from lightning_memguard.core.units import parse_bytes, to_gb
 
 __all__ = [
@@ -18,12 +19,14 @@ __all__ = [
     "SpillDetector",
     "SpillReport",
     "StepStats",
+    "StepTimeline",
     "SysmemSpillError",
     "Verdict",
     "detect_spill",
     "fallback_possible",
     "format_epoch_table",
     "format_spill_message",
+    "merge_epoch_records",
     "parse_bytes",
     "summarize_steps",
     "to_gb",

@@ -22,6 +22,28 @@ class EpochRecord:
         return asdict(self)
 
 
+def merge_epoch_records(records: Sequence[EpochRecord]) -> EpochRecord:
+    """One epoch as all ranks saw it, combined as the logged keys are: peaks and step time the largest of any rank,
+    capacity the smallest, samples/s the sum (every rank trains its own samples at the same time).
+
+    Example:
+        >>> ranks = [EpochRecord(3, 50.0, 2.0, 2.5, 16.0, 80.0), EpochRecord(3, 60.0, 3.0, 3.5, 15.0, 40.0)]
+        >>> print(format_epoch_table([merge_epoch_records(ranks)]))
+        epoch  step ms  peak GB / capacity GB  samples/s
+            3     60.0           3.00 / 15.00      120.0
+    """
+    if not records:
+        raise ValueError("no epoch records to merge")
+    return EpochRecord(
+        epoch=records[0].epoch,
+        step_ms=max(r.step_ms for r in records),
+        peak_allocated_gb=max(r.peak_allocated_gb for r in records),
+        peak_reserved_gb=max(r.peak_reserved_gb for r in records),
+        capacity_gb=min(r.capacity_gb for r in records),
+        samples_per_sec=sum(r.samples_per_sec for r in records),
+    )
+
+
 def format_epoch_table(records: Sequence[EpochRecord]) -> str:
     """A fixed-width table, one row per epoch.
 

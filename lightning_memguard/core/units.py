@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1,
@@ -25,7 +27,8 @@ def parse_bytes(value: int | float | str, name: str = "capacity") -> int:
     """Turn ``16000000000``, ``"16GB"``, ``"16GiB"`` or ``"512MB"`` into a number of bytes.
 
     Decimal units (``KB``, ``MB``, ``GB``, ``TB``) are powers of 1000, binary units (``KiB`` ... ``TiB``)
-    powers of 1024; unit letters are case-insensitive.
+    powers of 1024; unit letters are case-insensitive. The result must be a whole number of bytes, at least one:
+    ``0.5``, ``"0.5B"`` or ``"0.9"`` are refused rather than rounded down to a size of nothing.
 
     Args:
         value: a positive number of bytes, or a string with a number and a unit.
@@ -33,11 +36,15 @@ def parse_bytes(value: int | float | str, name: str = "capacity") -> int:
 
     Raises:
         TypeError: if ``value`` is neither a number nor a string.
-        ValueError: if the string cannot be read or the size is not positive.
+        ValueError: if the string cannot be read, or the size is not a whole, positive number of bytes.
 
     Example:
-        >>> parse_bytes("16GB"), parse_bytes("16GiB"), parse_bytes("512MB"), parse_bytes(1024)
-        (16000000000, 17179869184, 512000000, 1024)
+        >>> parse_bytes("16GB"), parse_bytes("16GiB"), parse_bytes("512MB"), parse_bytes(1024), parse_bytes("1.5KiB")
+        (16000000000, 17179869184, 512000000, 1024, 1536)
+        >>> parse_bytes(0.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: `capacity` must be a whole number of bytes, at least 1, got 0.5
     """
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise TypeError(f"`{name}` must be a number of bytes or a string such as '16GB', got {value!r}")
@@ -48,11 +55,15 @@ def parse_bytes(value: int | float | str, name: str = "capacity") -> int:
             raise ValueError(
                 f"`{name}` must be a number of bytes or a size such as '16GB', '16GiB' or '512MB', got {value!r}"
             )
-        size = float(match.group(1)) * _UNITS[unit]
-    else:
-        size = float(value)
-    if not size > 0 or size != size or size == float("inf"):
+        size = Fraction(match.group(1)) * _UNITS[unit]  # exact: "0.1GB" is 100000000 bytes, not 99999999.99...
+    elif isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"`{name}` must be a positive size, got {value!r}")
+    else:
+        size = Fraction(value)
+    if size <= 0:
+        raise ValueError(f"`{name}` must be a positive size, got {value!r}")
+    if size.denominator != 1:
+        raise ValueError(f"`{name}` must be a whole number of bytes, at least 1, got {value!r}")
     return int(size)
 
 

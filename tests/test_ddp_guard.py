@@ -1,0 +1,55 @@
+"""MemGuard under DDP (two CPU processes, gloo) with injected clocks and memory: the numbers every rank shows, and
+a spill in the very last step. Rank 0 steps every 0.1 s, rank 1 every 0.2 s, 4 samples a step each."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(__file__)
+
+
+def _run(tmp_path, scenario: str) -> dict[int, dict]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["PYTHONWARNINGS"] = "ignore"
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])  # this checkout's code
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "ddp_guard_run.py"), str(tmp_path), scenario],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    results = {}
+    for rank in (0, 1):
+        path = tmp_path / f"{scenario}-rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote nothing; stderr:\n{proc.stderr[-3000:]}"
+        results[rank] = json.loads(path.read_text())
+    return results
+
+
+@pytest.mark.slow
+def test_stop_shows_the_spilling_ranks_numbers_and_the_table_sums_the_ranks(tmp_path):
+    results = _run(tmp_path, "mid-stop")
+    assert results[0]["should_stop"] and results[1]["should_stop"]
+    assert results[0]["global_step"] == results[1]["global_step"]
+    # rank 0 did not spill; its warning (the one the user sees) carries rank 1's numbers
+    (warning,) = results[0]["warnings"]
+    assert "Another rank's GPU memory spilled into system RAM (rank 1)" in warning
+    assert "peak 17.00 GB against 16.00 GB" in warning and "MemGuard stopped the Trainer" in warning
+    for rank in (0, 1):
+        (epoch,) = results[rank]["epochs"]
+        # 40 + 20 samples/s: the table's figure is the logged key's, on every rank
+        assert epoch["samples_per_sec"] == pytest.approx(60.0) == results[rank]["logged_samples_per_sec"]
+        assert epoch["step_ms"] == pytest.approx(200.0) and epoch["peak_allocated_gb"] == pytest.approx(17.0)
+
+
+@pytest.mark.slow
+def test_a_spill_in_the_last_step_of_the_last_epoch_raises_on_every_rank(tmp_path):
+    results = _run(tmp_path, "last-raise")
+    assert results[0]["error"] == results[1]["error"] == "SysmemSpillError"
+    assert results[0]["global_step"] == results[1]["global_step"] == 16
+    assert results[1]["message"].startswith("GPU memory is spilling into system RAM at training step 16")
+    assert "(rank 1)" in results[0]["message"] and "peak 17.00 GB against 16.00 GB" in results[0]["message"]
+    assert [e["samples_per_sec"] for e in results[0]["epochs"]] == [pytest.approx(60.0)] * 2
