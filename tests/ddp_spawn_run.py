@@ -12,7 +12,7 @@ import sys
 
 from lightning.pytorch import Callback, Trainer
 
-from lightning_memguard.checkpointing import checkpoint_resnet
+from lightning_memguard.checkpointing import apply_plan
 from lightning_memguard.testing import ImageClassifier
 
 
@@ -30,7 +30,8 @@ class WhatEachRankTrained(Callback):
 def main() -> None:
     out = sys.argv[1]
     model = ImageClassifier("resnet18", image_size=16, batch_size=4, steps_per_epoch=2, pool_size=8)
-    checkpoint_resnet(model.net, rebuild_bn_relu=True)
+    # a block and a run of two checkpointed, the rest rebuilt: every kind of swapped class
+    apply_plan(model.net, [["layer1.0"], ["layer2.0", "layer2.1"]], rebuild_bn_relu=True)
     trainer = Trainer(
         accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,

@@ -12,7 +12,6 @@ from copy import deepcopy
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -20,6 +19,16 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.memory import garbage_collection_cuda, is_oom_error
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 
+from lightning_memguard.callbacks._private import (
+    apply_checkpoint,
+    drop_loaders,
+    loader_passed_to_fit,
+    pending_checkpoint,
+    rng_states,
+    set_pending_checkpoint,
+    set_rng_states,
+    train_loader,
+)
 from lightning_memguard.core.search import OOM, TrialResult, classify_trial, fits_in_memory
 from lightning_memguard.probes import MemoryProbe
 
@@ -119,7 +128,7 @@ def require_batch_size_attribute(trainer: Trainer, batch_arg_name: str) -> None:
 
 def require_module_dataloaders(trainer: Trainer, tuner: str, batch_arg_name: str) -> None:
     """Refuse, as Lightning's BatchSizeFinder does, a train loader passed to ``fit``: its batch size is fixed."""
-    if not trainer.fit_loop._data_source.is_module():
+    if loader_passed_to_fit(trainer):
         raise ValueError(
             f"{tuner} cannot change the batch size of a DataLoader passed to `fit()` (it is fixed when the loader is"
             f" built); return the loader from the LightningModule's or LightningDataModule's `train_dataloader()`,"
@@ -136,26 +145,23 @@ def get_batch_size(trainer: Trainer, batch_arg_name: str) -> int:
 
 
 def reload_train_dataloader(trainer: Trainer) -> None:
-    loop = trainer.fit_loop
-    loop._combined_loader = None  # force a rebuild with the new batch size
-    loop.setup_data()
-    val = loop.epoch_loop.val_loop
-    val._combined_loader = None  # built again, with the new size, when validation first runs
+    drop_loaders(trainer)  # the train loader is built again now, the validation one when validation first runs
+    trainer.fit_loop.setup_data()
 
 
 @contextmanager
 def rng_kept() -> Iterator[None]:
     """Building or reading a loader can draw random numbers (a sampler's seed): put every RNG back afterwards."""
-    states = _collect_rng_states(include_cuda=torch.cuda.is_initialized())
+    states = rng_states()
     try:
         yield
     finally:
-        _set_rng_states(states)
+        set_rng_states(states)
 
 
 def deliverable_samples(trainer: Trainer) -> int | None:
     """Samples one epoch of the (first) train loader holds on this rank; None when it has no length."""
-    combined = trainer.fit_loop._combined_loader
+    combined = train_loader(trainer)
     if combined is None or not combined.flattened:
         return None
     loader = combined.flattened[0]
@@ -169,7 +175,7 @@ def deliverable_samples(trainer: Trainer) -> int | None:
 
 def first_batch_signature(trainer: Trainer) -> list[Any] | None:
     """Shape (without the batch dimension) and dtype of every tensor in the first train batch: what sets memory."""
-    combined = trainer.fit_loop._combined_loader
+    combined = train_loader(trainer)
     if combined is None or not combined.flattened:
         return None
     try:
@@ -232,7 +238,6 @@ class TrialSession:
 
     def __enter__(self) -> TrialSession:
         t = self.trainer
-        connector = t._checkpoint_connector
         path = os.path.join(t.default_root_dir, f".memguard_trials_{uuid.uuid4().hex}.ckpt")
         path = t.strategy.broadcast(path)  # one file for all ranks: rank zero writes it, every rank reads it
         self._saved = {"ckpt": path}
@@ -242,8 +247,8 @@ class TrialSession:
             self._saved.update(
                 {
                     # what Lightning loaded for `fit(ckpt_path=...)` and applies after on_fit_start: kept as it is
-                    "connector": (connector._ckpt_path, connector._user_managed, connector._loaded_checkpoint),
-                    "rng": _collect_rng_states(include_cuda=torch.cuda.is_initialized()),
+                    "connector": pending_checkpoint(t),
+                    "rng": rng_states(),
                     "loggers": t.loggers,
                     "callbacks": t.callbacks,  # type: ignore[attr-defined]
                     "max_steps": epoch_loop.max_steps,
@@ -293,7 +298,7 @@ class TrialSession:
             reload_train_dataloader(t)
             fit_loop.reset()
             garbage_collection_cuda()
-            _set_rng_states(saved["rng"])
+            set_rng_states(saved["rng"])
         finally:
             self._remove_checkpoint()
 
@@ -304,17 +309,10 @@ class TrialSession:
         names the trials' file, nothing is logged about it, and a pending ``fit(ckpt_path=...)`` still applies.
         """
         t = self.trainer
-        connector = t._checkpoint_connector
-        ckpt_path, user_managed, pending = self._saved["connector"]
         try:
-            connector._loaded_checkpoint = t.strategy.load_checkpoint(self._saved["ckpt"], weights_only=False)
-            connector.restore_datamodule()
-            connector.restore_model()
-            connector.restore_callbacks()
-            connector.restore_training_state()
+            apply_checkpoint(t, t.strategy.load_checkpoint(self._saved["ckpt"], weights_only=False))
         finally:
-            connector._ckpt_path, connector._user_managed = ckpt_path, user_managed
-            connector._loaded_checkpoint = pending
+            set_pending_checkpoint(t, self._saved["connector"])
 
     def _remove_checkpoint(self) -> None:
         t = self.trainer
@@ -445,11 +443,11 @@ def _average_gradients(ddp: torch.nn.Module, world_size: int) -> None:
     grads = [p.grad for p in ddp.parameters() if p.requires_grad and p.grad is not None]
     if not grads:
         return
-    flat = torch._utils._flatten_dense_tensors(grads)
+    flat = torch.cat([g.reshape(-1) for g in grads])
     torch.distributed.all_reduce(flat)
     flat.div_(world_size)
-    for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-        grad.copy_(reduced)
+    for grad, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        grad.copy_(reduced.view_as(grad))
 
 
 def _reset_progress(trainer: Trainer) -> None:
