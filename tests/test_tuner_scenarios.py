@@ -492,3 +492,22 @@ def test_the_search_on_a_fake_card_is_exact_whatever_this_machines_speed(tmp_pat
         [n / (0.01 + 0.001 * n) for n in (4, 8, 16, 32)], abs=1e-3
     )
     assert tuner.batch_size == model.batch_size == 32
+
+
+@pytest.mark.parametrize("tuner_cls", [BatchSizeTuner, AccumulationTuner])
+def test_a_budgeted_checkpointing_listed_after_a_tuner_is_refused(tmp_path, tuner_cls):
+    """It changes the model at fit start: after the tuner, the tuner would measure a model that does not train."""
+    tuner = BatchSizeTuner(cache=False, **QUICK) if tuner_cls is BatchSizeTuner else AccumulationTuner(16, cache=False)
+    checkpointing = ActivationCheckpointing(memory_budget=0.6)
+    trainer = Trainer(**trainer_kwargs(tmp_path, callbacks=[tuner, checkpointing]))
+    with pytest.raises(ValueError, match="comes after .*Tuner in `callbacks`.*list ActivationCheckpointing first"):
+        trainer.fit(ImageClassifier("resnet18", image_size=16, batch_size=4, steps_per_epoch=2, pool_size=8))
+
+
+def test_when_nothing_fits_with_checkpointing_on_the_advice_does_not_repeat_it(tmp_path):
+    model = ImageClassifier("resnet18", image_size=16, batch_size=8, steps_per_epoch=8, pool_size=8)
+    probe = FakeProbe(capacity=10**6, peak=10**9)  # nothing fits, checkpointed or not
+    tuner = AccumulationTuner(32, min_micro_batch=8, allow_checkpointing=True, probe=probe, cache=False, **QUICK)
+    trainer = Trainer(**trainer_kwargs(tmp_path, callbacks=[tuner]))
+    with pytest.raises(RuntimeError, match="lower `min_micro_batch`$"):
+        trainer.fit(model)

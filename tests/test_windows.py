@@ -233,3 +233,15 @@ def test_package_text_is_encodable_for_a_windows_console():
     """Every message the package can print goes through cp1252 on an older Windows console."""
     for path in PACKAGE.rglob("*.py"):
         path.read_text(encoding="utf-8").encode("cp1252")  # raises UnicodeEncodeError naming the character
+
+
+def test_python_dash_m_runs_the_command():
+    """Where pip's console script is not on the PATH (a venv not activated, Windows), the module is the command."""
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_memguard", "doctor", "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert '"verdict"' in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "lightning_memguard", "sweep", "--batch-sizes", "0"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1

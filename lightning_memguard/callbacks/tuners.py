@@ -54,6 +54,20 @@ def _hparams(obj: Any, batch_arg_name: str) -> dict[str, str]:
     return {str(k): repr(v) for k, v in sorted(dict(hparams).items(), key=str) if k != batch_arg_name}
 
 
+def _require_checkpointing_first(trainer: Trainer, tuner: Callback) -> None:
+    """A budgeted ActivationCheckpointing changes the model at fit start: after the tuner it would be measured
+    without it, and train with it."""
+    from lightning_memguard.callbacks.checkpointing import ActivationCheckpointing
+
+    callbacks = list(trainer.callbacks)  # type: ignore[attr-defined]
+    later = [c for c in callbacks[callbacks.index(tuner) + 1 :] if isinstance(c, ActivationCheckpointing)]
+    if any(c.memory_budget is not None for c in later):
+        raise ValueError(
+            f"ActivationCheckpointing(memory_budget=...) comes after {type(tuner).__name__} in `callbacks`, so the"
+            " tuner would measure the model before it is checkpointed; list ActivationCheckpointing first"
+        )
+
+
 class _MeasuringTuner(Callback):
     """What both tuners share: trials, agreement across ranks, state, and the result cache."""
 
@@ -132,6 +146,7 @@ class _MeasuringTuner(Callback):
         if stage != "fit":
             return
         require_module_dataloaders(trainer, type(self).__name__, self.batch_arg_name)
+        _require_checkpointing_first(trainer, self)
 
     def _skipped(self, trainer: Trainer) -> bool:
         """Under ``fast_dev_run`` nothing is measured, as Lightning's BatchSizeFinder does."""
@@ -551,7 +566,7 @@ class AccumulationTuner(_MeasuringTuner):
                 raise RuntimeError(
                     f"AccumulationTuner: not even a micro-batch of {pairs[0][0]} fits on this device without"
                     f" spilling ({', '.join(f'{r.size}: {r.outcome}' for r in self.results)}); lower"
-                    " `min_micro_batch` or pass allow_checkpointing=True"
+                    " `min_micro_batch`" + ("" if self.checkpointing else ", or pass allow_checkpointing=True")
                 )
             self.batch_size, self.accumulate_grad_batches = chosen.size, steps_for[chosen.size]
 

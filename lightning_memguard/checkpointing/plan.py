@@ -32,7 +32,7 @@ from lightning_memguard.checkpointing.wrap import (
     stock_resnet,
 )
 from lightning_memguard.core.checkpoint_plan import BlockProfile, best_runs, choose_blocks, predict_peak, value
-from lightning_memguard.core.units import parse_bytes
+from lightning_memguard.core.checks import check_memory_budget
 
 
 @dataclass
@@ -366,6 +366,7 @@ def checkpoint_blocks(
         >>> plan.blocks[:3], plan.candidates
         (['stem', 'layer1.0', 'layer1.1'], 9)
     """
+    memory_budget = check_memory_budget(memory_budget)  # the callback's rule: a float is a fraction, else bytes
     found = find_units(model, units)
     links, joinable = model_chain(model, found)
     names = [link.name for link in links]
@@ -385,17 +386,12 @@ def checkpoint_blocks(
         )
     if example_input is None:
         raise ValueError("`memory_budget` needs `example_input`, a real batch to measure the blocks on")
-    if isinstance(memory_budget, float) and not 0 < memory_budget <= 1:
-        raise ValueError(f"`memory_budget` as a fraction must be in (0, 1], got {memory_budget!r}")
     if any(is_checkpointed(m) for link in links for _, m in link.modules):
         warnings.warn("the model is already checkpointed; applying twice changes nothing", UserWarning, stacklevel=2)
         return CheckpointPlan(blocks=[], candidates=len(links))
     meter = _StepMeter(model, example_input, loss_fn or _default_loss)
     baseline = meter.peak()
-    if isinstance(memory_budget, float):
-        budget = int(baseline * memory_budget)
-    else:
-        budget = parse_bytes(memory_budget, "memory_budget")
+    budget = int(baseline * memory_budget) if isinstance(memory_budget, float) else memory_budget
     profiles = meter.profile(links)
     start = baseline  # the peak the blocks are chosen against: after the rebuild, where there is one
     if rebuild_bn_relu:
