@@ -8,9 +8,9 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_memguard.checkpointing.plan import CheckpointPlan, apply_plan, checkpoint_blocks
+from lightning_memguard.checkpointing.plan import CheckpointPlan
+from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.checkpointing.wrap import Units
-from lightning_memguard.core.checks import check_memory_budget
 
 
 class ActivationCheckpointing(Callback):
@@ -21,7 +21,7 @@ class ActivationCheckpointing(Callback):
     (under the Trainer's precision) and only those that buy the most memory per millisecond of recomputation are
     checkpointed, adjacent ones as one run (see :func:`~lightning_memguard.checkpointing.checkpoint_blocks`).
     ``state_dict`` keys of the model do not change; the chosen runs are kept in the callback's state, so a resumed
-    run re-applies them without measuring again.
+    run re-applies them without measuring again. Under DDP rank zero measures and every rank applies its plan.
 
     Args:
         units: ``"auto"``, a set of module classes, or a predicate ``(name, module) -> bool``.
@@ -53,18 +53,22 @@ class ActivationCheckpointing(Callback):
         bn_correct: bool = True,
         rebuild_bn_relu: bool = False,
     ):
-        check_memory_budget(memory_budget)
-        for name, flag in (("bn_correct", bn_correct), ("rebuild_bn_relu", rebuild_bn_relu)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"`{name}` must be a bool, got {flag!r}")
-        if isinstance(units, str) and units != "auto":
-            raise ValueError(f"`units` must be 'auto', a set of module classes or a callable, got {units!r}")
-        self.units = units
-        self.memory_budget = memory_budget
-        self.bn_correct = bn_correct
-        self.rebuild_bn_relu = rebuild_bn_relu
-        self.plan: CheckpointPlan | None = None
-        self.runs: list[list[str]] | None = None  # the chosen runs of blocks: learned state
+        self.policy = CheckpointingPolicy(units, memory_budget, bn_correct, rebuild_bn_relu)
+
+    units = property(lambda self: self.policy.units)
+    memory_budget = property(lambda self: self.policy.memory_budget)
+    bn_correct = property(lambda self: self.policy.bn_correct)
+    rebuild_bn_relu = property(lambda self: self.policy.rebuild_bn_relu)
+
+    @property
+    def plan(self) -> CheckpointPlan | None:
+        """This process's plan (None before it is made, on ranks that applied rank zero's, and on resume)."""
+        return self.policy.plan
+
+    @property
+    def runs(self) -> list[list[str]] | None:
+        """The chosen runs of blocks (None before the plan is made)."""
+        return self.policy.runs
 
     @property
     def blocks(self) -> list[str] | None:
@@ -74,12 +78,9 @@ class ActivationCheckpointing(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if self.memory_budget is None:
-            self.plan = checkpoint_blocks(
-                pl_module, self.units, bn_correct=self.bn_correct, rebuild_bn_relu=self.rebuild_bn_relu
-            )
-            self.runs = self.plan.runs
-            rank_zero_info(f"ActivationCheckpointing: {self.plan.summary()}")
+        if self.memory_budget is None:  # before the optimizer is built; the same on every rank
+            self.policy.apply(pl_module)
+            rank_zero_info(f"ActivationCheckpointing: {self.policy.summary()}")
         elif pl_module.example_input_array is None:
             raise ValueError(
                 "ActivationCheckpointing(memory_budget=...) measures the blocks on the module's"
@@ -87,26 +88,22 @@ class ActivationCheckpointing(Callback):
             )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.memory_budget is None or self.plan is not None:
+        if self.memory_budget is None:
             return
-        if self.runs is not None:  # resumed: apply what was chosen before
-            apply_plan(pl_module, self.runs, self.units, self.bn_correct, self.rebuild_bn_relu)
-            return
-        example = move_data_to_device(pl_module.example_input_array, trainer.strategy.root_device)
-        with trainer.precision_plugin.train_step_context():
-            self.plan = checkpoint_blocks(
-                pl_module,
-                self.units,
-                self.memory_budget,
-                example_input=example,
-                bn_correct=self.bn_correct,
-                rebuild_bn_relu=self.rebuild_bn_relu,
-            )
-        self.runs = self.plan.runs
-        rank_zero_info(f"ActivationCheckpointing: {self.plan.summary()}")
+        resumed = self.runs is not None
+        strategy = trainer.strategy
+        self.policy.apply(
+            pl_module,
+            None if resumed else move_data_to_device(pl_module.example_input_array, strategy.root_device),
+            is_rank_zero=strategy.is_global_zero,
+            broadcast=strategy.broadcast,
+            measuring=trainer.precision_plugin.train_step_context,
+        )
+        if not resumed:
+            rank_zero_info(f"ActivationCheckpointing: {self.policy.summary()}")
 
     def state_dict(self) -> dict[str, Any]:
         return {"runs": self.runs}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.runs = state_dict.get("runs", self.runs)
+        self.policy.runs = state_dict.get("runs", self.policy.runs)

@@ -1,0 +1,109 @@
+"""What to checkpoint, and what was chosen: the settings the callback and the strategies share."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from lightning_memguard.checkpointing.plan import CheckpointPlan, apply_plan, checkpoint_blocks
+from lightning_memguard.checkpointing.wrap import Units, check_units
+from lightning_memguard.core.checks import check_memory_budget
+
+
+class CheckpointingPolicy:
+    """Which blocks to checkpoint (``units``), under which ``memory_budget``, and how; checked on construction.
+
+    :meth:`apply` changes a model once: without a budget every block (and a ResNet's stem) is checkpointed, the
+    same on every process; with one, rank zero measures on a real batch and every rank applies rank zero's runs
+    (``broadcast``), so all ranks train the same model. :attr:`runs` is what was chosen: a resumed run hands it back
+    and nothing is measured again.
+
+    Args:
+        units: ``"auto"``, module classes, or a predicate ``(name, module) -> bool``.
+        memory_budget: a float in (0, 1] (a fraction of the un-checkpointed peak), a size of at least 1 MB (an int
+            or a string such as ``"6GB"``), or None (every block).
+        bn_correct: recomputation leaves BatchNorm running statistics alone.
+        rebuild_bn_relu: the cheap recomputation of torchvision ResNet blocks (see ``checkpoint_blocks``).
+
+    Example:
+        >>> import torchvision
+        >>> policy = CheckpointingPolicy()
+        >>> policy.apply(torchvision.models.resnet18())
+        >>> policy.runs[:2]
+        [['stem'], ['layer1.0']]
+        >>> CheckpointingPolicy(units=None)
+        Traceback (most recent call last):
+        ...
+        TypeError: `units` must be 'auto', module classes or a callable (name, module) -> bool, got None
+    """
+
+    def __init__(
+        self,
+        units: Any = "auto",
+        memory_budget: float | int | str | None = None,
+        bn_correct: bool = True,
+        rebuild_bn_relu: bool = False,
+    ) -> None:
+        self.units: Units = check_units(units)
+        self.memory_budget = check_memory_budget(memory_budget)
+        for name, flag in (("bn_correct", bn_correct), ("rebuild_bn_relu", rebuild_bn_relu)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"`{name}` must be a bool, got {flag!r}")
+        self.bn_correct = bn_correct
+        self.rebuild_bn_relu = rebuild_bn_relu
+        self.plan: CheckpointPlan | None = None  # this process's plan, where it made one
+        self.runs: list[list[str]] | None = None  # the chosen runs of blocks: learned state
+
+    def apply(
+        self,
+        model: nn.Module,
+        example_input: Any = None,
+        *,
+        is_rank_zero: bool = True,
+        broadcast: Callable[[Any], Any] = lambda obj: obj,
+        measuring: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        """Checkpoint ``model`` in place: re-apply :attr:`runs` if known, else plan (rank zero) and agree.
+
+        Args:
+            model: the module to change.
+            example_input: a real batch on the model's device, for a budget.
+            is_rank_zero: whether this process plans for all.
+            broadcast: hands rank zero's object to every rank (``strategy.broadcast``).
+            measuring: the context to measure in (the Trainer's precision).
+        """
+        if self.runs is not None:
+            apply_plan(model, self.runs, self.units, self.bn_correct, self.rebuild_bn_relu)
+            return
+        if self.memory_budget is None:  # the same on every rank: nothing to agree on
+            self.plan = checkpoint_blocks(
+                model, self.units, bn_correct=self.bn_correct, rebuild_bn_relu=self.rebuild_bn_relu
+            )
+            self.runs = self.plan.runs
+            return
+        if example_input is None:
+            raise ValueError("a `memory_budget` is measured on a real batch: give the module an `example_input_array`")
+        runs = None
+        if is_rank_zero:
+            with measuring():
+                self.plan = checkpoint_blocks(
+                    model,
+                    self.units,
+                    self.memory_budget,
+                    example_input=example_input,
+                    bn_correct=self.bn_correct,
+                    rebuild_bn_relu=self.rebuild_bn_relu,
+                )
+            runs = self.plan.runs
+        runs = broadcast(runs)
+        if not is_rank_zero:
+            apply_plan(model, runs, self.units, self.bn_correct, self.rebuild_bn_relu)
+        self.runs = runs
+
+    def summary(self) -> str:
+        if self.plan is not None:
+            return self.plan.summary()
+        return f"{sum(len(r) for r in self.runs or [])} blocks in {len(self.runs or [])} runs (rank zero's plan)"

@@ -1,0 +1,113 @@
+"""DDP and single-device strategies taking ``activation_checkpointing_policy``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_memguard.checkpointing.policy import CheckpointingPolicy
+
+
+def _checkpoint_before_wrapping(strategy: Strategy, policy: CheckpointingPolicy) -> None:
+    """Checkpoint the LightningModule in place, on its device, before the strategy wraps it."""
+    module = strategy.lightning_module
+    if module is None or module.trainer.state.fn != "fit":
+        return
+    example = None
+    if policy.memory_budget is not None:
+        if module.example_input_array is None:
+            raise ValueError(
+                f"{type(strategy).__name__}(memory_budget=...) measures the blocks on the module's"
+                " `example_input_array`; set it to a real batch of inputs"
+            )
+        example = move_data_to_device(module.example_input_array, strategy.root_device)
+    policy.apply(
+        module,
+        example,
+        is_rank_zero=strategy.is_global_zero,
+        broadcast=strategy.broadcast,
+        measuring=strategy.precision_plugin.train_step_context,
+    )
+    rank_zero_info(f"{type(strategy).__name__}: {policy.summary()}")
+
+
+class CheckpointingDDPStrategy(DDPStrategy):
+    """``DDPStrategy`` that checkpoints the model's blocks before wrapping it in ``DistributedDataParallel``.
+
+    Args:
+        activation_checkpointing_policy: the blocks: ``"auto"`` (found by structure), module classes (a set), or a
+            predicate ``(name, module) -> bool``; the name ``FSDPStrategy`` gives the same argument.
+        memory_budget: a float in (0, 1] of the un-checkpointed peak, a size of at least 1 MB, or None (every block).
+            With a budget, rank zero measures on the module's ``example_input_array`` and every rank applies its
+            plan; the plan is made anew in each ``fit``.
+        rebuild_bn_relu: the cheap recomputation of torchvision ResNet blocks.
+        bn_correct: recomputation leaves BatchNorm running statistics alone.
+        *args, **kwargs: ``DDPStrategy``'s own.
+
+    Raises:
+        TypeError, ValueError: bad arguments, at construction.
+
+    Example:
+        >>> from torchvision.models.resnet import Bottleneck
+        >>> strategy = CheckpointingDDPStrategy(activation_checkpointing_policy={Bottleneck}, memory_budget=0.6)
+        >>> strategy.checkpointing.memory_budget
+        0.6
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        activation_checkpointing_policy: Any = "auto",
+        memory_budget: float | int | str | None = None,
+        rebuild_bn_relu: bool = False,
+        bn_correct: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        self.checkpointing = CheckpointingPolicy(
+            activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu
+        )
+        super().__init__(*args, **kwargs)
+
+    def _setup_model(self, model: nn.Module) -> Any:
+        _checkpoint_before_wrapping(self, self.checkpointing)
+        return super()._setup_model(model)
+
+
+class CheckpointingSingleDeviceStrategy(SingleDeviceStrategy):
+    """``SingleDeviceStrategy`` that checkpoints the model's blocks once the model is on its device.
+
+    Args:
+        device: the device to train on (``"cuda:0"``, ``"cpu"``).
+        activation_checkpointing_policy, memory_budget, rebuild_bn_relu, bn_correct: as for
+            :class:`CheckpointingDDPStrategy`.
+        **kwargs: ``SingleDeviceStrategy``'s own.
+
+    Example:
+        >>> CheckpointingSingleDeviceStrategy("cpu", memory_budget=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: `memory_budget` in bytes must be at least 1MB, got 1 (a fraction: a float such as 0.6)
+    """
+
+    def __init__(
+        self,
+        device: Any = "cpu",
+        *,
+        activation_checkpointing_policy: Any = "auto",
+        memory_budget: float | int | str | None = None,
+        rebuild_bn_relu: bool = False,
+        bn_correct: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        self.checkpointing = CheckpointingPolicy(
+            activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu
+        )
+        super().__init__(device, **kwargs)
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        _checkpoint_before_wrapping(self, self.checkpointing)
+        return super()._setup_model(model)

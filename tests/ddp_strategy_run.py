@@ -1,0 +1,53 @@
+"""Two CPU processes (gloo): plain DDP, then CheckpointingDDPStrategy with a budget, from the same seed. Each rank
+writes the plan it applied and its weights' checksum. Run by test_strategies.py.
+
+Usage: python ddp_strategy_run.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_memguard.strategies import CheckpointingDDPStrategy
+from lightning_memguard.testing import ImageClassifier
+
+
+def _fit(strategy, out: str) -> tuple[ImageClassifier, Trainer]:
+    model = ImageClassifier("resnet18", image_size=16, batch_size=4, steps_per_epoch=6, pool_size=16, seed=0)
+    model.example_input_array = model.images[:4].clone()
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer.fit(model)
+    return model, trainer
+
+
+def main() -> None:
+    out = sys.argv[1]
+    plain, _ = _fit(DDPStrategy(process_group_backend="gloo"), out)
+    strategy = CheckpointingDDPStrategy(memory_budget=0.6, process_group_backend="gloo")
+    checked, trainer = _fit(strategy, out)
+    same = all(
+        torch.equal(a, b) for a, b in zip(plain.state_dict().values(), checked.state_dict().values(), strict=False)
+    )
+    swapped = sorted(n for n, m in checked.net.named_modules() if hasattr(m, "_memguard_original"))
+    result = {
+        "runs": strategy.checkpointing.runs,
+        "swapped": swapped,
+        "same_weights": same,
+        "step": trainer.global_step,
+    }
+    with open(os.path.join(out, f"strategy{trainer.global_rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

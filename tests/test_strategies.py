@@ -1,0 +1,116 @@
+"""The checkpointing strategies: single device, DDP on 2 CPU processes, and a LightningCLI config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import trainer_kwargs
+from lightning.pytorch import Trainer
+from torchvision.models.resnet import BasicBlock
+
+from lightning_memguard.strategies import CheckpointingDDPStrategy, CheckpointingSingleDeviceStrategy
+from lightning_memguard.testing import ImageClassifier
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_strategy_run.py")
+
+
+def _model() -> ImageClassifier:
+    model = ImageClassifier("resnet18", image_size=16, batch_size=4, steps_per_epoch=3, pool_size=8, seed=0)
+    model.example_input_array = model.images[:4].clone()
+    return model
+
+
+def _fit(tmp_path, strategy) -> ImageClassifier:
+    model = _model()
+    torch.manual_seed(0)
+    kwargs = trainer_kwargs(tmp_path, max_epochs=1, strategy=strategy)
+    kwargs.pop("devices") if not isinstance(strategy, str) else None
+    Trainer(**kwargs).fit(model)
+    return model
+
+
+@pytest.mark.parametrize("budget", [None, 0.6])
+def test_single_device_strategy_checkpoints_and_trains_as_the_plain_model(tmp_path, budget):
+    plain = _fit(tmp_path, "auto")
+    strategy = CheckpointingSingleDeviceStrategy(
+        "cpu", activation_checkpointing_policy={BasicBlock}, memory_budget=budget
+    )
+    checked = _fit(tmp_path, strategy)
+    assert strategy.checkpointing.runs, "nothing was checkpointed"
+    assert any(hasattr(m, "_memguard_original") for m in checked.net.modules())
+    for a, b in zip(plain.state_dict().values(), checked.state_dict().values(), strict=True):
+        assert torch.equal(a, b)  # three steps later: the same weights and BatchNorm statistics
+
+
+def test_strategy_arguments_are_checked_at_construction():
+    with pytest.raises(TypeError, match="`units` must be 'auto', module classes or a callable .*, got 3"):
+        CheckpointingDDPStrategy(activation_checkpointing_policy=3)
+    with pytest.raises(ValueError, match="`memory_budget` as a fraction must be in \\(0, 1\\], got 1.5"):
+        CheckpointingSingleDeviceStrategy("cpu", memory_budget=1.5)
+    with pytest.raises(TypeError, match="`rebuild_bn_relu` must be a bool, got 'yes'"):
+        CheckpointingDDPStrategy(rebuild_bn_relu="yes")
+
+
+def test_a_budget_without_an_example_input_is_a_clear_error(tmp_path):
+    model = _model()
+    model.example_input_array = None
+    kwargs = trainer_kwargs(tmp_path, strategy=CheckpointingSingleDeviceStrategy("cpu", memory_budget=0.6))
+    kwargs.pop("devices")
+    with pytest.raises(ValueError, match="CheckpointingSingleDeviceStrategy\\(memory_budget=...\\) measures"):
+        Trainer(**kwargs).fit(model)
+
+
+@pytest.mark.slow
+def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["PYTHONWARNINGS"] = "ignore"
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(SCRIPT)), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"strategy{r}.json").read_text(encoding="utf-8")) for r in (0, 1)]
+    assert ranks[0]["runs"] and ranks[0]["runs"] == ranks[1]["runs"]
+    assert ranks[0]["swapped"] == ranks[1]["swapped"]
+    assert all(r["same_weights"] and r["step"] == 3 for r in ranks)
+
+
+def test_a_lightning_cli_config_builds_the_strategy(tmp_path):
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"""
+trainer:
+  accelerator: cpu
+  max_epochs: 1
+  default_root_dir: {tmp_path}
+  enable_progress_bar: false
+  enable_checkpointing: false
+  logger: false
+  strategy:
+    class_path: lightning_memguard.strategies.CheckpointingSingleDeviceStrategy
+    init_args:
+      device: cpu
+      activation_checkpointing_policy: auto
+      rebuild_bn_relu: true
+model:
+  arch: resnet18
+  image_size: 16
+  batch_size: 4
+  steps_per_epoch: 2
+  pool_size: 8
+""",
+        encoding="utf-8",
+    )
+    cli = LightningCLI(ImageClassifier, args=["fit", "--config", str(config)], save_config_kwargs={"overwrite": True})
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, CheckpointingSingleDeviceStrategy) and strategy.checkpointing.rebuild_bn_relu
+    assert cli.trainer.global_step == 2
+    assert any(type(m).__name__.startswith("Rebuilt") for m in cli.model.net.modules())
