@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -68,3 +69,35 @@ def test_the_plan_runs_the_same_model_after_planning(budget):
     checkpoint_blocks(model.train(), "auto", memory_budget=budget, example_input=x, loss_fn=lambda out: out)
     with torch.no_grad():
         assert torch.equal(model.eval()(x), before)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+class _Summing(nn.Sequential):
+    """A Sequential whose forward is its own: every child sees the input, and the outputs are summed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(child(x) for child in self)
+
+
+def test_blocks_of_a_sequential_with_its_own_forward_never_share_a_run():
+    from lightning_memguard.checkpointing import apply_plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_Summing(_Block(), _Block(), _Block()), nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        before = model(x)
+    with pytest.raises(ValueError, match="'0.0' and '0.1' cannot share a run"):
+        apply_plan(copy.deepcopy(model), [["0.0", "0.1"]])
+    plan = checkpoint_blocks(model, "auto", memory_budget=0.05, example_input=x, loss_fn=lambda out: out.sum())
+    assert all(len(run) == 1 for run in plan.runs)
+    with torch.no_grad():
+        assert torch.equal(model(x), before)

@@ -380,3 +380,39 @@ def test_timeline_reads_memory_every_read_every_steps_once_steady():
     # watching for the first steps, then the detector takes 5 steps at a time (at steps 7, 12, 17, ...) and memory
     # is read at the first feed past each 10 steps
     assert reads == [1, 2, 12, 22, 32]
+
+
+# ---------------------------------------------------------------- the budget search, as a step object
+
+
+def _run_budget_search(chosen, values, budget, peaks):
+    from lightning_memguard.core.checkpoint_plan import BudgetSearch
+
+    search = BudgetSearch(chosen, values, budget)
+    while (links := search.propose()) is not None:
+        search.observe(peaks[tuple(sorted(links))])
+    return search
+
+
+def test_budget_search_adds_until_it_fits_then_gives_back_the_least_valuable():
+    peaks = {(0,): 90, (0, 1): 75, (0, 1, 2): 55, (0, 2): 65, (1, 2): 70, (2,): 85}
+    search = _run_budget_search({0}, [3.0, 2.0, 1.0], 70, peaks)
+    # over: add 1, still over: add 2, fits; give back 2 (75: no), 1 (65: yes), 0 ({2}: 85, no); measure the result
+    assert search.tried == [((0,), 90), ((0, 1), 75), ((0, 1, 2), 55), ((0, 1), 75), ((0, 2), 65), ((2,), 85),
+                            ((0, 2), 65)]  # fmt: skip
+    assert search.result == ({0, 2}, 65)
+
+
+def test_budget_search_keeps_the_lowest_peak_when_nothing_fits():
+    peaks = {(0,): 90, (0, 1): 95}  # adding link 1 made it worse
+    search = _run_budget_search({0}, [3.0, 2.0], 50, peaks)
+    assert search.tried == [((0,), 90), ((0, 1), 95), ((0,), 90)]
+    assert search.result == ({0}, 90)
+
+
+def test_budget_search_never_returns_a_set_it_did_not_measure_last():
+    peaks = {(): 40, (0,): 30}
+    search = _run_budget_search({0}, [1.0], 50, peaks)  # the prediction was cautious: nothing is needed
+    assert search.tried[-1] == ((), 40) and search.result == (set(), 40)
+    with pytest.raises(RuntimeError, match="observe\\(\\) called after the search ended"):
+        search.observe(1)

@@ -31,7 +31,14 @@ from lightning_memguard.checkpointing.wrap import (
     remove_checkpointing,
     stock_resnet,
 )
-from lightning_memguard.core.checkpoint_plan import BlockProfile, best_runs, choose_blocks, predict_peak, value
+from lightning_memguard.core.checkpoint_plan import (
+    BlockProfile,
+    BudgetSearch,
+    best_runs,
+    choose_blocks,
+    predict_peak,
+    value,
+)
 from lightning_memguard.core.checks import check_memory_budget
 
 
@@ -258,9 +265,9 @@ def _rebuilt_profiles(rebuilt: list[BlockProfile], plain: list[BlockProfile]) ->
 def model_chain(model: nn.Module, found: list[tuple[str, nn.Module]]) -> tuple[list[Link], list[bool]]:
     """The links to plan over and which neighbours may share a run.
 
-    Blocks that are consecutive children of one ``nn.Sequential`` may share a run, so a stage's output (what
-    feature extractors read) is always its own. In a torchvision ResNet (with torchvision's forward) the stem
-    (conv1, bn1, relu, maxpool) is a link too, on its own.
+    Blocks that are consecutive children of one ``nn.Sequential`` (with ``nn.Sequential``'s own forward) may share
+    a run, so a stage's output (what feature extractors read) is always its own. In a torchvision ResNet (with
+    torchvision's forward) the stem (conv1, bn1, relu, maxpool) is a link too, on its own.
     """
     stems: dict[str, Link] = {}  # first block's name -> the stem link before it
     names = {name for name, _ in found}
@@ -290,7 +297,13 @@ def model_chain(model: nn.Module, found: list[tuple[str, nn.Module]]) -> tuple[l
 def _consecutive_in_sequential(modules: dict[str, nn.Module], a: str, b: str) -> bool:
     parent_a, _, index_a = a.rpartition(".")
     parent_b, _, index_b = b.rpartition(".")
-    if parent_a != parent_b or not isinstance(modules.get(parent_a), nn.Sequential):
+    parent = modules.get(parent_a)
+    # a Sequential subclass with a forward of its own may not call its children one after another
+    if (
+        parent_a != parent_b
+        or not isinstance(parent, nn.Sequential)
+        or type(parent).forward is not nn.Sequential.forward
+    ):
         return False
     order = list(modules[parent_a]._modules)
     return order.index(index_b) == order.index(index_a) + 1
@@ -421,24 +434,12 @@ def checkpoint_blocks(
         link_outputs(model)
         return meter.peak()
 
+    search = BudgetSearch(chosen, [value(p) for p in profiles], budget)  # the pure core decides, this measures
     with warnings.catch_warnings(record=True) as caught:  # each apply repeats the same warnings: pass them on once
         warnings.simplefilter("always")
-        measured = apply(chosen)
-        lowest = (measured, set(chosen))
-        rest = sorted(set(range(len(links))) - chosen, key=lambda i: -value(profiles[i]))
-        while measured > budget and rest:  # the prediction was optimistic: add the next best link and measure
-            chosen.add(rest.pop(0))
-            measured = apply(chosen)
-            lowest = min(lowest, (measured, set(chosen)), key=lambda m: m[0])
-        if measured <= budget:  # the prediction was cautious: give back the least valuable links that fit without
-            for i in sorted(chosen, key=lambda i: value(profiles[i])):
-                trial = apply(chosen - {i})
-                if trial <= budget:
-                    chosen.discard(i)
-                    measured = trial
-        else:  # nothing fits: keep the lowest peak seen
-            measured, chosen = lowest
-        measured = apply(chosen)
+        while (indices := search.propose()) is not None:
+            search.observe(apply(indices))
+    chosen, measured = search.result  # type: ignore[misc]
     for message in dict.fromkeys((w.category, str(w.message)) for w in caught):
         warnings.warn(message[1], message[0], stacklevel=2)
     runs = cut(chosen)

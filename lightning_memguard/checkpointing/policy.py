@@ -48,7 +48,8 @@ class CheckpointingPolicy:
         rebuild_bn_relu: bool = False,
     ) -> None:
         self.units: Units = check_units(units)
-        self.memory_budget = check_memory_budget(memory_budget)
+        check_memory_budget(memory_budget)
+        self.memory_budget = memory_budget  # as given ("6GB" stays "6GB"); checked again where it is measured
         for name, flag in (("bn_correct", bn_correct), ("rebuild_bn_relu", rebuild_bn_relu)):
             if not isinstance(flag, bool):
                 raise TypeError(f"`{name}` must be a bool, got {flag!r}")

@@ -173,3 +173,88 @@ def choose_blocks(
         chosen.add(i)
         runs = best_runs(chosen, profiles, baseline, joins, gradients)
     return chosen, runs, predict_peak(baseline, profiles, runs, gradients)
+
+
+class BudgetSearch:
+    """Which links to checkpoint so that the *measured* peak fits ``budget``, as a step object.
+
+    It starts from a predicted choice (:func:`choose_blocks`). :meth:`propose` names the set of links to apply and
+    measure next; :meth:`observe` takes that set's measured peak. While the peak is over the budget, the most
+    valuable link not yet chosen is added. Once it fits, each chosen link is given back in turn, least valuable
+    first, and stays out if the peak still fits. If nothing fits, the set with the lowest peak seen is kept. The last
+    proposal is always the result's own set, measured, so the model ends in the state the result describes.
+
+    Args:
+        chosen: the predicted choice (link indices).
+        values: each link's value (bytes freed per millisecond of recomputation), by index.
+        budget: the peak to stay under, in bytes.
+
+    Example:
+        >>> peaks = {(): 100, (0,): 80, (0, 1): 60, (1,): 70}
+        >>> search = BudgetSearch({0}, values=[3.0, 2.0], budget=70)
+        >>> while (links := search.propose()) is not None:
+        ...     search.observe(peaks[tuple(sorted(links))])
+        >>> search.tried, search.result
+        ([((0,), 80), ((0, 1), 60), ((0,), 80), ((1,), 70), ((1,), 70)], ({1}, 70))
+    """
+
+    def __init__(self, chosen: set[int], values: Sequence[float], budget: int) -> None:
+        self.budget = budget
+        self._values = list(values)
+        self._chosen = set(chosen)
+        self._rest = sorted(set(range(len(self._values))) - self._chosen, key=lambda i: -self._values[i])
+        self._phase = "add"  # "add" -> "give back" -> "final" -> "done"
+        self._pending: set[int] | None = set(self._chosen)
+        self._give_back: list[int] = []
+        self._trying: int | None = None
+        self._lowest: tuple[int, set[int]] | None = None
+        self._measured: int | None = None
+        self.tried: list[tuple[tuple[int, ...], int]] = []  # every set measured, in order, and its peak
+
+    def propose(self) -> set[int] | None:
+        """The links to apply and measure next, or None when the search is over."""
+        return None if self._pending is None else set(self._pending)
+
+    def observe(self, peak: int) -> None:
+        """The measured peak of the last proposal."""
+        if self._pending is None:
+            raise RuntimeError("BudgetSearch.observe() called after the search ended")
+        proposed = self._pending
+        self.tried.append((tuple(sorted(proposed)), peak))
+        if self._lowest is None or peak < self._lowest[0]:
+            self._lowest = (peak, set(proposed))
+        if self._phase == "add":
+            if peak > self.budget and self._rest:  # the prediction was optimistic: add the next best link
+                self._chosen.add(self._rest.pop(0))
+                self._pending = set(self._chosen)
+            elif peak <= self.budget:  # it fits: give back what it fits without, least valuable first
+                self._phase = "give back"
+                self._give_back = sorted(self._chosen, key=lambda i: self._values[i])
+                self._next_give_back()
+            else:  # nothing fits: the lowest peak seen
+                self._chosen = set(self._lowest[1])
+                self._finish()
+        elif self._phase == "give back":
+            if peak <= self.budget:
+                self._chosen.discard(self._trying)  # type: ignore[arg-type]
+            self._next_give_back()
+        else:  # "final": the result's own set, measured last
+            self._measured = peak
+            self._pending = None
+            self._phase = "done"
+
+    @property
+    def result(self) -> tuple[set[int], int] | None:
+        """The chosen links and their measured peak, once :meth:`propose` returns None."""
+        return None if self._measured is None else (set(self._chosen), self._measured)
+
+    def _next_give_back(self) -> None:
+        if self._give_back:
+            self._trying = self._give_back.pop(0)
+            self._pending = self._chosen - {self._trying}
+        else:
+            self._finish()
+
+    def _finish(self) -> None:
+        self._phase = "final"
+        self._pending = set(self._chosen)
