@@ -308,14 +308,10 @@ class MemGuard(Callback):
         reading = self._require_probe().read()
         timeline = self._timeline
         if timeline is not None:
-            report = timeline.judge(self._used(reading), trainer.global_step, reading.other_processes)
+            report = timeline.judge(reading.used, trainer.global_step, reading.other_processes)
             if report is not None:
                 self._on_spill_detected(report)
         return reading
-
-    @staticmethod
-    def _used(reading: MemoryReading) -> int:
-        return reading.used
 
     def _batch_size(self, batch: Any) -> int:
         paths = self._loader_paths
