@@ -7,7 +7,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from copy import deepcopy
 from typing import Any
 
@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.memory import garbage_collection_cuda, is_oom_error
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 
+from lightning_memguard import _compiler
 from lightning_memguard.callbacks._private import (
     apply_checkpoint,
     drop_loaders,
@@ -43,7 +44,12 @@ class _StepClock(Callback):
     On CUDA it waits for the device so each time is the real one. After the first optimizer step it reads memory
     once: a trial whose peak already leaves no headroom (or is above the capacity: a spill) does not fit, whatever
     its timing, so every rank ends it there instead of spending its remaining (slow) steps.
+
+    A step in which ``torch.compile`` compiled (the first at a new size) is compile time, not step time: it is
+    marked, and the trial gets one more step in its place (at most ``max_compile_steps`` of them).
     """
+
+    max_compile_steps = 3
 
     def __init__(
         self,
@@ -60,6 +66,9 @@ class _StepClock(Callback):
         self.clock = clock
         self.probe, self.capacity, self.headroom, self.accumulate = probe, capacity, headroom, accumulate
         self.marks: list[tuple[float, int | None]] = []  # (time, samples) at each batch start; (time, None): epoch end
+        self.compiled: list[bool] = []  # per batch: whether torch.compile compiled during it
+        self._compiles = _compiler.compiles()
+        self.extended = 0
         self.batches = 0
         self.cut = False
 
@@ -75,7 +84,14 @@ class _StepClock(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        compiles = _compiler.compiles()
+        self.compiled.append(compiles != self._compiles)
+        self._compiles = compiles
         self.batches += 1
+        step_done = self.batches % self.accumulate == 0
+        if step_done and any(self.compiled[-self.accumulate :]) and self.extended < self.max_compile_steps:
+            self.extended += 1  # a step that compiled is not timed: one more takes its place
+            trainer.fit_loop.epoch_loop.max_steps += 1
         if self.batches == self.accumulate:  # the first optimizer step is done: its peak is known
             reading = self.probe.read()
             peak = reading.used
@@ -87,16 +103,18 @@ class _StepClock(Callback):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.marks.append((self._now(), None))
 
-    def steps(self) -> list[tuple[float, int]]:
-        """(seconds, samples) of each optimizer step: ``accumulate`` batches, each timed to the next mark."""
+    def steps(self) -> list[tuple[float, int, bool]]:
+        """(seconds, samples, compiled) of each optimizer step: ``accumulate`` batches, each timed to the next
+        mark; ``compiled``: torch.compile compiled during one of them."""
         batches = [
             (self.marks[i + 1][0] - t, n)
             for i, (t, n) in enumerate(self.marks[:-1])
             if n is not None  # an epoch's end closes its last batch; the gap to the next epoch is not a batch
         ]
+        compiled = self.compiled[: len(batches)]
         a = self.accumulate
         return [
-            (sum(s for s, _ in batches[i : i + a]), sum(n for _, n in batches[i : i + a]))
+            (sum(s for s, _ in batches[i : i + a]), sum(n for _, n in batches[i : i + a]), any(compiled[i : i + a]))
             for i in range(0, len(batches) - a + 1, a)
         ]
 
@@ -234,7 +252,9 @@ class TrialSession:
         self.collapse = collapse
         self.clock = clock
         self.best_rate: float | None = None
+        self.compile_s = 0.0  # seconds of trial steps in which torch.compile compiled, over all trials
         self._saved: dict[str, Any] = {}
+        self._dynamo = ExitStack()
 
     def __enter__(self) -> TrialSession:
         t = self.trainer
@@ -267,6 +287,9 @@ class TrialSession:
         except BaseException:
             self._remove_checkpoint()
             raise
+        # a compiled model gets one static graph per size tried, as training at that size alone would; training
+        # after the trials runs the chosen size's graph from Dynamo's cache
+        self._dynamo.enter_context(_compiler.static_graph_per_size())
         t.logger = DummyLogger() if t.logger is not None else None
         t.limit_train_batches = 1.0
         t.limit_val_batches = 0
@@ -300,6 +323,7 @@ class TrialSession:
             garbage_collection_cuda()
             set_rng_states(saved["rng"])
         finally:
+            self._dynamo.close()
             self._remove_checkpoint()
 
     def _restore_checkpoint(self) -> None:
@@ -328,6 +352,7 @@ class TrialSession:
         """
         t = self.trainer
         cuda = t.strategy.root_device.type == "cuda"
+        compiled = _compiler.is_compiled(t.lightning_module)
         clock = _StepClock(cuda, self.clock, self.probe, self.capacity, self.headroom, size, accumulate)
         keep = [c for c in self._saved["callbacks"] if getattr(c, "memguard_keep_in_trials", False)]
         t.callbacks = [*keep, clock]  # type: ignore[attr-defined]
@@ -352,17 +377,25 @@ class TrialSession:
                 raise
             del err
             garbage_collection_cuda()
-            return TrialResult(size, None, None, None, OOM, accumulate)
+            compile_s = sum(s for s, _, c in clock.steps() if c)
+            self.compile_s += compile_s
+            return TrialResult(size, None, None, None, OOM, accumulate, compiled, round(compile_s, 3))
         _check_delivered(clock.sizes_by_epoch(), size, self.batch_arg_name)
         reading = self.probe.read()
         peak = reading.used
         measured = clock.steps()
-        timed = measured[warmup:] or measured  # a trial cut after its first step has only that one
+        compile_s = sum(s for s, _, c in measured if c)
+        self.compile_s += compile_s
+        ran = [(s, n) for s, n, c in measured if not c]  # steps that compiled are compile time, not step time
+        timed = ran[warmup:] or ran or [(s, n) for s, n, _ in measured]  # a trial cut after its first step: that one
         step_s = statistics.median(s for s, _ in timed) if timed else float("nan")
         rates = [n / s for s, n in timed if s > 0]
         rate = statistics.median(rates) if rates else 0.0
         outcome = classify_trial(peak, self.capacity, self.headroom, rate, self.best_rate, self.collapse)
-        return TrialResult(size, round(step_s * 1e3, 4), peak, round(rate, 3), outcome, accumulate)
+        compiled = compiled or compile_s > 0
+        return TrialResult(
+            size, round(step_s * 1e3, 4), peak, round(rate, 3), outcome, accumulate, compiled, round(compile_s, 3)
+        )
 
 
 def _check_delivered(epochs: list[list[int]], size: int, batch_arg_name: str) -> None:

@@ -14,6 +14,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_memguard import _compiler
 from lightning_memguard.callbacks._agreement import StopVote
 from lightning_memguard.core.checks import check_fraction, check_int
 from lightning_memguard.core.detector import (
@@ -57,6 +58,9 @@ class MemGuard(Callback):
     MemGuard's state. A spill found in the last steps of an epoch is acted on at that epoch's end, so the last
     epoch, ``fast_dev_run`` and ``limit_train_batches=1`` raise or stop too; under DDP every rank acts at the same
     step, and every rank's message carries the spilling rank's numbers.
+
+    Under ``torch.compile``, steps in which the compiler ran (the first ones, a last short batch that recompiles)
+    are compile time: they set no reference and are not taken for a slowdown.
 
     Args:
         capacity: physical memory to judge against: bytes or a string such as ``"16GB"``, ``"16GiB"``;
@@ -151,6 +155,7 @@ class MemGuard(Callback):
         self._prevent_others: int | None = None
         self._loader_paths: list[tuple[Any, ...]] | None = None  # where each loader's batch sits in a combined batch
         self._shared_spill: tuple[int, SpillReport] | None = None  # the spilling rank and its report, once shared
+        self._compiles = 0  # graphs torch.compile had compiled at the last batch start
 
     @property
     def spill(self) -> SpillReport | None:
@@ -178,6 +183,7 @@ class MemGuard(Callback):
         )
         detector.load_state_dict(self._restored_detector)
         self._timeline = StepTimeline(detector=detector, read_every=self.read_every)
+        self._compiles = _compiler.compiles()
         self._vote = StopVote(trainer.strategy.root_device, trainer.world_size)
         probe.read()  # the first reading sets up NVML (milliseconds): here, not inside a training step
         if self.preflight:
@@ -198,7 +204,9 @@ class MemGuard(Callback):
         timeline = self._timeline
         if timeline is None:
             return
-        if timeline.batch_start(now, self._batch_size(batch)):
+        compiles = _compiler.compiles()  # a step in which torch.compile compiled is compile time, not a slowdown
+        compiled, self._compiles = compiles != self._compiles, compiles
+        if timeline.batch_start(now, self._batch_size(batch), compiled):
             self._read_and_judge(trainer)
         vote = self._vote
         if vote is not None:

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_memguard import _compiler
 from lightning_memguard.callbacks._trials import (
     TrialSession,
     deliverable_samples,
@@ -120,6 +121,8 @@ class _MeasuringTuner(Callback):
         self.batch_size: int | None = None
         self.accumulate_grad_batches: int | None = None
         self.from_cache = False
+        self.search_s: float | None = None  # the last search's wall time, compiling included
+        self.compile_s: float | None = None  # of it, the trial steps in which torch.compile compiled
         self._restored = False  # load_state_dict ran in this fit: a resume, re-applied as it is
 
     # ------------------------------------------------------------------ state
@@ -205,10 +208,14 @@ class _MeasuringTuner(Callback):
             samples_per_sec=float(gathered[:, 1].min()),
             outcome=_SEVERITY[int(gathered[:, 0].max())],
             accumulate=result.accumulate,
+            compiled=result.compiled,
+            compile_s=result.compile_s,
         )
 
     def _search(self, trainer: Trainer, search: SizeSearch, accumulate_for: Any = None) -> TrialResult | None:
         earlier = list(self.results)  # the session restores callback states on exit, this one's included
+        clock = self.clock if self.clock is not None else time.perf_counter
+        started = clock()
         with self._session(trainer) as trials:
             while (size := search.propose()) is not None:
                 accumulate = accumulate_for(size) if accumulate_for else 1
@@ -220,6 +227,12 @@ class _MeasuringTuner(Callback):
                     f"{result.samples_per_sec or 0:.1f} samples/s, peak {(result.peak_bytes or 0) / 1e9:.2f} GB"
                 )
         self.results = earlier + search.results
+        self.search_s, self.compile_s = round(clock() - started, 3), round(trials.compile_s, 3)
+        if self.compile_s:
+            rank_zero_info(
+                f"{type(self).__name__}: searched for {self.search_s:.1f} s, {self.compile_s:.1f} s of it in steps"
+                " where torch.compile compiled (one static graph per size; not counted in the step times)"
+            )
         return search.result
 
     # ------------------------------------------------------------------ cache
@@ -249,6 +262,7 @@ class _MeasuringTuner(Callback):
                 for c in trainer.callbacks  # type: ignore[attr-defined]
                 if isinstance(c, ActivationCheckpointing)
             ],
+            "compiled": _compiler.is_compiled(pl_module),  # a compiled model's step times are its graph's
             "input": list(example.shape) if torch.is_tensor(example) else None,
             "batch": batch,
             "hparams": _hparams(pl_module, arg),
@@ -389,9 +403,16 @@ class BatchSizeTuner(_MeasuringTuner):
     Sizes above one epoch of the train loader are not tried (the whole epoch as one batch takes their place), and
     throughput counts the samples really delivered.
 
+    Under ``torch.compile`` (``fit(torch.compile(model))``, a compiled submodule, ``module.compile()``) each size
+    tried compiles a graph of its own, static in its shapes, as training at that size alone would (a model compiled
+    with ``dynamic=True`` stays dynamic); steps in which the compiler ran are left out of the timing (the trial runs
+    as many more) and counted as ``compile_s``, and training after the search runs the chosen size's graph.
+
     Attributes:
-        results: one :class:`~lightning_memguard.core.search.TrialResult` per trial.
+        results: one :class:`~lightning_memguard.core.search.TrialResult` per trial (``compiled``, ``compile_s``
+            say whether it ran compiled and how long its compiling steps took).
         batch_size: the choice.
+        search_s: the last search's wall time in seconds; compile_s: the part of it spent in compiling steps.
 
     Example:
         >>> tuner = BatchSizeTuner(init_size=16, max_size=256)
@@ -471,8 +492,12 @@ class AccumulationTuner(_MeasuringTuner):
             batch-size attribute (in a trial). A choice made with checkpointing turned on turns it on again
             when it is re-applied (resume, cache, a second ``fit``).
 
+    Under ``torch.compile`` each micro-batch tried gets its own static graph and compiling steps are not timed, as
+    for :class:`BatchSizeTuner`.
+
     Attributes:
-        results, batch_size (the micro-batch), accumulate_grad_batches, checkpointing (whether it was turned on).
+        results, batch_size (the micro-batch), accumulate_grad_batches, checkpointing (whether it was turned on),
+        search_s and compile_s (as for :class:`BatchSizeTuner`).
 
     Example:
         >>> tuner = AccumulationTuner(effective_batch_size=256)

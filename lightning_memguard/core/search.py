@@ -21,6 +21,8 @@ class TrialResult:
         samples_per_sec: ``size`` over the median step time.
         outcome: ``"ok"``, ``"oom"``, ``"spill"`` or ``"over_headroom"``.
         accumulate: gradient-accumulation steps used with this size (1 for a plain batch size).
+        compiled: the model ran under ``torch.compile`` (its steps are the compiled graph's, compile time apart).
+        compile_s: seconds of the trial's steps in which ``torch.compile`` compiled; not in ``step_ms``.
     """
 
     size: int
@@ -29,6 +31,8 @@ class TrialResult:
     samples_per_sec: float | None
     outcome: str
     accumulate: int = 1
+    compiled: bool = False
+    compile_s: float = 0.0
 
     @property
     def fits(self) -> bool:

@@ -18,7 +18,8 @@ class StepTimeline:
 
     A step that validation, a checkpoint or the epoch's end interrupts (:meth:`interrupt`) has no clean interval:
     it is timed up to the interruption and kept aside, used only when the epoch has no complete interval (one batch
-    per epoch, ``fast_dev_run``).
+    per epoch, ``fast_dev_run``). So is a step in which ``torch.compile`` compiled: it neither sets the reference
+    nor looks like a spill.
 
     Args:
         detector: judges the steps and the memory readings; its reference may come from a checkpoint.
@@ -58,15 +59,19 @@ class StepTimeline:
         """Whether a batch has started and nothing has ended it yet."""
         return self._start is not None
 
-    def batch_start(self, now: float, samples: int) -> bool:
+    def batch_start(self, now: float, samples: int, compiled: bool = False) -> bool:
         """A training batch of ``samples`` starts at ``now``, closing the step before it; True: read memory now.
+        ``compiled``: ``torch.compile`` compiled during the step it closes (the first steps, a last short batch):
+        compile time, not a slowdown, so that step is kept aside like an interrupted one.
 
         This runs on every training step: a subtraction and two appends; the detector takes the steps a few at a
         time (every step while it watches closely)."""
         start = self._start
         self._start = now
         wants = False
-        if start is not None:
+        if start is not None and compiled:
+            self.open_steps.append((now - start, self.batch))
+        elif start is not None:
             self.durations.append(now - start)
             self.samples.append(self.batch)
             self._unfed += 1

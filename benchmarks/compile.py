@@ -1,0 +1,271 @@
+"""torch.compile on a real GPU: what the measured choices and the checkpointing do where the model is compiled.
+Run on a CUDA machine (two calls of a few minutes each; each compile of ResNet50 takes about 45 s):
+
+    python benchmarks/compile.py --part frontier --out benchmarks/results/compile_frontier.json
+    python benchmarks/compile.py --part tuner --out benchmarks/results/compile_tuner.json
+    python benchmarks/compile.py --merge benchmarks/results/compile_frontier.json \
+        benchmarks/results/compile_tuner.json --out benchmarks/results/compile.json
+
+ResNet50, bf16 autocast, channels_last, SGD with momentum, random data on the device.
+
+- ``frontier``: a plain loop at batch 256, 5 warm-up steps (compiling ones among them) and 25 timed steps (CUDA
+  events, median), peak ``torch.cuda.max_memory_allocated()`` over the timed steps: eager; eager with this
+  library's ``rebuild_bn_relu``, every block checkpointed, and ``checkpoint_sequential`` in 4 segments; compiled
+  (inductor, default) as it is, at ``torch._functorch.config.activation_memory_budget`` 0.8, 0.5, 0.4 and 0.25, with
+  every block checkpointed by this library, and with the rebuild (which stands aside under compile). Each
+  compiled row starts from a fresh Dynamo cache and reports its warm-up (compile) time.
+- ``tuner``: a Lightning Trainer. The oracle: each size of 128..1024 compiled on its own, static (``dynamic=False``),
+  trained 5 + 15 steps. BatchSizeTuner over the same sizes on ``torch.compile(model)``, then 5 + 15 steps of
+  training at its choice, timed the same way; and the tuner's search time on the eager model beside it.
+
+``--smoke`` runs a tiny version on the CPU (resnet18 at 32 px, ``backend="aot_eager"``) to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torchvision
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import environment, free_memory, make_trainer, median, write_json  # noqa: E402
+
+from lightning_memguard import BatchSizeTuner, checkpoint_resnet  # noqa: E402
+from lightning_memguard.testing import ImageClassifier, StepTimer  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+class Setup:
+    def __init__(self, smoke: bool) -> None:
+        self.arch = "resnet18" if smoke else "resnet50"
+        self.image = 32 if smoke else 224
+        self.batch = 8 if smoke else 256
+        self.warmup, self.timed = (2, 3) if smoke else (5, 25)
+        self.backend = "aot_eager" if smoke else "inductor"
+        self.sizes = [2, 4, 8] if smoke else [128, 256, 512, 1024]
+        self.tuner_steps = (2, 3) if smoke else (5, 15)
+
+
+def make_model(cfg: Setup, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = getattr(torchvision.models, cfg.arch)(num_classes=1000).to(DEVICE)
+    return model.to(memory_format=torch.channels_last)
+
+
+def sequential_forward(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    body = nn.Sequential(model.layer1, model.layer2, model.layer3, model.layer4)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x = model.maxpool(model.relu(model.bn1(model.conv1(x))))
+        x = checkpoint_sequential(body, 4, x, use_reentrant=False)
+        return model.fc(torch.flatten(model.avgpool(x), 1))
+
+    return forward
+
+
+def _now() -> Any:
+    if CUDA:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _ms(a: Any, b: Any) -> float:
+    return a.elapsed_time(b) if CUDA else (b - a) * 1e3
+
+
+def train_steps(model: nn.Module, forward: Callable, cfg: Setup) -> dict[str, Any]:
+    """Warm-up steps (their wall time is the compile time where there is one), then timed steps."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model.train()
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    batches = [
+        (
+            torch.randn(cfg.batch, 3, cfg.image, cfg.image, device=DEVICE, generator=gen).to(
+                memory_format=torch.channels_last
+            ),
+            torch.randint(0, 1000, (cfg.batch,), device=DEVICE, generator=gen),
+        )
+        for _ in range(2)
+    ]
+    free_memory()
+    started = time.perf_counter()
+    marks: list[Any] = []
+    for i in range(cfg.warmup + cfg.timed):
+        if i == cfg.warmup:
+            if CUDA:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            warmup_s = time.perf_counter() - started
+        x, y = batches[i % 2]
+        if i >= cfg.warmup:
+            marks.append(_now())
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=CUDA):
+            loss = nn.functional.cross_entropy(forward(x), y)
+        loss.backward()
+        opt.step()
+    marks.append(_now())
+    if CUDA:
+        torch.cuda.synchronize()
+    step_ms = median([_ms(a, b) for a, b in zip(marks[:-1], marks[1:], strict=True)])
+    peak = torch.cuda.max_memory_allocated() if CUDA else None
+    return {
+        "step_ms": round(step_ms, 3),
+        "img_s": round(cfg.batch / step_ms * 1e3, 1),
+        "peak_bytes": peak,
+        "warmup_s": round(warmup_s, 2),
+    }
+
+
+def frontier(cfg: Setup) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+
+    def row(name: str, compiled: bool, prepare: Callable[[nn.Module], Any] | None = None, **extra: Any) -> None:
+        torch._dynamo.reset()
+        model = make_model(cfg)
+        forward = prepare(model) if prepare is not None else None
+        forward = forward or model
+        if compiled:
+            forward = torch.compile(forward, backend=cfg.backend)
+        budget = extra.get("activation_memory_budget")
+        patch = torch._functorch.config.patch(activation_memory_budget=budget) if budget is not None else None
+        if patch is not None:
+            with patch:
+                result = train_steps(model, forward, cfg)
+        else:
+            result = train_steps(model, forward, cfg)
+        rows.append({"setting": name, "compiled": compiled, **extra, **result})
+        print(json.dumps(rows[-1]), flush=True)
+        del model, forward
+
+    row("eager", False)
+    row("eager_rebuild_bn_relu", False, lambda m: checkpoint_resnet(m, rebuild_bn_relu=True) and None)
+    row("eager_every_block", False, lambda m: checkpoint_resnet(m) and None)
+    row("eager_checkpoint_sequential_4", False, sequential_forward)
+    row("compile", True)
+    for budget in (0.8, 0.5, 0.4, 0.25):
+        row(f"compile_activation_memory_budget_{budget}", True, activation_memory_budget=budget)
+    row("compile_every_block", True, lambda m: checkpoint_resnet(m) and None)
+    row("compile_rebuild_bn_relu", True, lambda m: checkpoint_resnet(m, rebuild_bn_relu=True) and None)
+    eager = rows[0]
+    for r in rows:
+        if CUDA:
+            r["saved_vs_eager"] = round(1 - r["peak_bytes"] / eager["peak_bytes"], 4)
+        r["speed_vs_eager"] = round(r["img_s"] / eager["img_s"], 4)
+    return {
+        "batch": cfg.batch,
+        "rows": rows,
+        "compile_frontier": [
+            {"setting": r["setting"], "peak_bytes": r["peak_bytes"], "img_s": r["img_s"]} for r in rows if r["compiled"]
+        ],
+    }
+
+
+def _lightning_model(cfg: Setup, batch: int, steps: int) -> ImageClassifier:
+    return ImageClassifier(
+        cfg.arch, num_classes=1000, image_size=cfg.image, batch_size=batch, steps_per_epoch=steps, pool_size=64,
+        channels_last=True,
+    )  # fmt: skip
+
+
+def _train(cfg: Setup, module: Any, callbacks: list[Any], root: str) -> tuple[float, float]:
+    """Samples/s of the timed steps at the module's batch size, and the fit's wall time."""
+    warmup, timed = cfg.tuner_steps
+    timer = StepTimer(skip=warmup)
+    trainer = make_trainer([*callbacks, timer], warmup + timed, root)
+    started = time.perf_counter()
+    trainer.fit(module)
+    wall = time.perf_counter() - started
+    lightning_module = trainer.lightning_module
+    return lightning_module.batch_size / median(timer.step_ms()) * 1e3, wall
+
+
+def tuner(cfg: Setup, root: str) -> dict[str, Any]:
+    warmup, timed = cfg.tuner_steps
+    steps = warmup + timed + 4
+    oracle = []
+    for size in cfg.sizes:
+        torch._dynamo.reset()
+        free_memory()
+        img_s, wall = _train(
+            cfg, torch.compile(_lightning_model(cfg, size, steps), backend=cfg.backend, dynamic=False), [], root
+        )
+        oracle.append({"size": size, "img_s": round(img_s, 1), "fit_s": round(wall, 1)})
+        print(json.dumps(oracle[-1]), flush=True)
+    best = max(oracle, key=lambda r: r["img_s"])
+
+    def tuned(compiled: bool) -> dict[str, Any]:
+        torch._dynamo.reset()
+        free_memory()
+        tuner = BatchSizeTuner(init_size=cfg.sizes[0], max_size=cfg.sizes[-1], cache=False)
+        module = _lightning_model(cfg, cfg.sizes[0], steps)
+        img_s, wall = _train(cfg, torch.compile(module, backend=cfg.backend) if compiled else module, [tuner], root)
+        return {
+            "choice": tuner.batch_size,
+            "choice_img_s": round(img_s, 1),
+            "search_s": tuner.search_s,
+            "compile_s": tuner.compile_s,
+            "fit_s": round(wall, 1),
+            "results": [r.to_dict() for r in tuner.results],
+        }
+
+    compiled = tuned(True)
+    print(json.dumps(compiled), flush=True)
+    eager = tuned(False)
+    print(json.dumps(eager), flush=True)
+    return {
+        "tuner": {
+            **{k: compiled[k] for k in ("choice", "choice_img_s", "search_s", "compile_s")},
+            "oracle_best": best["size"],
+            "oracle_img_s": best["img_s"],
+            "choice_vs_oracle": round(compiled["choice_img_s"] / best["img_s"], 4),
+            "trials": compiled["results"],
+        },
+        "oracle": oracle,
+        "eager_tuner": eager,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--part", choices=("frontier", "tuner", "all"), default="all")
+    parser.add_argument("--merge", nargs="+", default=None, help="JSON files of the parts to merge into --out")
+    parser.add_argument("--out", default="benchmarks/results/compile.json")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    if args.merge:
+        merged: dict[str, Any] = {}
+        for path in args.merge:
+            with open(path, encoding="utf-8") as f:
+                merged.update(json.load(f))
+        write_json(args.out, merged)
+        return
+    cfg = Setup(args.smoke or not CUDA)
+    data: dict[str, Any] = {"environment": environment(), "arch": cfg.arch, "backend": cfg.backend}
+    if args.part in ("frontier", "all"):
+        data["frontier"] = frontier(cfg)
+        data["compile_frontier"] = data["frontier"].pop("compile_frontier")
+    if args.part in ("tuner", "all"):
+        with tempfile.TemporaryDirectory() as root:
+            data.update(tuner(cfg, root))
+    write_json(args.out, data)
+
+
+if __name__ == "__main__":
+    main()

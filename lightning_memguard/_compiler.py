@@ -1,0 +1,61 @@
+"""What this library reads from and sets in ``torch.compile`` (TorchDynamo), in one place: these are its internals.
+
+- :func:`compiles`: how many graphs Dynamo has compiled in this process, read from its counters, so a step that
+  compiled (the first at a new size, the last short batch, the first after a switch to eval) is told apart from a
+  step that only ran.
+- :func:`static_graph_per_size`: Dynamo's configuration patched for a block of trials, so each new batch size gets
+  a graph specialised to it, as training at that size alone would, instead of the dynamic-shape graph Dynamo makes
+  after a second size (``automatic_dynamic_shapes``), and so no trial silently falls back to eager because the
+  recompile limit was reached.
+- :func:`is_compiled`: whether a module (a LightningModule, or a model inside one) runs compiled.
+
+Nothing here imports ``torch._dynamo`` unless something has compiled already, or a model is compiled.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from torch import nn
+
+_COUNTERS = "torch._dynamo.utils"
+
+
+def compiles() -> int:
+    """Graphs TorchDynamo has compiled in this process so far (0 while nothing was compiled). A dict read."""
+    utils = sys.modules.get(_COUNTERS)
+    if utils is None:  # nothing imported Dynamo: nothing compiled
+        return 0
+    return int(utils.counters["stats"]["unique_graphs"])
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """``module`` or one of its submodules runs compiled: ``torch.compile(model)`` (a LightningModule unwrapped by
+    Lightning's ``fit`` keeps a ``_compiler_ctx``), a compiled submodule, or ``nn.Module.compile()``."""
+    if getattr(module, "_compiler_ctx", None) is not None:
+        return True
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", ()) if eval_frame is not None else ()
+    return any(
+        (optimized and isinstance(m, optimized)) or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module.modules()
+    )
+
+
+@contextmanager
+def static_graph_per_size(sizes: int = 64) -> Iterator[None]:
+    """Inside, each new input shape compiles a graph of its own, static in its shapes, and ``sizes`` more
+    recompiles than Dynamo's limit are allowed per function (a recompile costs only when it happens). A model
+    compiled with ``dynamic=True`` stays dynamic (that asks for dynamic shapes); ``dynamic=False`` is static
+    anyway. Dynamo's settings are restored on exit.
+
+    The graphs stay in Dynamo's cache afterwards: training at a size tried runs that size's graph.
+    """
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    with config.patch({"automatic_dynamic_shapes": False, limit: getattr(config, limit) + sizes}):
+        yield
