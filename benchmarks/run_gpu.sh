@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every single-GPU measurement the README quotes, in one go (about 9 minutes on an H200).
 # Usage: bash benchmarks/run_gpu.sh OUT_DIR [STEP...]   STEP: tests overhead spill checkpointing tuners sweeps
-# (all when none is named). Results and plots land in OUT_DIR; copy them to benchmarks/results/ and docs/,
+# (all when none is named), or one of: zoo compile_frontier compile_tuner (each about 3-8 minutes). Results and plots land in OUT_DIR; copy them to benchmarks/results/ and docs/,
 # then update the README's "Measured" section.
 set -uo pipefail
 out=${1:?usage: run_gpu.sh OUT_DIR}
@@ -22,6 +22,9 @@ want overhead && run timeout 240 python3 benchmarks/overhead.py --rounds 3 --out
 want spill && run timeout 120 python3 benchmarks/spill.py --out "$out/spill.json"
 want checkpointing && run timeout 420 python3 benchmarks/checkpointing.py --out "$out/checkpointing.json" --plot "$out/checkpointing.png"
 want tuners && run timeout 330 python3 benchmarks/tuners.py --out "$out/tuners.json"
+want zoo && run timeout 300 python3 benchmarks/checkpointing_zoo.py --out "$out/checkpointing_zoo.json"
+want compile_frontier && TAIL=14 run timeout 540 python3 benchmarks/compile.py --part frontier --out "$out/compile_frontier.json"
+want compile_tuner && TAIL=10 run timeout 540 python3 benchmarks/compile.py --part tuner --out "$out/compile_tuner.json"
 if want sweeps; then
 TAIL=9 run timeout 90 python3 -m lightning_memguard.cli sweep --model resnet50 --batch-sizes 32,64,128,256,512 \
     --precision bf16-mixed --channels-last --out "$out/sweep"

@@ -311,3 +311,32 @@ def test_preflight_on_a_linux_driver_finds_no_fallback(tmp_path):
     model = ImageClassifier("resnet18", image_size=64, batch_size=16, steps_per_epoch=3)
     _trainer(tmp_path, [guard], max_epochs=1).fit(model)
     assert guard.fallback_enabled is False
+
+
+def test_batch_size_tuner_on_a_compiled_model_runs_one_static_inductor_graph_per_size(tmp_path):
+    """CPU twin: tests/test_compile.py (aot_eager, an injected clock)."""
+    from lightning_memguard import BatchSizeTuner
+
+    graphs = []
+
+    def inductor(gm, example_inputs):
+        graphs.append(any(isinstance(t, torch.SymInt) for t in example_inputs))
+        return torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
+
+    class AtTrainStart(Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.graphs = len(graphs)
+
+    torch._dynamo.reset()
+    tuner = BatchSizeTuner(init_size=32, max_size=128, cache=False, warmup_steps=1, timed_steps=3, min_gain=0.0)
+    model = ImageClassifier("resnet18", image_size=64, batch_size=32, steps_per_epoch=12, channels_last=True)
+    seen = AtTrainStart()
+    trainer = _trainer(tmp_path, [tuner, seen], max_epochs=1, limit_train_batches=3)
+    trainer.fit(torch.compile(model, backend=inductor))
+    assert len(graphs) >= 3 and not any(graphs)  # one static graph (at least) per size, none dynamic
+    assert [r.size for r in tuner.results] == [32, 64, 128]
+    for r in tuner.results:  # compiling took seconds, a timed step milliseconds: compiling was left out
+        assert r.compiled and r.compile_s > 1.0 and r.step_ms < 1000 * r.compile_s / 10
+    assert tuner.compile_s <= tuner.search_s
+    assert len(graphs) == seen.graphs  # training at the choice ran the graph its trial compiled
+    torch._dynamo.reset()
