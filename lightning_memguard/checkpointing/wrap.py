@@ -302,7 +302,29 @@ def _repeating(model: nn.Module) -> list[tuple[str, nn.Module]]:
             visit(f"{prefix}{name}.", child)
 
     visit("", model)
-    return found
+    return _carrying_most(model, found)
+
+
+def _carrying_most(model: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Of the repeating modules, those of the classes that carry most of the model's parameters: largest first, the
+    classes it takes for more than half of them (all, where they never do: an embedding larger than the layers), and
+    beside them any class with at least a tenth of the largest's (a decoder's layers beside an encoder's). A small
+    repeated part (heads of a few parameters each) is not a block to checkpoint."""
+    params: dict[type, dict[int, int]] = {}
+    for _, module in found:
+        own = params.setdefault(_base_class(module), {})
+        own.update((id(p), p.numel()) for p in module.parameters())
+    sizes = {cls: sum(own.values()) for cls, own in params.items()}
+    total = sum(p.numel() for p in model.parameters())
+    largest = max(sizes.values(), default=0)
+    kept: set[type] = set()
+    carried = 0
+    for cls in sorted(sizes, key=lambda c: -sizes[c]):  # stable: equal sizes in order of appearance
+        if 2 * carried > total and 10 * sizes[cls] < largest:
+            break
+        kept.add(cls)
+        carried += sizes[cls]
+    return [(name, module) for name, module in found if _base_class(module) in kept]
 
 
 def _declared(model: nn.Module) -> set[str] | None:
@@ -329,8 +351,10 @@ def find_units(model: nn.Module, units: Any = "auto") -> list[tuple[str, nn.Modu
 
     ``"auto"`` finds blocks by structure: the classes a Hugging Face model names in ``_no_split_modules``, where it
     declares them; else the outermost modules that repeat (the same class twice or more, with submodules of their
-    own) as elements of an ``nn.Sequential`` or ``nn.ModuleList`` chain, nested chains flattened: a ResNet's
-    Bottlenecks, MobileNet's InvertedResiduals, EfficientNet's MBConvs, a transformer's layers.
+    own) as elements of an ``nn.Sequential`` or ``nn.ModuleList`` chain, nested chains flattened, of the classes
+    that carry most of the model's parameters (largest first until more than half, and any with at least a tenth of
+    the largest's): a ResNet's Bottlenecks, MobileNet's InvertedResiduals, EfficientNet's MBConvs, a transformer's
+    layers, but not a few small heads repeated beside them.
 
     Raises:
         TypeError: if ``units`` is of the wrong kind.
