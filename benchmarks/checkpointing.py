@@ -9,8 +9,8 @@ peak of one pass (0.57 of it is about the 4-segment version's saving of the trai
 `rebuild_bn_relu=True` (every Bottleneck left unchecked rebuilds its BatchNorm + ReLU outputs, and its output where
 the next block is rebuilt too, in backward instead of keeping them), alone and at budgets 0.8, 0.7, 0.6, 0.57, 0.5
 and 0.4; and the rebuild alone done other ways (`VARIANTS`): with PyTorch's own kernels instead of the one-pass
-Triton kernel, and keeping 1 or all of a stage's earlier outputs when its last is rebuilt (`rebuild.chain_kept`,
-default 2). Each is timed with
+Triton kernel, and keeping 1 or all of a stage's earlier outputs when its last is rebuilt
+(`RebuildConfig.chain_kept`, default 2). Each is timed with
 CUDA events (median step) in two interleaved rounds; peak is `torch.cuda.max_memory_allocated()` over the timed
 steps. Also: whether BatchNorm buffers stay bit-identical to the plain model under bf16 and channels_last.
 """
@@ -36,14 +36,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import environment, free_memory, median, write_json  # noqa: E402
 
 from lightning_memguard import checkpoint_resnet  # noqa: E402
-from lightning_memguard.checkpointing import apply_plan  # noqa: E402
-from lightning_memguard.checkpointing import rebuild as rebuild_module  # noqa: E402
+from lightning_memguard.checkpointing import RebuildConfig, apply_plan  # noqa: E402
 
-DEFAULT_KEPT = rebuild_module.chain_kept
-VARIANTS = {  # the rebuild alone, other ways: (one-pass kernel?, rebuild.chain_kept)
-    "ours_rebuild_eager": (False, DEFAULT_KEPT),  # PyTorch's own kernels
-    "ours_rebuild_chain_kept_1": (True, 1),
-    "ours_rebuild_chain_kept_all": (True, 100),
+VARIANTS = {  # the rebuild alone, other ways
+    "ours_rebuild_eager": RebuildConfig(fused=False),  # PyTorch's own kernels
+    "ours_rebuild_chain_kept_1": RebuildConfig(chain_kept=1),
+    "ours_rebuild_chain_kept_all": RebuildConfig(chain_kept=100),
 }
 
 
@@ -151,7 +149,7 @@ def main() -> None:
             return model, model
         rebuild = name.startswith("ours_rebuild")  # BatchNorm + ReLU outputs rebuilt in the blocks left unchecked
         if name in ("ours_rebuild", *VARIANTS):
-            checkpoint_resnet(model, rebuild_bn_relu=True)
+            checkpoint_resnet(model, rebuild_bn_relu=True, rebuild_config=VARIANTS.get(name))
             return model, model
         budget = float(name.split("_")[-1])
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -196,10 +194,7 @@ def main() -> None:
         for name in names:
             free_memory()
             model, forward = build(name)
-            fused, kept = VARIANTS.get(name, (True, DEFAULT_KEPT))
-            rebuild_module.fused_rebuild, rebuild_module.chain_kept = fused, kept
             row = train_steps(model, forward, batches, args.steps, args.warmup)
-            rebuild_module.fused_rebuild, rebuild_module.chain_kept = True, DEFAULT_KEPT
             runs[name].append(row)
             print(name, row, flush=True)
             del model, forward

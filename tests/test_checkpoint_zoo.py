@@ -122,3 +122,49 @@ def test_hugging_face_declared_units_come_first():
 def test_a_model_with_no_repeating_structure_is_a_clear_error():
     with pytest.raises(ValueError, match="no blocks to checkpoint found in Sequential with units='auto'"):
         find_units(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+class _Head(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class _MultiHead(nn.Module):
+    """A trunk of repeated blocks and repeated small heads: both repeat as elements of a chain."""
+
+    def __init__(self, embedding: int = 0) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(embedding, 32) if embedding else None
+        self.trunk = nn.Sequential(*[_Block(32) for _ in range(4)])
+        self.heads = nn.ModuleList([_Head(32) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.trunk(self.embed(x) if self.embed is not None else x)
+        return sum(head(h) for head in self.heads)
+
+
+def test_the_blocks_found_are_those_carrying_most_of_the_parameters():
+    model = _MultiHead()
+    assert [n for n, _ in find_units(model)] == ["trunk.0", "trunk.1", "trunk.2", "trunk.3"]  # not the heads
+    plan = checkpoint_blocks(model)
+    assert plan.blocks == ["trunk.0", "trunk.1", "trunk.2", "trunk.3"]
+    # an embedding larger than everything repeated: no class carries most, so every one is a block
+    names = [n for n, _ in find_units(_MultiHead(embedding=5000))]
+    assert names == ["trunk.0", "trunk.1", "trunk.2", "trunk.3", "heads.0", "heads.1", "heads.2"]
+    # an encoder's layers beside a decoder's, which carry more: both are blocks
+    transformer = nn.Transformer(16, 2, 2, 2, 32, batch_first=True)
+    kinds = [type(m).__name__ for _, m in find_units(transformer)]
+    assert kinds == ["TransformerEncoderLayer"] * 2 + ["TransformerDecoderLayer"] * 2

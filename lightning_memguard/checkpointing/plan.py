@@ -1,4 +1,7 @@
-"""Measuring a model's links on a real batch and checkpointing the ones that buy the most memory per millisecond."""
+"""Measuring a model's links on a real batch and checkpointing the ones that buy the most memory per millisecond.
+
+This module measures and decides (with :class:`~lightning_memguard.core.checkpoint_plan.BudgetSearch`); every change
+to the model is made by :func:`.surgery.apply`."""
 
 from __future__ import annotations
 
@@ -11,24 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memguard.checkpointing.rebuild import (
-    RebuiltBatchNormReLU,
-    RebuiltStemReLU,
-    link_outputs,
-    rebuild_stem,
-    rebuildable,
-    remove_rebuild,
-    stem_rebuildable,
-)
-from lightning_memguard.checkpointing.rebuild import rebuild_bn_relu as rebuild
+from lightning_memguard.checkpointing import surgery
+from lightning_memguard.checkpointing.rebuild import DEFAULT_CONFIG, RebuildConfig, rebuildable, stem_rebuildable
 from lightning_memguard.checkpointing.wrap import (
     Link,
     Units,
-    apply_runs,
     find_units,
     is_checkpointed,
     preserved_state,
-    remove_checkpointing,
     stock_resnet,
 )
 from lightning_memguard.core.checkpoint_plan import (
@@ -227,21 +220,10 @@ class _StepMeter:
         return profiles
 
 
-def _rebuilt(link: Link) -> bool:
-    return any(isinstance(module, RebuiltBatchNormReLU | RebuiltStemReLU) for _, module in link.modules)
-
-
 def _can_rebuild(link: Link) -> bool:
     if link.stem:
         return stem_rebuildable(*(m for _, m in link.modules[1:]))
     return any(rebuildable(m) for _, m in link.modules)
-
-
-def _rebuild_link(link: Link) -> bool:
-    """Rebuild BatchNorm + ReLU outputs in backward in this link where it can; whether it changed."""
-    if link.stem:
-        return _can_rebuild(link) and rebuild_stem(*(m for _, m in link.modules[1:]))
-    return sum(rebuild(m) for _, m in link.modules) > 0
 
 
 def _rebuilt_profiles(rebuilt: list[BlockProfile], plain: list[BlockProfile]) -> list[BlockProfile]:
@@ -309,13 +291,12 @@ def _consecutive_in_sequential(modules: dict[str, nn.Module], a: str, b: str) ->
     return order.index(index_b) == order.index(index_a) + 1
 
 
-def _runs_named(model: nn.Module, units: Units, runs: list[list[str]]) -> list[list[Link]]:
+def _runs_named(links: list[Link], joinable: list[bool], runs: list[list[str]]) -> list[list[Link]]:
     """The model's links for each run of names (to re-apply a plan on a fresh copy of the model).
 
     Raises:
         ValueError: a name the model does not have, or a run whose links may not share one checkpoint.
     """
-    links, joinable = model_chain(model, find_units(model, units))
     index = {link.name: i for i, link in enumerate(links)}
     for run in runs:
         missing = [n for n in run if n not in index]
@@ -337,6 +318,7 @@ def checkpoint_blocks(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     bn_correct: bool = True,
     rebuild_bn_relu: bool = False,
+    rebuild_config: RebuildConfig | None = None,
 ) -> CheckpointPlan:
     """Checkpoint a block-structured model in place (``use_reentrant=False``); ``state_dict`` keys do not change.
 
@@ -359,18 +341,20 @@ def checkpoint_blocks(
 
     Args:
         model: the model, changed in place.
-        units: ``"auto"`` (residual blocks: classes named ``*Block``, ``*Bottleneck``, ``*EncoderLayer``...), a set
-            of module classes, or a predicate ``(name, module) -> bool``.
+        units: ``"auto"`` (found by structure, see :func:`~.wrap.find_units`), module classes, or a predicate
+            ``(name, module) -> bool``.
         memory_budget: see above; needs ``example_input``.
         example_input: a real batch of model inputs (a tensor, or a tuple of positional arguments).
         loss_fn: turns the model's output into a scalar for the profiling backward; default: the sum.
         bn_correct: BatchNorm running statistics are updated only by the first forward, not by recomputation.
         rebuild_bn_relu: see above.
+        rebuild_config: how the rebuild makes its tensors (:class:`~.rebuild.RebuildConfig`); default: the one-pass
+            kernel where it runs, two of a stage's earlier outputs kept.
 
     Raises:
         ValueError: no blocks found, a budget without an example input, a budget out of range, or
             ``rebuild_bn_relu`` on a model with no torchvision BasicBlock or Bottleneck among its blocks.
-        TypeError: ``units`` of the wrong kind.
+        TypeError: ``units`` of the wrong kind, ``rebuild_config`` not a ``RebuildConfig``.
 
     Example:
         >>> import torchvision
@@ -380,38 +364,51 @@ def checkpoint_blocks(
         (['stem', 'layer1.0', 'layer1.1'], 9)
     """
     memory_budget = check_memory_budget(memory_budget)  # the callback's rule: a float is a fraction, else bytes
-    found = find_units(model, units)
-    links, joinable = model_chain(model, found)
-    names = [link.name for link in links]
+    config = _check_config(rebuild_config)
+    links, joinable = model_chain(model, find_units(model, units))
     if rebuild_bn_relu and not any(_can_rebuild(link) for link in links):
         raise ValueError(
             "`rebuild_bn_relu` needs torchvision BasicBlock or Bottleneck blocks or a ResNet stem (with"
             f" nn.BatchNorm2d), and {type(model).__name__} has none"
         )
     if memory_budget is None and rebuild_bn_relu:
-        rebuilt = [link.name for link in links if _rebuild_link(link)]
-        link_outputs(model)
-        return CheckpointPlan(blocks=[], candidates=len(links), rebuilt=rebuilt)
+        applied = surgery.apply(model, rebuilt=links, config=config)
+        return CheckpointPlan(blocks=[], candidates=len(links), rebuilt=applied.rebuilt)
     if memory_budget is None:
-        changed = set(apply_runs([[link] for link in links], bn_correct))
-        return CheckpointPlan(
-            blocks=[n for n in names if n in changed], candidates=len(links), runs=[[n] for n in names if n in changed]
-        )
+        applied = surgery.apply(model, [[link] for link in links], bn_correct=bn_correct)
+        return CheckpointPlan(blocks=applied.checkpointed, candidates=len(links), runs=applied.runs)
     if example_input is None:
         raise ValueError("`memory_budget` needs `example_input`, a real batch to measure the blocks on")
     if any(is_checkpointed(m) for link in links for _, m in link.modules):
         warnings.warn("the model is already checkpointed; applying twice changes nothing", UserWarning, stacklevel=2)
         return CheckpointPlan(blocks=[], candidates=len(links))
+    with surgery.restored_on_failure(model):  # a planning pass that fails leaves the model as it was
+        return _plan(model, links, joinable, memory_budget, example_input, loss_fn, bn_correct, rebuild_bn_relu, config)
+
+
+def _plan(
+    model: nn.Module,
+    links: list[Link],
+    joinable: list[bool],
+    memory_budget: float | int,
+    example_input: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    bn_correct: bool,
+    rebuild_bn_relu: bool,
+    config: RebuildConfig,
+) -> CheckpointPlan:
+    """Measure, choose links under the budget, and leave the model as the plan says (see :func:`checkpoint_blocks`)."""
+    names = [link.name for link in links]
     meter = _StepMeter(model, example_input, loss_fn or _default_loss)
     baseline = meter.peak()
     budget = int(baseline * memory_budget) if isinstance(memory_budget, float) else memory_budget
     profiles = meter.profile(links)
     start = baseline  # the peak the blocks are chosen against: after the rebuild, where there is one
+    rebuilt = links if rebuild_bn_relu else []  # the rebuild goes wherever a link is left unchecked
+    applied = surgery.Applied()
     if rebuild_bn_relu:
         plain = profiles  # what a checkpointed block brings back when it is recomputed: the rebuild stands aside
-        for link in links:
-            _rebuild_link(link)
-        link_outputs(model)
+        applied = surgery.apply(model, rebuilt=rebuilt, config=config)
         profiles = _rebuilt_profiles(meter.profile(links), plain)
         start -= sum(q.saved_bytes for q in plain) - sum(p.saved_bytes for p in profiles)  # what the rebuild frees
     chosen, _, _ = choose_blocks(profiles, start, budget, joinable, meter.cuda)
@@ -419,44 +416,39 @@ def checkpoint_blocks(
     def cut(indices: set[int]) -> list[list[int]]:
         return best_runs(indices, profiles, start, joinable, meter.cuda)
 
-    applied: list[str] = []  # what the last apply really checkpointed
-
-    def apply(indices: set[int]) -> int:
-        for link in links:  # only what this plan checkpoints: anything else in the model stays as it is
-            for _, module in link.modules:
-                remove_checkpointing(module)
-                if rebuild_bn_relu:
-                    remove_rebuild(module)
-        applied[:] = apply_runs([[links[i] for i in run] for run in cut(indices)], bn_correct)
-        if rebuild_bn_relu:  # the links left unchecked
-            for link in links:
-                _rebuild_link(link)
-        link_outputs(model)
-        return meter.peak()
-
     search = BudgetSearch(chosen, [value(p) for p in profiles], budget)  # the pure core decides, this measures
     with warnings.catch_warnings(record=True) as caught:  # each apply repeats the same warnings: pass them on once
         warnings.simplefilter("always")
         while (indices := search.propose()) is not None:
-            search.observe(apply(indices))
+            runs = [[links[i] for i in run] for run in cut(indices)]
+            applied = surgery.apply(model, runs, rebuilt, bn_correct=bn_correct, config=config, replacing=applied)
+            search.observe(meter.peak())
     chosen, measured = search.result  # type: ignore[misc]
     for message in dict.fromkeys((w.category, str(w.message)) for w in caught):
-        warnings.warn(message[1], message[0], stacklevel=2)
-    runs = cut(chosen)
+        warnings.warn(message[1], message[0], stacklevel=3)
+    order = {name: i for i, name in enumerate(names)}
     plan = CheckpointPlan(
-        blocks=[names[i] for i in sorted(chosen) if names[i] in applied],
+        blocks=sorted(applied.checkpointed, key=order.__getitem__),  # what was really changed, in model order
         candidates=len(links),
-        runs=[[names[i] for i in run] for run in runs],
-        rebuilt=[link.name for link in links if _rebuilt(link)],
+        runs=applied.runs,
+        rebuilt=applied.rebuilt,
         baseline_bytes=baseline,
         budget_bytes=budget,
-        predicted_bytes=predict_peak(start, profiles, runs, meter.cuda),
+        predicted_bytes=predict_peak(start, profiles, cut(chosen), meter.cuda),
         measured_bytes=measured,
         profiles=profiles,
     )
     if not plan.held:
-        warnings.warn(f"memory budget not met; the lowest peak found: {plan.summary()}", UserWarning, stacklevel=2)
+        warnings.warn(f"memory budget not met; the lowest peak found: {plan.summary()}", UserWarning, stacklevel=3)
     return plan
+
+
+def _check_config(config: Any) -> RebuildConfig:
+    if config is None:
+        return DEFAULT_CONFIG
+    if not isinstance(config, RebuildConfig):
+        raise TypeError(f"`rebuild_config` must be a RebuildConfig or None, got {config!r}")
+    return config
 
 
 def apply_plan(
@@ -465,19 +457,21 @@ def apply_plan(
     units: Units = "auto",
     bn_correct: bool = True,
     rebuild_bn_relu: bool = False,
+    rebuild_config: RebuildConfig | None = None,
 ) -> list[str]:
     """Checkpoint the runs of a plan made before (``CheckpointPlan.runs``) on a fresh copy of its model, and with
-    ``rebuild_bn_relu`` rebuild BatchNorm + ReLU outputs in the blocks left unchecked; return the links checkpointed.
+    ``rebuild_bn_relu`` rebuild BatchNorm + ReLU outputs in the blocks left unchecked (made as ``rebuild_config``
+    says); return the links checkpointed.
 
     Raises:
         ValueError: a block the model does not have, or a run of blocks that may not share one checkpoint.
+        TypeError: ``rebuild_config`` not a ``RebuildConfig``.
     """
-    changed = apply_runs(_runs_named(model, units, runs), bn_correct)
-    if rebuild_bn_relu:
-        for link in model_chain(model, find_units(model, units))[0]:
-            _rebuild_link(link)
-    link_outputs(model)
-    return changed
+    config = _check_config(rebuild_config)
+    links, joinable = model_chain(model, find_units(model, units))
+    named = _runs_named(links, joinable, runs)
+    applied = surgery.apply(model, named, links if rebuild_bn_relu else (), bn_correct=bn_correct, config=config)
+    return applied.checkpointed
 
 
 def checkpoint_resnet(
@@ -486,6 +480,7 @@ def checkpoint_resnet(
     example_input: Any = None,
     bn_correct: bool = True,
     rebuild_bn_relu: bool = False,
+    rebuild_config: RebuildConfig | None = None,
 ) -> CheckpointPlan:
     """Checkpoint a torchvision ResNet (resnet18..152, ResNeXt, Wide ResNet) in place: its stem and blocks.
 
@@ -517,4 +512,5 @@ def checkpoint_resnet(
         example_input=example_input,
         bn_correct=bn_correct,
         rebuild_bn_relu=rebuild_bn_relu,
+        rebuild_config=rebuild_config,
     )

@@ -22,27 +22,52 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_memguard.checkpointing import _fused
-from lightning_memguard.checkpointing.wrap import (
-    SwappedModule,
-    _compiling,
-    is_checkpointed,
-    stock_resnet,
-    swapped_class,
-)
+from lightning_memguard.checkpointing.wrap import Swap, SwappedModule, _compiling, is_checkpointed, stock_resnet
 
-fused_rebuild = True
-"""Rebuild with one Triton kernel pass where it can run (CUDA); False: always with PyTorch's own kernels."""
 
-chain_kept = 2
-"""When backward first needs a block's output, the stage's earlier outputs it is built from are built too: this
-many of them (the nearest) are kept for their own use soon after; the others are let go and built again when
-needed. Fewer: less memory early in a stage's backward, more passes."""
+@dataclass(frozen=True)
+class RebuildConfig:
+    """How rebuilt tensors are made; passed to ``rebuild_bn_relu`` (or ``checkpoint_blocks(rebuild_config=...)``)
+    and carried by each rebuilt module.
+
+    Args:
+        fused: rebuild with one Triton kernel pass where it can run (CUDA); False: always with PyTorch's own kernels.
+        chain_kept: when backward first needs a block's output, the stage's earlier outputs it is built from are
+            built too: this many of them (the nearest) are kept for their own use soon after; the others are let go
+            and built again when needed. Fewer: less memory early in a stage's backward, more passes.
+
+    Raises:
+        TypeError: ``fused`` not a bool, ``chain_kept`` not an int.
+        ValueError: ``chain_kept`` below 0.
+
+    Example:
+        >>> RebuildConfig(chain_kept=-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: `chain_kept` must be at least 0, got -1
+    """
+
+    fused: bool = True
+    chain_kept: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fused, bool):
+            raise TypeError(f"`fused` must be a bool, got {self.fused!r}")
+        if not isinstance(self.chain_kept, int) or isinstance(self.chain_kept, bool):
+            raise TypeError(f"`chain_kept` must be an int, got {self.chain_kept!r}")
+        if self.chain_kept < 0:
+            raise ValueError(f"`chain_kept` must be at least 0, got {self.chain_kept!r}")
+
+
+DEFAULT_CONFIG = RebuildConfig()
 
 
 class _Recipe:
@@ -51,10 +76,10 @@ class _Recipe:
 
     Built when backward first unpacks it, kept until every saved copy (``packed``) has been unpacked, then let go.
     A recipe another one needs as its identity is built then, and kept the same way if it is one of the
-    :data:`chain_kept` nearest in the chain (else built again when unpacked); one nothing saved is never kept.
+    ``config.chain_kept`` nearest in the chain (else built again when unpacked); one nothing saved is never kept.
     """
 
-    __slots__ = ("source", "bn", "mean", "invstd", "identity", "relu", "packed", "unpacked", "rebuilt")
+    __slots__ = ("source", "bn", "mean", "invstd", "identity", "relu", "config", "packed", "unpacked", "rebuilt")
 
     def __init__(
         self,
@@ -64,9 +89,10 @@ class _Recipe:
         invstd: torch.Tensor,
         identity: torch.Tensor | _Recipe | None = None,
         relu: bool = True,
+        config: RebuildConfig = DEFAULT_CONFIG,
     ) -> None:
         self.source, self.bn, self.mean, self.invstd = source, bn, mean, invstd
-        self.identity, self.relu = identity, relu
+        self.identity, self.relu, self.config = identity, relu, config
         self.packed = 0
         self.unpacked = 0
         self.rebuilt: torch.Tensor | None = None
@@ -88,7 +114,7 @@ class _Recipe:
 
     def _build(self, depth: int) -> torch.Tensor:
         identity = self.identity
-        own = self._args() if fused_rebuild else None  # the kernel's path, where it can run (fused() says)
+        own = self._args() if self.config.fused else None  # the kernel's path, where it can run (fused() says)
         if own is not None and isinstance(identity, _Recipe) and identity.packed == 0 and identity.rebuilt is None:
             second = identity._args() if identity.identity is None and not identity.relu else None
             out = _fused.fused(own, second, self.relu) if second is not None else None  # both BatchNorms, one pass
@@ -100,11 +126,11 @@ class _Recipe:
 
     def value(self, depth: int = 0) -> torch.Tensor:
         """The rebuilt tensor, kept while saved copies of it are still to be unpacked; ``depth``: how many recipes
-        up the chain asked for it (0: unpacked itself), past :data:`chain_kept` it is not kept."""
+        up the chain asked for it (0: unpacked itself), past ``config.chain_kept`` it is not kept."""
         out = self.rebuilt
         if out is None:
             out = self._build(depth)
-            if self.unpacked < self.packed and depth <= chain_kept:
+            if self.unpacked < self.packed and depth <= self.config.chain_kept:
                 self.rebuilt = out
         return out
 
@@ -204,17 +230,22 @@ def _saving_recipes(outer: _Outer) -> Any:
     return torch.autograd.graph.saved_tensors_hooks(*_recipe_hooks(outer))
 
 
-def _remember(bn: nn.BatchNorm2d, inputs: Any, output: torch.Tensor) -> None:
+def _remember(bn: nn.BatchNorm2d, inputs: Any, output: torch.Tensor, config: RebuildConfig) -> None:
     """Forward hook of a BatchNorm followed by an in-place ReLU: its output is saved as a recipe."""
     stats = _batch_stats(output)
     if stats is not None:
-        _register(output, _Recipe(inputs[0], bn, *stats))
+        _register(output, _Recipe(inputs[0], bn, *stats, config=config))
 
 
-class RebuiltBatchNormReLU(SwappedModule):
+class RebuildMixin(SwappedModule):
+    """Base of the rebuild's mixins: ``remove_rebuild`` takes off every subclass."""
+
+
+class RebuiltBatchNormReLU(RebuildMixin):
     """Mixin placed in front of a block's class: within its forward, the outputs of ``memguard_bns`` (each followed
     by an in-place ReLU) are saved as recipes, and with ``memguard_tail`` (its last BatchNorm and its shortcut's
-    BatchNorm or None) so is the block's output, ``relu(last(.) + shortcut)``."""
+    BatchNorm or None) so is the block's output, ``relu(last(.) + shortcut)``; ``memguard_rebuild`` is the
+    :class:`RebuildConfig` its recipes follow."""
 
     memguard_prefix = "RebuiltBNReLU"
 
@@ -222,10 +253,12 @@ class RebuiltBatchNormReLU(SwappedModule):
         active, outer = _may_rebuild(self)
         if not active:
             return super().forward(*args, **kwargs)
-        handles = [bn.register_forward_hook(_remember) for bn in self.__dict__["memguard_bns"]]
+        config = self.__dict__["memguard_rebuild"]
+        handles = [bn.register_forward_hook(partial(_remember, config=config)) for bn in self.__dict__["memguard_bns"]]
         tail = self.__dict__.get("memguard_tail")
         if tail is not None and args and isinstance(args[0], torch.Tensor):
-            handles += self._remember_output(args[0], *tail)
+            last, shortcut = tail
+            handles += self._remember_output(args[0], last, shortcut, config)
         try:
             with _saving_recipes(outer):
                 return super().forward(*args, **kwargs)
@@ -234,7 +267,9 @@ class RebuiltBatchNormReLU(SwappedModule):
                 handle.remove()
 
     @staticmethod
-    def _remember_output(x: torch.Tensor, last: nn.Module, shortcut: nn.Module | None) -> list[Any]:
+    def _remember_output(
+        x: torch.Tensor, last: nn.Module, shortcut: nn.Module | None, config: RebuildConfig
+    ) -> list[Any]:
         """Hooks that save the block's output as a recipe: it is the last BatchNorm's output, added to in place and
         made non-negative in place. The shortcut's BatchNorm runs after the last one; until it has, nothing is
         saved as a recipe."""
@@ -246,15 +281,16 @@ class RebuiltBatchNormReLU(SwappedModule):
                 return
             if shortcut is None:
                 identity = _registered(x)
-                _register(output, _Recipe(inputs[0], bn, *stats, identity=x if identity is None else identity))
+                recipe = _Recipe(inputs[0], bn, *stats, identity=x if identity is None else identity, config=config)
+                _register(output, recipe)
             else:
-                pending.append((output, _Recipe(inputs[0], bn, *stats)))
+                pending.append((output, _Recipe(inputs[0], bn, *stats, config=config)))
 
         def remember_shortcut(bn: nn.BatchNorm2d, inputs: Any, output: torch.Tensor) -> None:
             stats = _batch_stats(output)
             if stats is not None and pending:
                 out, recipe = pending.pop()
-                recipe.identity = _Recipe(inputs[0], bn, *stats, relu=False)
+                recipe.identity = _Recipe(inputs[0], bn, *stats, relu=False, config=config)
                 _register(out, recipe)
 
         handles = [last.register_forward_hook(remember_last)]
@@ -263,9 +299,10 @@ class RebuiltBatchNormReLU(SwappedModule):
         return handles
 
 
-class RebuiltStemReLU(SwappedModule):
+class RebuiltStemReLU(RebuildMixin):
     """Mixin for the in-place ReLU of a torchvision ResNet's stem (conv1, bn1, relu, maxpool): its output, kept by
-    the ReLU and by the max-pooling after it, is saved as a recipe."""
+    the ReLU and by the max-pooling after it, is saved as a recipe (of ``memguard_bn``'s output, following
+    ``memguard_rebuild``)."""
 
     memguard_prefix = "RebuiltStem"
 
@@ -275,7 +312,8 @@ class RebuiltStemReLU(SwappedModule):
         source = getattr(x.grad_fn, "_saved_input", None) if stats is not None else None
         if not isinstance(source, torch.Tensor) or not getattr(self, "inplace", False):
             return super().forward(x)
-        _register(x, _Recipe(source, self.__dict__["memguard_bn"], *stats))  # type: ignore[misc]
+        config = self.__dict__["memguard_rebuild"]
+        _register(x, _Recipe(source, self.__dict__["memguard_bn"], *stats, config=config))  # type: ignore[misc]
         with _saving_recipes(outer):
             return super().forward(x)
 
@@ -290,12 +328,13 @@ class _Narrowed:
         self.indices = indices
 
 
-class RebuiltStemPool(SwappedModule):
+class RebuiltStemPool(RebuildMixin):
     """Mixin for the max-pooling of a ResNet's stem: its input is saved as the recipe the stem's ReLU made, and
     the indices of the maxima, positions within an input plane, as 16-bit integers where a plane is small enough
     (a quarter of the 64-bit ones: exact, one cast each way)."""
 
     memguard_prefix = "RebuiltStem"
+    memguard_unit = False  # part of the stem, which its ReLU counts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         active, outer = _may_rebuild(self)
@@ -329,15 +368,39 @@ def stem_rebuildable(bn: nn.Module, relu: nn.Module, pool: nn.Module) -> bool:
     return type(bn) is nn.BatchNorm2d and isinstance(relu, nn.ReLU) and isinstance(pool, nn.MaxPool2d)
 
 
-def rebuild_stem(bn: nn.Module, relu: nn.Module, pool: nn.Module) -> bool:
-    """Rebuild a ResNet stem's ReLU output in backward instead of keeping it; False if already done or the stem is
-    checkpointed."""
-    if isinstance(relu, RebuiltStemReLU) or any(is_checkpointed(m) for m in (bn, relu, pool)):
-        return False
-    relu.__dict__["memguard_bn"] = bn  # a plain reference, not a submodule
-    relu.__class__ = swapped_class(type(relu), RebuiltStemReLU)
-    pool.__class__ = swapped_class(type(pool), RebuiltStemPool)
-    return True
+def stem_swaps(bn: nn.Module, relu: nn.Module, pool: nn.Module, config: RebuildConfig) -> list[Swap]:
+    """What rebuilding a ResNet stem's ReLU output takes (empty if the stem is not the stock layers, is rebuilt
+    already or is checkpointed)."""
+    if not stem_rebuildable(bn, relu, pool) or isinstance(relu, RebuiltStemReLU):
+        return []
+    if any(is_checkpointed(m) for m in (bn, relu, pool)):
+        return []
+    return [
+        Swap(relu, RebuiltStemReLU, {"memguard_bn": bn, "memguard_rebuild": config}),  # a plain reference to bn
+        Swap(pool, RebuiltStemPool, {}),
+    ]
+
+
+def block_swaps(module: nn.Module, config: RebuildConfig) -> list[Swap]:
+    """What rebuilding a block's BatchNorm + ReLU outputs takes (empty if it is not a block the rebuild knows, is
+    rebuilt already or is checkpointed: a checkpointed block is recomputed whole in backward already)."""
+    bns = _eligible(module)
+    if bns is None or isinstance(module, RebuiltBatchNormReLU) or is_checkpointed(module):
+        return []
+    return [Swap(module, RebuiltBatchNormReLU, {"memguard_bns": bns, "memguard_rebuild": config})]  # plain references
+
+
+def rebuild_swaps(module: nn.Module, config: RebuildConfig) -> list[Swap]:
+    """What rebuilding ``module`` and everything in it takes: the swaps of each torchvision ResNet stem and each
+    BasicBlock or Bottleneck, made by :func:`.surgery.apply`. A new kind of block is taught here: a mixin above, a
+    function like :func:`block_swaps`, and one line below."""
+    swaps: list[Swap] = []
+    for sub in module.modules():
+        stem = stem_modules(sub)
+        if stem is not None:
+            swaps += stem_swaps(*stem, config)
+        swaps += block_swaps(sub, config)
+    return swaps
 
 
 def rebuildable(module: nn.Module) -> bool:
@@ -409,65 +472,21 @@ def _takes_recipes(module: nn.Module | None) -> bool:
     return module is not None and _keeps_nothing(module)
 
 
-def link_outputs(model: nn.Module) -> int:
-    """Rebuild the output of each rebuilt block of ``model`` too, ``relu(last_bn(.) + shortcut)``, where the block
-    after it is rebuilt and not checkpointed (it then saves that output as a recipe too), and in a torchvision
-    ResNet the last block's, which the average pooling does not keep; return how many.
+def output_tails(model: nn.Module) -> list[tuple[nn.Module, tuple[nn.Module, nn.Module | None] | None]]:
+    """For each rebuilt block of ``model``, what its output is rebuilt from (``memguard_tail``: its last BatchNorm
+    and its shortcut's or None), or None where it keeps its output.
 
-    Rebuilding a stage's outputs in backward needs the one before, back to the stage's first block, whose shortcut
-    has its own BatchNorm: they are built in turn and each is let go after its last use. A block whose output goes
-    anywhere else keeps it. Called again whenever which blocks are rebuilt or checkpointed changes.
+    A block's output, ``relu(last_bn(.) + shortcut)``, is rebuilt where the block after it is rebuilt and not
+    checkpointed (it then saves that output as a recipe too), and in a torchvision ResNet the last block's, which
+    the average pooling does not keep. Rebuilding a stage's outputs in backward needs the one before, back to the
+    stage's first block, whose shortcut has its own BatchNorm: they are built in turn and each is let go after its
+    last use. A block whose output goes anywhere else keeps it. Depends on which blocks are rebuilt or checkpointed:
+    :func:`.surgery.link_outputs` sets it after every change.
     """
     after = _following(model)
-    count = 0
+    out: list[tuple[nn.Module, tuple[nn.Module, nn.Module | None] | None]] = []
     for module in model.modules():
-        if not isinstance(module, RebuiltBatchNormReLU):
-            continue
-        tail = _tail(module)
-        if tail is not None and _takes_recipes(after.get(id(module))):
-            module.__dict__["memguard_tail"] = tail
-            count += 1
-        else:
-            module.__dict__.pop("memguard_tail", None)
-    return count
-
-
-def rebuild_bn_relu(model: nn.Module) -> int:
-    """Rebuild BatchNorm + ReLU outputs in backward in every torchvision Bottleneck (after bn1 and bn2), BasicBlock
-    (after bn1) and ResNet stem (after bn1) of ``model`` that is not checkpointed, in place; return how many blocks
-    and stems changed. The output of a block that feeds another rebuilt block is rebuilt too (see
-    :func:`link_outputs`): in a ResNet, every block's.
-
-    ``state_dict`` keys do not change; :func:`remove_rebuild` undoes it.
-
-    Example:
-        >>> import torchvision
-        >>> rebuild_bn_relu(torchvision.models.resnet50(num_classes=10))  # 16 blocks and the stem
-        17
-    """
-    count = 0
-    for module in model.modules():
-        stem = stem_modules(module)
-        if stem is not None:
-            count += rebuild_stem(*stem)
-        bns = _eligible(module)
-        if bns is None or isinstance(module, RebuiltBatchNormReLU) or is_checkpointed(module):
-            continue  # a checkpointed block is recomputed whole in backward already
-        module.__dict__["memguard_bns"] = bns  # plain references, not submodules
-        module.__class__ = swapped_class(type(module), RebuiltBatchNormReLU)
-        count += 1
-    link_outputs(model)
-    return count
-
-
-def remove_rebuild(model: nn.Module) -> int:
-    """Undo :func:`rebuild_bn_relu` everywhere in ``model``; return how many blocks changed back."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, RebuiltBatchNormReLU | RebuiltStemReLU | RebuiltStemPool):
-            count += not isinstance(module, RebuiltStemPool)  # a stem counts once
-            module.__class__ = type(module)._memguard_original  # type: ignore[union-attr]
-            for key in ("memguard_bns", "memguard_tail", "memguard_bn"):
-                module.__dict__.pop(key, None)
-    link_outputs(model)
-    return count
+        if isinstance(module, RebuiltBatchNormReLU):
+            tail = _tail(module)
+            out.append((module, tail if tail is not None and _takes_recipes(after.get(id(module))) else None))
+    return out

@@ -1,13 +1,14 @@
-"""Activation checkpointing of whole blocks and runs of blocks, with BatchNorm statistics updated once per step."""
+"""Activation checkpointing of whole blocks and runs of blocks, with BatchNorm statistics updated once per step: the
+mixins that do it, the swapped classes they make, and finding a model's blocks. Changing a model is
+:mod:`.surgery`'s alone."""
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -72,10 +73,13 @@ class SwappedModule(nn.Module):
         mixins, original = swap_chain(type(self))
         return (_new_swapped, (mixins, original), *reduced[2:])
 
+    memguard_unit = True
+    """A module with this mixin counts as one changed unit (a checkpoint, a rebuilt block or stem)."""
 
-def swap_chain(cls: type) -> tuple[tuple[type, ...], type]:
+
+def swap_chain(cls: type[nn.Module]) -> tuple[tuple[type[nn.Module], ...], type[nn.Module]]:
     """The mixins in front of ``cls``, innermost first, and the class they were put in front of."""
-    mixins: list[type] = []
+    mixins: list[type[nn.Module]] = []
     while "_memguard_mixin" in cls.__dict__:
         mixins.append(cls._memguard_mixin)  # type: ignore[attr-defined]
         cls = cls._memguard_original  # type: ignore[attr-defined]
@@ -89,11 +93,28 @@ def _new_swapped(mixins: tuple[type, ...], original: type) -> nn.Module:
     return cls.__new__(cls)  # type: ignore[no-any-return, call-overload]
 
 
+class RunOutput:
+    """The last output of a checkpointed run's head (a weak reference), shared by the run's modules: a member called
+    on it hands it on. Not state: copies and pickles start empty."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self) -> None:
+        self.ref: weakref.ref[torch.Tensor] | None = None
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (RunOutput, ())
+
+    def holds(self, x: Any) -> bool:
+        return self.ref is not None and x is self.ref()
+
+
 class CheckpointedUnit(SwappedModule):
     """Mixin placed in front of a block's own class: its forward runs under ``torch.utils.checkpoint``.
 
     The block keeps its attributes and parameter names, so ``state_dict`` keys do not change. At the head of a run
-    it also runs the run's other modules (``memguard_run``), inside the same checkpoint.
+    it also runs the run's other modules (``memguard_run``), inside the same checkpoint, and records its output in
+    the :class:`RunOutput` the run shares (``memguard_output``).
     """
 
     memguard_prefix = "Checkpointed"
@@ -128,9 +149,7 @@ class CheckpointedUnit(SwappedModule):
                     f"a checkpointed run starting at {type(self).__name__} must pass one tensor from block to block,"
                     f" got {type(out).__name__}; checkpoint these blocks one by one"
                 )
-            done = weakref.ref(out)
-            for member in run:
-                member.__dict__["_memguard_done"] = done
+            self.__dict__["memguard_output"].ref = weakref.ref(out)
         return out
 
 
@@ -140,15 +159,11 @@ class CheckpointedMember(SwappedModule):
     usual. Forward hooks on a run's inner modules see the run's output."""
 
     memguard_prefix = "RunMember"
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_memguard_done", None)  # a weak reference to the last output: not state, and not picklable
-        return state
+    memguard_unit = False  # part of its head's checkpoint
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        done = self.__dict__.get("_memguard_done")
-        if done is not None and x is done() and not args and not kwargs:
+        output = self.__dict__.get("memguard_output")
+        if output is not None and output.holds(x) and not args and not kwargs:
             return x
         return super().forward(x, *args, **kwargs)
 
@@ -158,7 +173,8 @@ _SUBCLASSES: dict[tuple[type, type], type] = {}
 
 def swapped_class(cls: type[nn.Module], mixin: type[nn.Module]) -> type:
     """``cls`` with ``mixin`` in front, made once and named ``<mixin.memguard_prefix><cls name>``; assigning it to a
-    module's ``__class__`` changes its forward and keeps its attributes, parameters and ``state_dict`` keys."""
+    module's ``__class__`` (which only :mod:`.surgery` does) changes its forward and keeps its attributes,
+    parameters and ``state_dict`` keys."""
     sub = _SUBCLASSES.get((mixin, cls))
     if sub is None:
         name = f"{mixin.memguard_prefix}{cls.__name__}"  # type: ignore[attr-defined]
@@ -193,10 +209,20 @@ class Link:
     stem: bool = False  # a ResNet's conv1, bn1, relu and maxpool
 
 
+class Swap(NamedTuple):
+    """One change to make to a module: put ``mixin`` in front of its class and give it ``attributes`` (each declared
+    in :data:`.surgery.ATTRIBUTES`). Described by :mod:`.rebuild`, made by :mod:`.surgery`."""
+
+    module: nn.Module
+    mixin: type[SwappedModule]
+    attributes: dict[str, Any]
+
+
 _FOREIGN_WRAPPERS = ("CheckpointWrapper", "ActivationWrapper", "OffloadWrapper")
 
 
-def _wrapped_by_someone_else(module: nn.Module) -> bool:
+def wrapped_by_someone_else(module: nn.Module) -> bool:
+    """Whether another library wraps ``module`` (a known wrapper class, or a forward set on the instance)."""
     return "forward" in module.__dict__ or type(module).__name__ in _FOREIGN_WRAPPERS
 
 
@@ -276,7 +302,29 @@ def _repeating(model: nn.Module) -> list[tuple[str, nn.Module]]:
             visit(f"{prefix}{name}.", child)
 
     visit("", model)
-    return found
+    return _carrying_most(model, found)
+
+
+def _carrying_most(model: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Of the repeating modules, those of the classes that carry most of the model's parameters: largest first, the
+    classes it takes for more than half of them (all, where they never do: an embedding larger than the layers), and
+    beside them any class with at least a tenth of the largest's (a decoder's layers beside an encoder's). A small
+    repeated part (heads of a few parameters each) is not a block to checkpoint."""
+    params: dict[type, dict[int, int]] = {}
+    for _, module in found:
+        own = params.setdefault(_base_class(module), {})
+        own.update((id(p), p.numel()) for p in module.parameters())
+    sizes = {cls: sum(own.values()) for cls, own in params.items()}
+    total = sum(p.numel() for p in model.parameters())
+    largest = max(sizes.values(), default=0)
+    kept: set[type] = set()
+    carried = 0
+    for cls in sorted(sizes, key=lambda c: -sizes[c]):  # stable: equal sizes in order of appearance
+        if 2 * carried > total and 10 * sizes[cls] < largest:
+            break
+        kept.add(cls)
+        carried += sizes[cls]
+    return [(name, module) for name, module in found if _base_class(module) in kept]
 
 
 def _declared(model: nn.Module) -> set[str] | None:
@@ -303,8 +351,10 @@ def find_units(model: nn.Module, units: Any = "auto") -> list[tuple[str, nn.Modu
 
     ``"auto"`` finds blocks by structure: the classes a Hugging Face model names in ``_no_split_modules``, where it
     declares them; else the outermost modules that repeat (the same class twice or more, with submodules of their
-    own) as elements of an ``nn.Sequential`` or ``nn.ModuleList`` chain, nested chains flattened: a ResNet's
-    Bottlenecks, MobileNet's InvertedResiduals, EfficientNet's MBConvs, a transformer's layers.
+    own) as elements of an ``nn.Sequential`` or ``nn.ModuleList`` chain, nested chains flattened, of the classes
+    that carry most of the model's parameters (largest first until more than half, and any with at least a tenth of
+    the largest's): a ResNet's Bottlenecks, MobileNet's InvertedResiduals, EfficientNet's MBConvs, a transformer's
+    layers, but not a few small heads repeated beside them.
 
     Raises:
         TypeError: if ``units`` is of the wrong kind.
@@ -332,59 +382,6 @@ def find_units(model: nn.Module, units: Any = "auto") -> list[tuple[str, nn.Modu
             " module classes or a predicate on (name, module)"
         )
     return found
-
-
-def apply_runs(runs: Sequence[Sequence[Link]], bn_correct: bool = True) -> list[str]:
-    """Checkpoint each run of links in place, one checkpoint per run; return the names of the links changed.
-
-    Runs with a module already checkpointed by this library are left as they are (with a warning); runs with a
-    module that something else already wraps are left alone (with a warning).
-    """
-    changed: list[str] = []
-    ours: list[str] = []
-    theirs: list[str] = []
-    for run in runs:
-        modules = [(name, module) for link in run for name, module in link.modules]
-        if any(is_checkpointed(m) for _, m in modules):
-            ours.append(run[0].name)
-            continue
-        if any(_wrapped_by_someone_else(m) for _, m in modules):
-            theirs.append(run[0].name)
-            continue
-        head = modules[0][1]
-        head.__class__ = swapped_class(type(head), CheckpointedUnit)
-        head.memguard_bn_correct = bn_correct  # type: ignore[assignment]
-        if len(modules) > 1:
-            head.__dict__["memguard_run"] = tuple(m for _, m in modules[1:])  # plain references, not submodules
-        for _, member in modules[1:]:
-            member.__class__ = swapped_class(type(member), CheckpointedMember)
-        changed.extend(link.name for link in run)
-    if ours:
-        warnings.warn(
-            f"{len(ours)} block(s) are already checkpointed ({ours[0]}, ...); applying twice changes nothing",
-            UserWarning,
-            stacklevel=3,
-        )
-    if theirs:
-        warnings.warn(
-            f"{len(theirs)} block(s) are already wrapped by other code ({theirs[0]}, ...) and are left alone",
-            UserWarning,
-            stacklevel=3,
-        )
-    return changed
-
-
-def remove_checkpointing(model: nn.Module) -> int:
-    """Undo :func:`apply_runs` everywhere in ``model``; return how many checkpoints (blocks or runs) were removed."""
-    count = 0
-    for module in model.modules():
-        if is_checkpointed(module):
-            count += isinstance(module, CheckpointedUnit)
-            module.__class__ = type(module)._memguard_original  # type: ignore[attr-defined]
-            module.__dict__.pop("memguard_bn_correct", None)
-            module.__dict__.pop("memguard_run", None)
-            module.__dict__.pop("_memguard_done", None)
-    return count
 
 
 @contextlib.contextmanager

@@ -1,0 +1,264 @@
+"""The one entrance that changes a model: every class swap, and every attribute this library puts on a module.
+
+:func:`apply` undoes what an earlier call applied (``replacing``), checkpoints runs of links, rebuilds the links
+left unchecked, and re-links outputs (which block outputs can be rebuilt depends on what is checkpointed), in that
+order; if anything raises part-way, every module gets back its class and attributes as they were before the call.
+:func:`remove_checkpointing` and :func:`remove_rebuild` take this library's mixins off a model; what a mixin's
+module carries goes with its last mixin (:data:`ATTRIBUTES` says which). The other modules describe: ``wrap`` the
+checkpointing mixins and a model's links, ``rebuild`` its mixins and which modules get them (:class:`.wrap.Swap`);
+this module makes the changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from lightning_memguard.checkpointing.rebuild import (
+    DEFAULT_CONFIG,
+    RebuildConfig,
+    RebuildMixin,
+    RebuiltBatchNormReLU,
+    RebuiltStemReLU,
+    output_tails,
+    rebuild_swaps,
+    stem_swaps,
+)
+from lightning_memguard.checkpointing.wrap import (
+    CheckpointedMember,
+    CheckpointedUnit,
+    Link,
+    RunOutput,
+    Swap,
+    SwappedModule,
+    is_checkpointed,
+    swap_chain,
+    swapped_class,
+    wrapped_by_someone_else,
+)
+
+ATTRIBUTES: dict[str, tuple[type[SwappedModule], ...]] = {
+    # on a checkpointed run's head: whether recomputation leaves BatchNorm running statistics alone (a bool)
+    "memguard_bn_correct": (CheckpointedUnit,),
+    # on the head of a run of more than one module: the run's other modules, in order (plain references)
+    "memguard_run": (CheckpointedUnit,),
+    # on the head and members of such a run: the RunOutput they share (the head's last output, weakly held)
+    "memguard_output": (CheckpointedUnit, CheckpointedMember),
+    # on a rebuilt block: the BatchNorms (each followed by an in-place ReLU) whose outputs are saved as recipes
+    "memguard_bns": (RebuiltBatchNormReLU,),
+    # on a rebuilt block whose own output is rebuilt too: its last BatchNorm and its shortcut's (or None); set and
+    # cleared by link_outputs after every change
+    "memguard_tail": (RebuiltBatchNormReLU,),
+    # on a rebuilt ResNet stem's ReLU: the stem's BatchNorm (a plain reference)
+    "memguard_bn": (RebuiltStemReLU,),
+    # on rebuilt blocks and stem ReLUs: the RebuildConfig their recipes follow
+    "memguard_rebuild": (RebuiltBatchNormReLU, RebuiltStemReLU),
+}
+"""Every attribute this library puts in a module's ``__dict__``, and the mixins that carry it: it is set only with
+one of them and goes when the module's last one does. Teaching the rebuild a new block type adds its lines here."""
+
+CHECKPOINT: tuple[type[SwappedModule], ...] = (CheckpointedUnit, CheckpointedMember)
+"""The checkpointing mixins."""
+REBUILD: tuple[type[SwappedModule], ...] = (RebuildMixin,)
+"""The rebuild's mixins (each a subclass of this)."""
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What one :func:`apply` really changed.
+
+    Attributes:
+        runs: the runs of links checkpointed, by link name (runs left alone are not here).
+        rebuilt: the links in which something was rebuilt.
+        swaps: every (module, mixin) given, in order: what a later ``apply(replacing=...)`` undoes.
+    """
+
+    runs: list[list[str]] = field(default_factory=list)
+    rebuilt: list[str] = field(default_factory=list)
+    swaps: list[tuple[nn.Module, type[SwappedModule]]] = field(default_factory=list, repr=False)
+
+    @property
+    def checkpointed(self) -> list[str]:
+        """The links checkpointed, in the order of their runs."""
+        return [name for run in self.runs for name in run]
+
+    def units(self, kinds: tuple[type[SwappedModule], ...]) -> int:
+        """How many units (checkpoints, rebuilt blocks and stems) of these kinds were made."""
+        return sum(issubclass(mixin, kinds) and mixin.memguard_unit for _, mixin in self.swaps)
+
+
+def apply(
+    model: nn.Module,
+    runs: Sequence[Sequence[Link]] = (),
+    rebuilt: Sequence[Link] = (),
+    *,
+    bn_correct: bool = True,
+    config: RebuildConfig = DEFAULT_CONFIG,
+    replacing: Applied | None = None,
+) -> Applied:
+    """Change ``model`` in place: undo ``replacing`` (an earlier call's changes), checkpoint each run of links (one
+    checkpoint per run), rebuild BatchNorm + ReLU outputs in the links of ``rebuilt`` that are not checkpointed, and
+    re-link outputs; return what was really changed.
+
+    A run with a module already checkpointed, or wrapped by other code, is left alone, with one warning for each
+    kind. If anything raises, the model is as it was before the call (classes and attributes) and the error passes.
+    """
+    with restored_on_failure(model):
+        if replacing is not None:
+            for module, mixin in reversed(replacing.swaps):
+                _take_off(module, (mixin,))
+        swaps: list[tuple[nn.Module, type[SwappedModule]]] = []
+        done = _checkpoint(runs, bn_correct, swaps)
+        names = []
+        for link in rebuilt:
+            if link.stem:
+                _, (_, bn), (_, relu), (_, pool) = link.modules  # conv1, bn1, relu, maxpool
+                found = stem_swaps(bn, relu, pool, config)
+            else:
+                found = [swap for _, module in link.modules for swap in rebuild_swaps(module, config)]
+            for swap in found:
+                _give(swap, swaps)
+            if found:
+                names.append(link.name)
+        link_outputs(model)
+        return Applied(runs=done, rebuilt=names, swaps=swaps)
+
+
+def _checkpoint(
+    runs: Sequence[Sequence[Link]], bn_correct: bool, swaps: list[tuple[nn.Module, type[SwappedModule]]]
+) -> list[list[str]]:
+    done: list[list[str]] = []
+    ours: list[str] = []
+    theirs: list[str] = []
+    for run in runs:
+        modules = [module for link in run for _, module in link.modules]
+        if any(is_checkpointed(m) for m in modules):
+            ours.append(run[0].name)
+            continue
+        if any(wrapped_by_someone_else(m) for m in modules):
+            theirs.append(run[0].name)
+            continue
+        head, members = modules[0], modules[1:]
+        attributes: dict[str, Any] = {"memguard_bn_correct": bn_correct}
+        if members:
+            output = RunOutput()
+            attributes.update(memguard_run=tuple(members), memguard_output=output)
+        _give(Swap(head, CheckpointedUnit, attributes), swaps)
+        for member in members:
+            _give(Swap(member, CheckpointedMember, {"memguard_output": output}), swaps)
+        done.append([link.name for link in run])
+    if ours:
+        warnings.warn(
+            f"{len(ours)} block(s) are already checkpointed ({ours[0]}, ...); applying twice changes nothing",
+            UserWarning,
+            stacklevel=4,
+        )
+    if theirs:
+        warnings.warn(
+            f"{len(theirs)} block(s) are already wrapped by other code ({theirs[0]}, ...) and are left alone",
+            UserWarning,
+            stacklevel=4,
+        )
+    return done
+
+
+def _give(swap: Swap, swaps: list[tuple[nn.Module, type[SwappedModule]]]) -> None:
+    """Put a mixin in front of a module's class and set the attributes it carries."""
+    module, mixin, attributes = swap
+    for key in attributes:
+        if mixin not in ATTRIBUTES.get(key, ()):
+            raise RuntimeError(f"{key!r} is not declared for {mixin.__name__} in surgery.ATTRIBUTES")
+    module.__class__ = swapped_class(type(module), mixin)
+    module.__dict__.update(attributes)  # plain entries: modules among them are references, not submodules
+    swaps.append((module, mixin))
+
+
+def _take_off(module: nn.Module, kinds: tuple[type[SwappedModule], ...]) -> bool:
+    """Take the mixins of these kinds out of a module's class, and the attributes no mixin left on it carries;
+    whether that took off a unit (a checkpoint's head, a rebuilt block or stem: ``memguard_unit``)."""
+    mixins, original = swap_chain(type(module))
+    kept = [mixin for mixin in mixins if not issubclass(mixin, kinds)]
+    if len(kept) == len(mixins):
+        return False
+    cls = original
+    for mixin in kept:
+        cls = swapped_class(cls, mixin)
+    module.__class__ = cls
+    for key, owners in ATTRIBUTES.items():
+        if not any(issubclass(mixin, owners) for mixin in kept):
+            module.__dict__.pop(key, None)
+    return any(getattr(mixin, "memguard_unit", False) for mixin in mixins if issubclass(mixin, kinds))
+
+
+@contextlib.contextmanager
+def restored_on_failure(model: nn.Module) -> Iterator[None]:
+    """If the body raises, every module of ``model`` gets back the class and the :data:`ATTRIBUTES` it had."""
+    before = [(m, type(m), {k: m.__dict__[k] for k in ATTRIBUTES if k in m.__dict__}) for m in model.modules()]
+    try:
+        yield
+    except BaseException:
+        for module, cls, attributes in before:
+            if type(module) is not cls:
+                module.__class__ = cls
+            for key in ATTRIBUTES:
+                module.__dict__.pop(key, None)
+            module.__dict__.update(attributes)
+        raise
+
+
+def link_outputs(model: nn.Module) -> int:
+    """Set which rebuilt blocks of ``model`` rebuild their own output too (see :func:`.rebuild.output_tails`);
+    return how many. :func:`apply` and the removals call it after every change."""
+    count = 0
+    for module, tail in output_tails(model):
+        if tail is not None:
+            module.__dict__["memguard_tail"] = tail
+            count += 1
+        else:
+            module.__dict__.pop("memguard_tail", None)
+    return count
+
+
+def _remove(model: nn.Module, kinds: tuple[type[SwappedModule], ...]) -> int:
+    with restored_on_failure(model):
+        count = sum(_take_off(module, kinds) for module in model.modules())
+        link_outputs(model)
+        return count
+
+
+def remove_checkpointing(model: nn.Module) -> int:
+    """Undo checkpointing everywhere in ``model``; return how many checkpoints (blocks or runs) were removed."""
+    return _remove(model, CHECKPOINT)
+
+
+def remove_rebuild(model: nn.Module) -> int:
+    """Undo :func:`rebuild_bn_relu` everywhere in ``model``; return how many blocks and stems changed back."""
+    return _remove(model, REBUILD)
+
+
+def rebuild_bn_relu(model: nn.Module, *, fused: bool = True, chain_kept: int = 2) -> int:
+    """Rebuild BatchNorm + ReLU outputs in backward in every torchvision Bottleneck (after bn1 and bn2), BasicBlock
+    (after bn1) and ResNet stem (after bn1) of ``model`` that is not checkpointed, in place; return how many blocks
+    and stems changed. The output of a block that feeds another rebuilt block is rebuilt too (see
+    :func:`link_outputs`): in a ResNet, every block's.
+
+    ``state_dict`` keys do not change; :func:`remove_rebuild` undoes it.
+
+    Args:
+        model: the model, changed in place.
+        fused: rebuild with one Triton kernel pass where it can run (CUDA); False: PyTorch's own kernels.
+        chain_kept: how many of a stage's earlier outputs are kept while its later ones are rebuilt (see
+            :class:`~lightning_memguard.checkpointing.RebuildConfig`).
+
+    Example:
+        >>> import torchvision
+        >>> rebuild_bn_relu(torchvision.models.resnet50(num_classes=10))  # 16 blocks and the stem
+        17
+    """
+    config = RebuildConfig(fused=fused, chain_kept=chain_kept)
+    return apply(model, rebuilt=[Link("", (("", model),))], config=config).units(REBUILD)
