@@ -14,8 +14,8 @@ run() { echo "== $*"; "$@" 2>&1 | grep -vE "$quiet" | tail -"${TAIL:-6}"; }
 want() { [[ $steps == *" $1 "* ]]; }
 if want tests; then
     echo "== pytest -m cuda tests/test_gpu.py"
-    timeout 120 python3 -m pytest -m cuda -q -rA -p no:cacheprovider tests/test_gpu.py -o addopts=--strict-markers 2>&1 |
-        grep -vE "$quiet" >"$out/gpu_tests.txt"
+    timeout 300 python3 -m pytest -m cuda -q -rA -p no:cacheprovider tests/test_gpu.py -o addopts=--strict-markers 2>&1 |
+        grep -vE "$quiet" >"$out/gpu_tests.txt"  # the compiled test takes about a minute
     tail -4 "$out/gpu_tests.txt"
 fi
 want overhead && run timeout 240 python3 benchmarks/overhead.py --rounds 3 --out "$out/overhead.json"
