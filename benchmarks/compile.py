@@ -1,10 +1,12 @@
 """torch.compile on a real GPU: what the measured choices and the checkpointing do where the model is compiled.
 Run on a CUDA machine (two calls of a few minutes each; each compile of ResNet50 takes about 45 s):
 
-    python benchmarks/compile.py --part frontier --out benchmarks/results/compile_frontier.json
-    python benchmarks/compile.py --part tuner --out benchmarks/results/compile_tuner.json
-    python benchmarks/compile.py --merge benchmarks/results/compile_frontier.json \
-        benchmarks/results/compile_tuner.json --out benchmarks/results/compile.json
+    python benchmarks/compile.py --part frontier --out OUT/compile_frontier.json
+    python benchmarks/compile.py --part tuner --out OUT/compile_tuner.json
+    python benchmarks/compile.py --merge OUT/compile_frontier.json OUT/compile_tuner.json \
+        --out benchmarks/results/compile.json
+
+(``bash benchmarks/run_gpu.sh OUT compile_frontier`` and ``... compile_tuner`` run the first two.)
 
 ResNet50, bf16 autocast, channels_last, SGD with momentum, random data on the device.
 
