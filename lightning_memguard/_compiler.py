@@ -8,6 +8,9 @@
   after a second size (``automatic_dynamic_shapes``), and so no trial silently falls back to eager because the
   recompile limit was reached.
 - :func:`is_compiled`: whether a module (a LightningModule, or a model inside one) runs compiled.
+- :func:`activation_memory_budget`: compile's own memory lever (``torch._functorch.config``), set for a block.
+- :func:`fresh_compiled`: a model compiled anew, so a measurement sees the settings of the moment;
+  :func:`eager`: compiled code run eagerly; :func:`unwrapped`: the module a ``torch.compile`` result wraps.
 
 Nothing here imports ``torch._dynamo`` unless something has compiled already, or a model is compiled.
 """
@@ -15,8 +18,10 @@ Nothing here imports ``torch._dynamo`` unless something has compiled already, or
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from torch import nn
 
@@ -59,3 +64,65 @@ def static_graph_per_size(sizes: int = 64) -> Iterator[None]:
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     with config.patch({"automatic_dynamic_shapes": False, limit: getattr(config, limit) + sizes}):
         yield
+
+
+@contextmanager
+def activation_memory_budget(setting: float | None) -> Iterator[None]:
+    """Compile's own memory lever, ``torch._functorch.config.activation_memory_budget``, set to ``setting`` inside
+    (None: left as it is) and restored on exit. It acts when a graph is compiled, so it must be set while the model
+    compiles: its first training step, and any recompile."""
+    if setting is None:
+        yield
+        return
+    import torch._functorch.config
+
+    with torch._functorch.config.patch(activation_memory_budget=setting):
+        yield
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` result wraps (its modules are the ones to change), else ``module``."""
+    original = getattr(module, "_orig_mod", None)
+    return original if isinstance(original, nn.Module) else module
+
+
+@contextmanager
+def eager() -> Iterator[None]:
+    """Compiled functions run eagerly inside (``torch.compiler.set_stance("force_eager")``; older PyTorch: Dynamo
+    disabled), so hooks see every module."""
+    import torch
+
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is not None:
+        with set_stance("force_eager"):
+            yield
+        return
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(disable=True):
+        yield
+
+
+def _step(model: Any, args: tuple[Any, ...]) -> Any:
+    return model(*args)
+
+
+def fresh_compiled(model: nn.Module, options: dict[str, Any] | None) -> Callable[..., Any]:
+    """``model(*args)`` compiled anew: a function of its own code object, so Dynamo's cache has no graph for it yet
+    and the current settings (``activation_memory_budget``) apply to its first call.
+
+    ``options``: ``torch.compile`` keyword arguments; None: compiled the way ``model`` already is (a
+    ``torch.compile`` result, or a LightningModule that ``fit`` unwrapped), or with the defaults.
+    """
+    import torch
+
+    step = types.FunctionType(_step.__code__.replace(), _step.__globals__, "memguard_step")
+    if options is None:
+        context = getattr(model, "dynamo_ctx", None)  # torch.compile(model)
+        compiler_ctx = getattr(model, "_compiler_ctx", None)  # fit(torch.compile(lightning_module))
+        if context is None and compiler_ctx is not None:
+            context = compiler_ctx.get("dynamo_ctx")
+        if context is not None:
+            return context(step)  # type: ignore[no-any-return]
+        options = {}
+    return torch.compile(step, **options)  # type: ignore[no-any-return]

@@ -5,15 +5,18 @@ to the model is made by :func:`.surgery.apply`."""
 
 from __future__ import annotations
 
+import contextlib
+import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_memguard import _compiler
 from lightning_memguard.checkpointing import surgery
 from lightning_memguard.checkpointing.rebuild import DEFAULT_CONFIG, RebuildConfig, rebuildable, stem_rebuildable
 from lightning_memguard.checkpointing.wrap import (
@@ -29,6 +32,7 @@ from lightning_memguard.core.checkpoint_plan import (
     BudgetSearch,
     best_runs,
     choose_blocks,
+    fastest_within,
     predict_peak,
     value,
 )
@@ -46,6 +50,9 @@ class CheckpointPlan:
         candidates: how many links the model has.
         rebuilt: the links (blocks, a ResNet's stem) that rebuild their BatchNorm + ReLU outputs in backward
             (``rebuild_bn_relu=True``).
+        compiled: the budget was measured under ``torch.compile``; then ``activation_memory_budget`` is compile's
+            own setting chosen with the blocks (None: compile's default; apply it with :meth:`compiling`), and
+            ``compile_candidates`` the combinations measured (setting, blocks, peak, step time).
     """
 
     blocks: list[str]
@@ -57,6 +64,14 @@ class CheckpointPlan:
     predicted_bytes: int | None = None
     measured_bytes: int | None = None
     profiles: list[BlockProfile] = field(default_factory=list)
+    compiled: bool = False
+    activation_memory_budget: float | None = None
+    compile_candidates: list[dict[str, Any]] = field(default_factory=list)
+
+    def compiling(self) -> contextlib.AbstractContextManager[None]:
+        """Set compile's ``activation_memory_budget`` as this plan chose it (nothing if it kept compile's default):
+        wrap the training, or at least its first step and any recompile, in ``with plan.compiling():``."""
+        return _compiler.activation_memory_budget(self.activation_memory_budget)
 
     @property
     def held(self) -> bool | None:
@@ -102,8 +117,15 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
 class _StepMeter:
     """Runs forward and backward once and measures memory (and, optionally, each block)."""
 
-    def __init__(self, model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        example: Any,
+        loss_fn: Callable[[Any], torch.Tensor],
+        runner: Callable[[nn.Module, tuple[Any, ...]], Any] | None = None,
+    ) -> None:
         self.model, self.example, self.loss_fn = model, example, loss_fn
+        self.runner = runner  # a compiled step (model, args) -> output; None: the model as it is called
         self.cuda = any(t.is_cuda for t in _tensors(example))
         # held whether or not anything is saved: parameters, buffers and the batch itself; everything else a
         # forward saves counts, also tensors that need no gradient (max-pooling indices, dropout masks)
@@ -111,8 +133,24 @@ class _StepMeter:
         self.held = {_storage_key(t) for t in held}
 
     def _run(self) -> None:
-        out = self.model(*self.example) if isinstance(self.example, tuple) else self.model(self.example)
+        args = self.example if isinstance(self.example, tuple) else (self.example,)
+        out = self.runner(self.model, args) if self.runner is not None else self.model(*args)
         self.loss_fn(out).backward()
+
+    def seconds(self, steps: int = 3) -> float:
+        """Median seconds of one forward and backward, after one untimed pass (a compile, where one is due)."""
+        with preserved_state(self.model):
+            self._run()
+            times = []
+            for _ in range(steps):
+                if self.cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                self._run()
+                if self.cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
 
     def peak(self) -> int:
         """CUDA: the step's peak above what was allocated before. CPU: bytes of saved activations and kept inputs."""
@@ -143,7 +181,9 @@ class _StepMeter:
                     for t in _tensors(args):
                         count(t)
 
-            handles = [m.register_forward_pre_hook(kept_inputs) for m in self.model.modules() if is_checkpointed(m)]
+            # a checkpoint's inputs stay alive; a compiled step saves them as its own saved tensors, counted above
+            checkpoints = [m for m in self.model.modules() if is_checkpointed(m)] if self.runner is None else []
+            handles = [m.register_forward_pre_hook(kept_inputs) for m in checkpoints]
             try:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     self._run()
@@ -319,6 +359,8 @@ def checkpoint_blocks(
     bn_correct: bool = True,
     rebuild_bn_relu: bool = False,
     rebuild_config: RebuildConfig | None = None,
+    compile: bool | Mapping[str, Any] | None = None,
+    compile_settings: Sequence[float] = (0.8, 0.5),
 ) -> CheckpointPlan:
     """Checkpoint a block-structured model in place (``use_reentrant=False``); ``state_dict`` keys do not change.
 
@@ -339,6 +381,16 @@ def checkpoint_blocks(
     Without a budget, that is all that happens (no block is checkpointed); with one, the rebuild comes first and
     whole blocks are checkpointed only for what it leaves over the budget.
 
+    Under ``torch.compile`` the compiler decides what to keep for backward, so a plan measured in eager mode does
+    not hold there. With a budget and a model that is compiled (``torch.compile(model)``, or a LightningModule that
+    ``fit`` unwrapped) or will be (``compile=True``, or ``compile={...}``: ``torch.compile``'s keyword arguments),
+    the peaks are measured compiled (each measurement compiles anew), and the budget is a fraction of the compiled
+    model's own peak. Compile's ``activation_memory_budget`` is one more lever: compile's default and each of
+    ``compile_settings`` is measured alone and, where it does not fit, with the fewest blocks added, most valuable
+    first, until it does; the fastest combination that fits is applied, and ``plan.activation_memory_budget`` must
+    then be set while the model compiles (``with plan.compiling():``; the callback does it for the fit). The rebuild
+    stands aside under compile, so ``rebuild_bn_relu`` is not planned on there.
+
     Args:
         model: the model, changed in place.
         units: ``"auto"`` (found by structure, see :func:`~.wrap.find_units`), module classes, or a predicate
@@ -350,6 +402,9 @@ def checkpoint_blocks(
         rebuild_bn_relu: see above.
         rebuild_config: how the rebuild makes its tensors (:class:`~.rebuild.RebuildConfig`); default: the one-pass
             kernel where it runs, two of a stage's earlier outputs kept.
+        compile: None: measure the model as it runs (compiled if it is); True or ``torch.compile`` keyword
+            arguments: it will be compiled so, measure it that way.
+        compile_settings: the values of compile's ``activation_memory_budget`` tried beside its default.
 
     Raises:
         ValueError: no blocks found, a budget without an example input, a budget out of range, or
@@ -365,6 +420,10 @@ def checkpoint_blocks(
     """
     memory_budget = check_memory_budget(memory_budget)  # the callback's rule: a float is a fraction, else bytes
     config = _check_config(rebuild_config)
+    options = _check_compile(compile, compile_settings)
+    measured, model = model, _compiler.unwrapped(model)  # the modules of a torch.compile result are its original's
+    if compile is None:
+        compile = _compiler.is_compiled(measured)
     links, joinable = model_chain(model, find_units(model, units))
     if rebuild_bn_relu and not any(_can_rebuild(link) for link in links):
         raise ValueError(
@@ -383,7 +442,100 @@ def checkpoint_blocks(
         warnings.warn("the model is already checkpointed; applying twice changes nothing", UserWarning, stacklevel=2)
         return CheckpointPlan(blocks=[], candidates=len(links))
     with surgery.restored_on_failure(model):  # a planning pass that fails leaves the model as it was
+        if compile:
+            if rebuild_bn_relu:
+                warnings.warn("the rebuild stands aside under torch.compile: planning without it", UserWarning, 2)
+            return _plan_compiled(
+                measured, model, links, joinable, memory_budget, example_input, loss_fn, bn_correct, options,
+                tuple(compile_settings),
+            )  # fmt: skip
         return _plan(model, links, joinable, memory_budget, example_input, loss_fn, bn_correct, rebuild_bn_relu, config)
+
+
+def _check_compile(compile: Any, settings: Any) -> dict[str, Any] | None:
+    if compile is not None and not isinstance(compile, bool | Mapping):
+        raise TypeError(f"`compile` must be None, a bool or torch.compile's keyword arguments, got {compile!r}")
+    if not isinstance(settings, Sequence) or not all(isinstance(x, float) and 0 < x <= 1 for x in settings):
+        raise ValueError(f"`compile_settings` must be fractions in (0, 1], got {settings!r}")
+    return dict(compile) if isinstance(compile, Mapping) else None
+
+
+def _plan_compiled(
+    measured: nn.Module,
+    model: nn.Module,
+    links: list[Link],
+    joinable: list[bool],
+    memory_budget: float | int,
+    example_input: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    bn_correct: bool,
+    options: dict[str, Any] | None,
+    settings: tuple[float, ...],
+) -> CheckpointPlan:
+    """The budget under compile: each of compile's settings alone, else with the fewest most valuable blocks that
+    fit, measured compiled; the fastest that fits is applied (see :func:`checkpoint_blocks`)."""
+    loss_fn = loss_fn or _default_loss
+    with _compiler.eager():  # each link's own bytes and time, to rank them: in eager mode, hooks and all
+        profiles = _StepMeter(model, example_input, loss_fn).profile(links)
+    values = [value(p) for p in profiles]
+    budget = None
+    baseline = 0
+    candidates: list[dict[str, Any]] = []
+    applied = surgery.Applied()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for setting in (None, *dict.fromkeys(settings)):  # compile's default first: the budget's baseline
+            with _compiler.activation_memory_budget(setting):
+                meter = _StepMeter(measured, example_input, loss_fn, _compiler.fresh_compiled(measured, options))
+                applied = surgery.apply(model, [], replacing=applied)
+                peak = meter.peak()
+                if budget is None:
+                    baseline = peak
+                    budget = int(peak * memory_budget) if isinstance(memory_budget, float) else memory_budget
+                chosen: set[int] = set()
+                if peak > budget:
+                    start = peak
+
+                    def cut(indices: set[int], start: int = start, cuda: bool = meter.cuda) -> list[list[int]]:
+                        return best_runs(indices, profiles, start, joinable, cuda)
+
+                    first, _, _ = choose_blocks(profiles, start, budget, joinable, meter.cuda)
+                    search = BudgetSearch(first, values, budget, give_back=False)  # each measurement compiles
+                    while (indices := search.propose()) is not None:
+                        runs = [[links[i] for i in run] for run in cut(indices)]
+                        applied = surgery.apply(model, runs, bn_correct=bn_correct, replacing=applied)
+                        search.observe(meter.peak())
+                    chosen, peak = search.result  # type: ignore[misc]
+                candidates.append(
+                    {
+                        "activation_memory_budget": setting,
+                        "runs": applied.runs,
+                        "peak_bytes": peak,
+                        "step_ms": round(meter.seconds() * 1e3, 3),
+                    }
+                )
+    pick = candidates[fastest_within([(c["peak_bytes"], c["step_ms"]) for c in candidates], budget)]  # type: ignore[arg-type]
+    index = {link.name: link for link in links}
+    runs = [[index[name] for name in run] for run in pick["runs"]]
+    applied = surgery.apply(model, runs, bn_correct=bn_correct, replacing=applied)
+    for message in dict.fromkeys((w.category, str(w.message)) for w in caught):
+        warnings.warn(message[1], message[0], stacklevel=3)
+    order = {link.name: i for i, link in enumerate(links)}
+    plan = CheckpointPlan(
+        blocks=sorted(applied.checkpointed, key=order.__getitem__),
+        candidates=len(links),
+        runs=applied.runs,
+        baseline_bytes=baseline,
+        budget_bytes=budget,
+        measured_bytes=pick["peak_bytes"],
+        profiles=profiles,
+        compiled=True,
+        activation_memory_budget=pick["activation_memory_budget"],
+        compile_candidates=candidates,
+    )
+    if not plan.held:
+        warnings.warn(f"memory budget not met; the lowest peak found: {plan.summary()}", UserWarning, stacklevel=3)
+    return plan
 
 
 def _plan(
@@ -481,14 +633,17 @@ def checkpoint_resnet(
     bn_correct: bool = True,
     rebuild_bn_relu: bool = False,
     rebuild_config: RebuildConfig | None = None,
+    compile: bool | Mapping[str, Any] | None = None,
+    compile_settings: Sequence[float] = (0.8, 0.5),
 ) -> CheckpointPlan:
     """Checkpoint a torchvision ResNet (resnet18..152, ResNeXt, Wide ResNet) in place: its stem and blocks.
 
-    See :func:`checkpoint_blocks` for the budget, the runs, the BatchNorm handling and the cheaper
-    ``rebuild_bn_relu=True``, which with a budget usually buys the same memory for less throughput.
+    See :func:`checkpoint_blocks` for the budget, the runs, the BatchNorm handling, the cheaper
+    ``rebuild_bn_relu=True`` (which with a budget usually buys the same memory for less throughput) and a budget
+    under ``torch.compile`` (``model`` compiled, or ``compile=``).
 
     Raises:
-        TypeError: if ``model`` is not a torchvision ResNet.
+        TypeError: if ``model`` is not a torchvision ResNet (or ``torch.compile`` of one).
 
     Example:
         >>> import torchvision
@@ -498,7 +653,7 @@ def checkpoint_resnet(
     """
     import torchvision
 
-    if not isinstance(model, torchvision.models.ResNet):
+    if not isinstance(_compiler.unwrapped(model), torchvision.models.ResNet):
         raise TypeError(
             f"checkpoint_resnet needs a torchvision ResNet, got {type(model).__name__}; use checkpoint_blocks(model,"
             " units=...) for other block-structured models"
@@ -513,4 +668,6 @@ def checkpoint_resnet(
         bn_correct=bn_correct,
         rebuild_bn_relu=rebuild_bn_relu,
         rebuild_config=rebuild_config,
+        compile=compile,
+        compile_settings=compile_settings,
     )

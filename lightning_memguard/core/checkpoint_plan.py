@@ -188,6 +188,8 @@ class BudgetSearch:
         chosen: the predicted choice (link indices).
         values: each link's value (bytes freed per millisecond of recomputation), by index.
         budget: the peak to stay under, in bytes.
+        give_back: try giving links back once it fits (one measurement per chosen link); False where a measurement
+            is dear (under ``torch.compile`` each one compiles the model).
 
     Example:
         >>> peaks = {(): 100, (0,): 80, (0, 1): 60, (1,): 70}
@@ -198,8 +200,9 @@ class BudgetSearch:
         ([((0,), 80), ((0, 1), 60), ((0,), 80), ((1,), 70), ((1,), 70)], ({1}, 70))
     """
 
-    def __init__(self, chosen: set[int], values: Sequence[float], budget: int) -> None:
+    def __init__(self, chosen: set[int], values: Sequence[float], budget: int, give_back: bool = True) -> None:
         self.budget = budget
+        self.give_back = give_back
         self._values = list(values)
         self._chosen = set(chosen)
         self._rest = sorted(set(range(len(self._values))) - self._chosen, key=lambda i: -self._values[i])
@@ -227,6 +230,8 @@ class BudgetSearch:
             if peak > self.budget and self._rest:  # the prediction was optimistic: add the next best link
                 self._chosen.add(self._rest.pop(0))
                 self._pending = set(self._chosen)
+            elif peak <= self.budget and not self.give_back:
+                self._measured, self._pending, self._phase = peak, None, "done"  # this set, just measured
             elif peak <= self.budget:  # it fits: give back what it fits without, least valuable first
                 self._phase = "give back"
                 self._give_back = sorted(self._chosen, key=lambda i: self._values[i])
@@ -258,3 +263,21 @@ class BudgetSearch:
     def _finish(self) -> None:
         self._phase = "final"
         self._pending = set(self._chosen)
+
+
+def fastest_within(candidates: Sequence[tuple[int, float]], budget: int) -> int:
+    """Index of the fastest candidate, each ``(peak bytes, seconds per step)``, whose peak is within ``budget``;
+    if none is, the one with the lowest peak.
+
+    Example:
+        >>> fastest_within([(90, 1.0), (60, 1.4), (55, 1.2)], budget=60)
+        2
+        >>> fastest_within([(90, 1.0), (80, 1.4)], budget=60)
+        1
+    """
+    if not candidates:
+        raise ValueError("no candidates to choose from")
+    held = [i for i, (peak, _) in enumerate(candidates) if peak <= budget]
+    if held:
+        return min(held, key=lambda i: candidates[i][1])
+    return min(range(len(candidates)), key=lambda i: candidates[i][0])
