@@ -99,3 +99,67 @@ def test_compile_arguments_are_checked():
     x = torch.randn(2, 3, 32, 32)
     with pytest.raises(TypeError, match="`compile` must be"):
         checkpoint_resnet(_resnet(), memory_budget=0.6, example_input=x, compile="yes")
+
+
+class _Saved:
+    """Counts the bytes one training step saves for backward (parameters, buffers and the batch aside)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        held = {t.untyped_storage().data_ptr() for t in [*pl_module.parameters(), *pl_module.buffers(), *batch]}
+        seen, self.total = set(), 0
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in held and ptr not in seen:
+                seen.add(ptr)
+                self.total += t.untyped_storage().nbytes()
+            return t
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self.hooks.__enter__()
+        self.setting = torch._functorch.config.activation_memory_budget
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.hooks.__exit__(None, None, None)
+        self.steps.append((self.total, self.setting))
+
+
+def test_the_callback_holds_its_budget_on_a_compiled_module(tmp_path):
+    from conftest import trainer_kwargs
+    from lightning.pytorch import Callback, LightningModule, Trainer
+
+    from lightning_memguard import ActivationCheckpointing
+
+    class Net(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _resnet()
+            self.example_input_array = torch.randn(4, 3, 64, 64)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            return self(batch[0]).float().sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 3, 64, 64)), batch_size=4)
+
+    saved = type("Saved", (_Saved, Callback), {})()
+    checkpointing = ActivationCheckpointing(memory_budget=0.3)
+    before = torch._functorch.config.activation_memory_budget
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[checkpointing, saved]))
+    trainer.fit(torch.compile(Net(), backend="aot_eager"))
+    plan = checkpointing.plan
+    assert plan.compiled and plan.held and plan.blocks
+    setting = plan.activation_memory_budget
+    assert [s for _, s in saved.steps] == [before if setting is None else setting] * 2  # set for the fit
+    assert all(total <= plan.budget_bytes for total, _ in saved.steps)  # held in training, compiled
+    assert torch._functorch.config.activation_memory_budget == before  # and restored after it
+    assert checkpointing.state_dict()["compile_setting"] == setting

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_memguard import _compiler
 from lightning_memguard.checkpointing.plan import CheckpointPlan
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.checkpointing.wrap import Units
@@ -22,6 +24,10 @@ class ActivationCheckpointing(Callback):
     checkpointed, adjacent ones as one run (see :func:`~lightning_memguard.checkpointing.checkpoint_blocks`).
     ``state_dict`` keys of the model do not change; the chosen runs are kept in the callback's state, so a resumed
     run re-applies them without measuring again. Under DDP rank zero measures and every rank applies its plan.
+
+    On a compiled module (``fit(torch.compile(module))``) a budget is measured compiled and may use compile's own
+    ``activation_memory_budget`` (see :func:`~lightning_memguard.checkpointing.checkpoint_blocks`); the setting
+    chosen is set for the fit (restored at its end) and kept in the callback's state with the runs.
 
     Args:
         units: ``"auto"``, a set of module classes, or a predicate ``(name, module) -> bool``.
@@ -54,6 +60,7 @@ class ActivationCheckpointing(Callback):
         rebuild_bn_relu: bool = False,
     ):
         self.policy = CheckpointingPolicy(units, memory_budget, bn_correct, rebuild_bn_relu)
+        self._compiling = ExitStack()  # compile's activation_memory_budget for the fit, where the plan set one
 
     units = property(lambda self: self.policy.units)
     memory_budget = property(lambda self: self.policy.memory_budget)
@@ -90,6 +97,7 @@ class ActivationCheckpointing(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.memory_budget is None:
             return
+        self._compiling.close()
         resumed = self.runs is not None
         strategy = trainer.strategy
         self.policy.apply(
@@ -101,9 +109,15 @@ class ActivationCheckpointing(Callback):
         )
         if not resumed:
             rank_zero_info(f"ActivationCheckpointing: {self.policy.summary()}")
+        # compile's own setting, chosen with the blocks, holds while this fit compiles (its first steps, recompiles)
+        self._compiling.enter_context(_compiler.activation_memory_budget(self.policy.compile_setting))
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._compiling.close()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"runs": self.runs}
+        return {"runs": self.runs, "compile_setting": self.policy.compile_setting}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.policy.runs = state_dict.get("runs", self.policy.runs)
+        self.policy.compile_setting = state_dict.get("compile_setting", self.policy.compile_setting)

@@ -83,11 +83,14 @@ class CheckpointPlan:
         text = f"checkpointed {len(self.blocks)} of {self.candidates} blocks in {len(self.runs)} run(s)"
         if self.rebuilt:
             text += f", BatchNorm + ReLU rebuilt in {len(self.rebuilt)}"
+        if self.compiled:
+            setting = self.activation_memory_budget
+            text += f", under torch.compile with activation_memory_budget {'default' if setting is None else setting}"
         if self.budget_bytes is not None:
-            text += (
-                f"; budget {self.budget_bytes / 1e9:.3f} GB of baseline {self.baseline_bytes / 1e9:.3f} GB,"  # type: ignore[operator]
-                f" predicted {self.predicted_bytes / 1e9:.3f} GB, measured {self.measured_bytes / 1e9:.3f} GB"  # type: ignore[operator]
-            )
+            text += f"; budget {self.budget_bytes / 1e9:.3f} GB of baseline {self.baseline_bytes / 1e9:.3f} GB"  # type: ignore[operator]
+            if self.predicted_bytes is not None:
+                text += f", predicted {self.predicted_bytes / 1e9:.3f} GB"
+            text += f", measured {self.measured_bytes / 1e9:.3f} GB"  # type: ignore[operator]
         return text
 
 

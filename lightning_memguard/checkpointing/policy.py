@@ -57,6 +57,8 @@ class CheckpointingPolicy:
         self.rebuild_bn_relu = rebuild_bn_relu
         self.plan: CheckpointPlan | None = None  # this process's plan, where it made one
         self.runs: list[list[str]] | None = None  # the chosen runs of blocks: learned state
+        # under torch.compile, compile's activation_memory_budget chosen with the runs (None: compile's default)
+        self.compile_setting: float | None = None
 
     def apply(
         self,
@@ -68,6 +70,10 @@ class CheckpointingPolicy:
         measuring: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         """Checkpoint ``model`` in place: re-apply :attr:`runs` if known, else plan (rank zero) and agree.
+
+        A compiled ``model`` (``fit(torch.compile(module))``) with a budget is measured compiled, and
+        :attr:`compile_setting` is compile's ``activation_memory_budget`` chosen with the runs: the caller sets it
+        for the training (``lightning_memguard._compiler.activation_memory_budget``).
 
         Args:
             model: the module to change.
@@ -87,7 +93,7 @@ class CheckpointingPolicy:
             return
         if example_input is None:
             raise ValueError("a `memory_budget` is measured on a real batch: give the module an `example_input_array`")
-        runs = None
+        runs, setting = None, None
         if is_rank_zero:
             with measuring():
                 self.plan = checkpoint_blocks(
@@ -99,10 +105,11 @@ class CheckpointingPolicy:
                     rebuild_bn_relu=self.rebuild_bn_relu,
                 )
             runs = self.plan.runs
-        runs = broadcast(runs)
+            setting = self.plan.activation_memory_budget
+        runs, setting = broadcast((runs, setting if is_rank_zero else None))
         if not is_rank_zero:
             apply_plan(model, runs, self.units, self.bn_correct, self.rebuild_bn_relu)
-        self.runs = runs
+        self.runs, self.compile_setting = runs, setting
 
     def summary(self) -> str:
         if self.plan is not None:
