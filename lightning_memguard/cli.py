@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
@@ -57,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
     sweep.add_argument("--accumulate", type=int, default=1)
     sweep.add_argument("--steps", type=int, default=16, help="timed optimizer steps per batch size")
+    sweep.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model: one static graph per batch size, compile time apart from the timed steps",
+    )
+    sweep.add_argument(
+        "--compile-backend", default=None, help="torch.compile's backend with --compile (default inductor)"
+    )
     sweep.add_argument("--out", default="memguard-sweep", help="folder for sweep.csv and sweep.png")
 
     plan = sub.add_parser("plan", help="measure micro-batch x accumulation for an effective batch; print the choice")
@@ -170,6 +180,37 @@ def _precision(arg: str | None, device: str) -> str:
     return arg or ("bf16-mixed" if cuda else "32-true")
 
 
+def _compile_backend(compile_: bool, backend: str | None, device: str) -> str | None:
+    """The torch.compile backend asked for (None: eager), checked before any training: a known name, and what it
+    needs on this device (inductor: a C++ compiler on the CPU, Triton on CUDA; PyTorch's Windows wheels bring no
+    Triton)."""
+    if not compile_:
+        if backend is not None:
+            raise UsageError("--compile-backend needs --compile")
+        return None
+    import torch
+    import torch._dynamo
+
+    backend = backend or "inductor"
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise UsageError(f"unknown --compile-backend {backend!r}: use one of {', '.join(known)}")
+    cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if backend == "inductor" and cuda and importlib.util.find_spec("triton") is None:
+        raise UsageError(
+            "--compile with inductor on CUDA needs Triton, which this PyTorch lacks (on Windows: pip install "
+            "triton-windows); or use --compile-backend aot_eager"
+        )
+    if backend == "inductor" and not cuda:
+        names = [os.environ.get("CXX", ""), *(["cl"] if sys.platform == "win32" else ["g++", "clang++", "c++"])]
+        if not any(name and shutil.which(name) for name in names):
+            raise UsageError(
+                "--compile with inductor on the CPU needs a C++ compiler (g++ or clang++, or cl on Windows, or $CXX), "
+                "and none was found; install one, or use --compile-backend aot_eager"
+            )
+    return backend
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from lightning_memguard.doctor import collect, format_report
 
@@ -186,6 +227,7 @@ def _sweep(args: argparse.Namespace) -> int:
     _positive("--steps", args.steps)
     capacity = _capacity(args.emulate_capacity)
     precision = _precision(args.precision, args.device)
+    backend = _compile_backend(args.compile, args.compile_backend, args.device)
     out = _writable(args.out)
     _check_model_input(args.model, args.image_size, sizes[0], "--batch-sizes 1")
 
@@ -196,7 +238,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from lightning_memguard.sweep import SweepConfig, default_root, plot, run_one, sweep_title, write_csv
 
     cfg = SweepConfig(args.model, sizes, args.image_size, precision, args.channels_last, args.checkpoint,
-                      args.accumulate, args.steps, 3, capacity, args.device)  # fmt: skip
+                      args.accumulate, args.steps, 3, capacity, args.device, backend)  # fmt: skip
     rows, capacity_gb = [], 0.0
     root = default_root()
     for batch in tqdm(sizes, desc="memguard sweep", unit="batch size", file=sys.stderr):

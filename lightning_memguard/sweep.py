@@ -8,12 +8,14 @@ import tempfile
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_memguard.callbacks import MemGuard
 from lightning_memguard.core.report import SweepRow
+from lightning_memguard.core.throughput import settled_from, warmup_excess
 from lightning_memguard.testing import ImageClassifier, StepTimer, SysmemSpillEmulator
 
 
@@ -30,24 +32,62 @@ class SweepConfig:
     warmup: int = 5
     emulate_capacity: int | None = None
     device: str = "auto"
+    compile: str | None = None  # a torch.compile backend ("inductor", "aot_eager", ...); None: eager
+
+
+MAX_EXTRA_WARMUP = 20  # a compiled run whose step times have not settled after this many more steps is timed anyway
+
+
+class _WarmUpUntilSettled(Callback):
+    """A compiled run: warm up until two consecutive steps agree in time (:func:`settled_from`), then time
+    ``steps`` optimizer steps and stop. Reads the timer (a device sync on CUDA) only while warming up."""
+
+    def __init__(self, timer: StepTimer, minimum: int, steps: int, accumulate: int) -> None:
+        self.timer, self.minimum, self.steps, self.accumulate = timer, max(minimum, 2), steps, accumulate
+        self.first_timed: int | None = None
+
+    @property
+    def most(self) -> int:
+        return self.minimum + MAX_EXTRA_WARMUP
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.first_timed is not None:
+            return
+        times = self.timer.step_ms(self.accumulate)  # the steps done so far (the timer marked this batch's start)
+        end = settled_from(times, self.minimum)
+        self.first_timed = end if end is not None or len(times) < self.most else len(times)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.first_timed is not None and len(self.timer.marks) >= (self.first_timed + self.steps) * self.accumulate:
+            trainer.should_stop = True
 
 
 def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
-    """Train ``warmup + steps`` optimizer steps at ``batch``; return its row and the capacity in GB."""
+    """Train at ``batch``; return its row and the capacity in GB. Eager: ``warmup + steps`` optimizer steps, the
+    first ``warmup`` untimed. Compiled: a fresh static graph for this size (``dynamic=False``), warm-up until step
+    times settle (at least ``warmup`` steps), then ``steps`` timed steps; the warm-up's excess is the row's
+    ``compile_s``."""
     cuda = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "cuda"
-    steps = cfg.warmup + cfg.steps
-    model = ImageClassifier(
+    compiled = cfg.compile is not None
+    steps = cfg.warmup + cfg.steps + (MAX_EXTRA_WARMUP + 2 if compiled else 0)
+    model: LightningModule = ImageClassifier(
         cfg.model, num_classes=1000, image_size=cfg.image_size, batch_size=batch,
         steps_per_epoch=steps * cfg.accumulate + 1, channels_last=cfg.channels_last, pool_size=max(64, batch),
     )  # fmt: skip
     if cfg.checkpoint:
         from lightning_memguard.checkpointing import checkpoint_blocks
 
-        checkpoint_blocks(model.net)
+        checkpoint_blocks(model.net)  # type: ignore[arg-type]
+    if cfg.compile is not None:
+        torch._dynamo.reset()  # this size's own graph, compiled (and timed) here
+        model = torch.compile(model, backend=cfg.compile, dynamic=False)  # type: ignore[assignment]
     emu = SysmemSpillEmulator(capacity=cfg.emulate_capacity) if cfg.emulate_capacity else None
     guard = MemGuard(probe=emu.probe if emu is not None else None, on_spill="warn", warmup_steps=1, reference_steps=2)
-    timer = StepTimer(skip=cfg.warmup)
-    callbacks: list[Callback] = [c for c in (emu, guard, timer) if c is not None]
+    timer = StepTimer(skip=0 if compiled else cfg.warmup)
+    warmup = _WarmUpUntilSettled(timer, cfg.warmup, cfg.steps, cfg.accumulate) if compiled else None
+    callbacks: list[Callback] = [c for c in (emu, guard, timer, warmup) if c is not None]
     trainer = Trainer(
         accelerator="cuda" if cuda else "cpu", devices=1, precision=cfg.precision,  # type: ignore[arg-type]
         max_steps=steps, max_epochs=1, accumulate_grad_batches=cfg.accumulate, callbacks=callbacks, logger=False,
@@ -61,17 +101,24 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
     except torch.OutOfMemoryError:
         timeline = guard._timeline
         capacity = guard.capacity or (timeline.detector.capacity if timeline is not None else 0)
-        return SweepRow(batch, None, None, None, "oom"), capacity / 1e9
+        return SweepRow(batch, None, None, None, "oom", cfg.compile), capacity / 1e9
     finally:
+        if compiled:
+            torch._dynamo.reset()
         if cuda:
             torch.cuda.empty_cache()
     times = timer.step_ms(cfg.accumulate)
+    compile_s = None
+    if warmup is not None:
+        first = warmup.first_timed if warmup.first_timed is not None else len(times)
+        compile_s = round(warmup_excess(times, first) / 1e3, 3)
+        times = times[first:]
     step_ms = statistics.median(times) if times else None
     record = guard.epochs[-1]
     spilled = guard.spill is not None or (emu is not None and emu.total_spilled_bytes > 0)
     rate = batch * cfg.accumulate / step_ms * 1e3 if step_ms else None
-    row = SweepRow(batch, step_ms, record.peak_allocated_gb, rate, "spill" if spilled else "ok")
-    return row, record.capacity_gb
+    status = "spill" if spilled else "ok"
+    return SweepRow(batch, step_ms, record.peak_allocated_gb, rate, status, cfg.compile, compile_s), record.capacity_gb
 
 
 def write_csv(rows: Sequence[SweepRow], path: str) -> None:
@@ -126,6 +173,8 @@ def sweep_title(cfg: SweepConfig, device: str) -> str:
         extras.append("checkpointed")
     if cfg.accumulate > 1:
         extras.append(f"x{cfg.accumulate} accumulation")
+    if cfg.compile:
+        extras.append(f"torch.compile ({cfg.compile}, one static graph per batch size)")
     if cfg.emulate_capacity:
         extras.append(f"emulated {cfg.emulate_capacity / 1e9:.3g} GB card with sysmem fallback")
     return f"{cfg.model} on {device}: " + ", ".join(extras)

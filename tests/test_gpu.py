@@ -80,6 +80,34 @@ def test_emulated_spill_is_stopped_within_three_steps(tmp_path):
     assert emu.total_spilled_bytes > 0
 
 
+def test_emulated_spill_of_a_compiled_model_is_stopped(tmp_path):
+    """CPU twin: tests/test_emulator_compile.py (aot_eager). Here inductor, whose saved tensors stay allocated and
+    make a real PCIe round trip."""
+    emu = SysmemSpillEmulator(capacity="2GB")  # ResNet50 at batch 64 needs about 3.2 GB, compiled about as much
+    guard = MemGuard(probe=emu.probe, warmup_steps=3)
+    model = ImageClassifier("resnet50", image_size=224, batch_size=64, steps_per_epoch=20, channels_last=True)
+    trainer = _trainer(tmp_path, [emu, guard])
+    with pytest.raises(SysmemSpillError, match="spilling into system RAM"):
+        trainer.fit(torch.compile(model))
+    assert trainer.global_step <= 3 + 3
+    assert emu.total_spilled_bytes > 1e9  # most of the activations, as in eager mode
+    torch._dynamo.reset()
+
+
+def test_compiled_model_that_fits_is_not_flagged_across_compiles(tmp_path):
+    """The first step and validation compile (the compiler's own buffers in the real peak): no spill, no alarm."""
+    emu = SysmemSpillEmulator(capacity="5GB")  # about 1.5x what the compiled ResNet50 at batch 64 needs
+    guard = MemGuard(probe=emu.probe, warmup_steps=2)
+    model = ImageClassifier(
+        "resnet50", image_size=224, batch_size=64, steps_per_epoch=8, val_steps=2, channels_last=True
+    )
+    trainer = _trainer(tmp_path, [emu, guard], limit_val_batches=2)
+    trainer.fit(torch.compile(model))
+    assert trainer.state.finished and guard.spill is None and emu.total_spilled_bytes == 0
+    assert 2e9 < emu.probe.read().peak_allocated < 5e9
+    torch._dynamo.reset()
+
+
 def test_prevent_turns_the_overflow_into_an_immediate_oom(tmp_path):
     guard = MemGuard(capacity="2GB", prevent=True)
     model = ImageClassifier("resnet50", image_size=224, batch_size=64, steps_per_epoch=20, channels_last=True)

@@ -61,20 +61,27 @@ def format_epoch_table(records: Sequence[EpochRecord]) -> str:
 
 @dataclass(frozen=True)
 class SweepRow:
-    """One batch size of a sweep: the write-up's table row, with what happened."""
+    """One batch size of a sweep: the write-up's table row, with what happened.
+
+    ``compiled`` is the ``torch.compile`` backend the row ran under (``None``: eager) and ``compile_s`` what its
+    warm-up took beyond as many steady steps (the compile), kept out of ``step_ms`` and ``samples_per_sec``.
+    """
 
     batch: int
     step_ms: float | None
     peak_gb: float | None
     samples_per_sec: float | None
     status: str  # "ok" | "spill" | "oom"
+    compiled: str | None = None
+    compile_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def format_sweep_table(rows: Sequence[SweepRow], capacity_gb: float | None = None) -> str:
-    """Batch, step time, peak memory, throughput and status, one line per batch size.
+    """Batch, step time, peak memory, throughput and status, one line per batch size; where rows were compiled, the
+    compile time and the backend too.
 
     Example:
         >>> rows = [SweepRow(256, 234.0, 10.9, 1094.0, "ok"), SweepRow(448, None, None, None, "oom")]
@@ -82,16 +89,23 @@ def format_sweep_table(rows: Sequence[SweepRow], capacity_gb: float | None = Non
         batch    step ms    peak GB    samples/s  status
           256      234.0      10.90       1094.0  ok
           448          -          -            -  oom
+        >>> print(format_sweep_table([SweepRow(256, 150.0, 10.4, 1706.7, "ok", "inductor", 41.2)]))
+        batch    step ms    peak GB    samples/s  compile s  compiled  status
+          256      150.0      10.40       1706.7       41.2  inductor  ok
     """
 
     def cell(value: float | None, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
-    lines = [f"{'batch':>5}  {'step ms':>9}  {'peak GB':>9}  {'samples/s':>11}  status"]
+    compiled = any(r.compiled for r in rows)
+    width = max([len("compiled"), *(len(r.compiled or "") for r in rows)])
+    extra = f"  {'compile s':>9}  {'compiled':<{width}}" if compiled else ""
+    lines = [f"{'batch':>5}  {'step ms':>9}  {'peak GB':>9}  {'samples/s':>11}{extra}  status"]
     for r in rows:
+        extra = f"  {cell(r.compile_s, '.1f'):>9}  {r.compiled or 'eager':<{width}}" if compiled else ""
         lines.append(
             f"{r.batch:>5}  {cell(r.step_ms, '.1f'):>9}  {cell(r.peak_gb, '.2f'):>9}  "
-            f"{cell(r.samples_per_sec, '.1f'):>11}  {r.status}"
+            f"{cell(r.samples_per_sec, '.1f'):>11}{extra}  {r.status}"
         )
     if capacity_gb is not None:
         lines.append(f"capacity: {capacity_gb:.2f} GB")
