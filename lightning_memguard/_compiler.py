@@ -8,6 +8,10 @@
   after a second size (``automatic_dynamic_shapes``), and so no trial silently falls back to eager because the
   recompile limit was reached.
 - :func:`is_compiled`: whether a module (a LightningModule, or a model inside one) runs compiled.
+- :func:`saved_by_compiled_graph` and :func:`ran_compiled` (for the spill emulator): AOTAutograd runs a compiled
+  graph as one ``torch.autograd.Function`` (``CompiledFunction``); its forward returns the tensors the backward
+  needs and ``ctx.save_for_backward`` saves them through the saved-tensor hooks like any other saved tensor, but
+  they have no autograd history (leaves that do not require grad, like the inputs and buffers eager ops save).
 - :func:`activation_memory_budget`: compile's own memory lever (``torch._functorch.config``), set for a block.
 - :func:`fresh_compiled`: a model compiled anew, so a measurement sees the settings of the moment;
   :func:`eager`: compiled code run eagerly; :func:`unwrapped`: the module a ``torch.compile`` result wraps.
@@ -17,15 +21,46 @@ Nothing here imports ``torch._dynamo`` unless something has compiled already, or
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
 _COUNTERS = "torch._dynamo.utils"
+
+_AOT_AUTOGRAD_DIR = os.path.join(os.path.dirname(torch.__file__), "_functorch", "_aot_autograd") + os.sep
+_COMPILED_BACKWARD = "CompiledFunctionBackward"  # the autograd node of AOTAutograd's CompiledFunction
+
+
+def saved_by_compiled_graph() -> bool:
+    """Whether the saved-tensor pack hook now running was called for a compiled graph's ``save_for_backward``.
+
+    Autograd packs a Function's saved tensors as ``Function.apply`` returns; for a compiled graph the nearest Python
+    frame is then AOTAutograd's boxed call (``make_boxed_func``'s ``g`` in ``torch/_functorch/_aot_autograd/
+    utils.py``). Eager ops pack from the user's code. Call this from the hook itself.
+    """
+    frame = sys._getframe(2)  # 0: this function, 1: the hook, 2: whoever made autograd pack
+    return frame.f_code.co_filename.startswith(_AOT_AUTOGRAD_DIR)
+
+
+def ran_compiled(loss: Any) -> bool:
+    """Whether ``loss``'s autograd graph contains a compiled graph's backward node (``CompiledFunctionBackward``)."""
+    grad_fn = getattr(loss, "grad_fn", None)
+    todo, seen = [grad_fn] if grad_fn is not None else [], set()
+    while todo:
+        node = todo.pop()
+        if type(node).__name__ == _COMPILED_BACKWARD:
+            return True
+        for nxt, _ in node.next_functions:
+            if nxt is not None and id(nxt) not in seen:
+                seen.add(id(nxt))
+                todo.append(nxt)
+    return False
 
 
 def compiles() -> int:
@@ -90,16 +125,14 @@ def unwrapped(module: nn.Module) -> nn.Module:
 def eager() -> Iterator[None]:
     """Compiled functions run eagerly inside (``torch.compiler.set_stance("force_eager")``; older PyTorch: Dynamo
     disabled), so hooks see every module."""
-    import torch
-
     set_stance = getattr(torch.compiler, "set_stance", None)
     if set_stance is not None:
         with set_stance("force_eager"):
             yield
         return
-    import torch._dynamo
+    from torch import _dynamo
 
-    with torch._dynamo.config.patch(disable=True):
+    with _dynamo.config.patch(disable=True):
         yield
 
 
@@ -114,7 +147,6 @@ def fresh_compiled(model: nn.Module, options: dict[str, Any] | None) -> Callable
     ``options``: ``torch.compile`` keyword arguments; None: compiled the way ``model`` already is (a
     ``torch.compile`` result, or a LightningModule that ``fit`` unwrapped), or with the defaults.
     """
-    import torch
 
     step = types.FunctionType(_step.__code__.replace(), _step.__globals__, "memguard_step")
     if options is None:

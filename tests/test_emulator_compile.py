@@ -12,8 +12,8 @@ from conftest import TinyModel, trainer_kwargs
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch._dynamo.eval_frame import OptimizedModule
 
-from lightning_memguard import MemGuard, SysmemSpillError
-from lightning_memguard.testing import ImageClassifier, SysmemSpillEmulator, _compiled
+from lightning_memguard import MemGuard, SysmemSpillError, _compiler
+from lightning_memguard.testing import ImageClassifier, SysmemSpillEmulator
 
 BACKEND = "aot_eager"  # inductor on the CPU needs a C++ compiler and a minute per model; the logic is the same
 BANDWIDTH = 1e9
@@ -41,7 +41,7 @@ class RanCompiled(Callback):
         self.steps: list[bool] = []
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
-        self.steps.append(_compiled.ran_compiled(loss))
+        self.steps.append(_compiler.ran_compiled(loss))
 
 
 def resnet(**kw) -> ImageClassifier:
@@ -195,7 +195,7 @@ def test_compiled_model_that_fits_is_not_spilling_across_recompiles(tmp_path):
         warnings.filterwarnings("error", message=".*(spilling|cannot see)")
         trainer = fit(compile_model(factory()), tmp_path, emu, guard, max_epochs=2, limit_val_batches=1)
     assert trainer.state.finished and not trainer.should_stop and trainer.global_step == 8
-    assert _compiled.graphs_compiled() >= 3  # batch 64, batch 32, validation: the recompiles did happen
+    assert _compiler.compiles() >= 3  # batch 64, batch 32, validation: the recompiles did happen
     assert guard.spill is None and emu.total_spilled_bytes == 0
     assert emu.probe.read().peak_allocated == need  # every activation counted, within 2 % of the capacity
 
@@ -205,7 +205,7 @@ def test_compiled_model_that_fits_is_not_spilling_across_recompiles(tmp_path):
 
 def test_activations_the_emulator_cannot_see_are_a_warning_not_zero(tmp_path, monkeypatch):
     """As if a PyTorch release stopped passing a compiled graph's saved tensors through the hooks."""
-    monkeypatch.setattr(_compiled, "saved_by_compiled_graph", lambda: False)
+    monkeypatch.setattr(_compiler, "saved_by_compiled_graph", lambda: False)
     emu = SysmemSpillEmulator(capacity=1, sleep=lambda s: None)
     with pytest.warns(RuntimeWarning, match="cannot see the activations of the torch.compile'd part") as record:
         fit(compile_model(mlp()), tmp_path, emu, max_steps=3)

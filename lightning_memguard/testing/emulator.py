@@ -11,9 +11,9 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lightning_memguard import _compiler
 from lightning_memguard.core.units import parse_bytes
 from lightning_memguard.probes.base import MemoryReading
-from lightning_memguard.testing import _compiled
 
 _DEFAULT_BANDWIDTH = 25e9  # bytes/s, about PCIe 4.0 x16 in practice
 
@@ -32,7 +32,7 @@ class _Step:
         self.spilled_kept = 0  # of those, a compiled graph's on CUDA: their round trip is real, they stay allocated
         self.seen: dict[tuple[int, int], bool] = {}  # storage -> spilled?
         self.saw_compiled = False  # a compiled graph saved tensors (its parameters at least)
-        self.graphs = _compiled.graphs_compiled()  # a change by the step's end: the step compiled
+        self.graphs = _compiler.compiles()  # a change by the step's end: the step compiled
         self._existing = existing
         self._existing_keys: set[tuple[int, int]] | None = None
 
@@ -137,9 +137,9 @@ class SysmemSpillEmulator(Callback):
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         step = self._step
-        if step is None or step.saw_compiled or self._warned_unseen or not _compiled.graphs_compiled():
+        if step is None or step.saw_compiled or self._warned_unseen or not _compiler.compiles():
             return
-        if _compiled.ran_compiled(loss):  # compiled code ran, and none of its saved tensors reached the hooks
+        if _compiler.ran_compiled(loss):  # compiled code ran, and none of its saved tensors reached the hooks
             self._warned_unseen = True
             warnings.warn(
                 "SysmemSpillEmulator cannot see the activations of the torch.compile'd part of this model with torch "
@@ -205,7 +205,7 @@ class SysmemSpillEmulator(Callback):
             return
         if step.device is None:
             self.peak = max(self.peak, step.base + step.resident + step.spilled)
-        elif _compiled.graphs_compiled() != step.graphs:
+        elif _compiler.compiles() != step.graphs:
             # dynamo compiled during this step (the first step, a recompile for the last short batch): the real peak
             # holds the compiler's work, which training does not repeat, so this step counts what it saved
             self.peak = max(self.peak, step.base + step.resident + step.spilled + step.transient)
@@ -218,11 +218,11 @@ class SysmemSpillEmulator(Callback):
         step = self._step
         if step is None:
             return tensor
-        compiled = _compiled.saved_by_compiled_graph()
+        compiled = _compiler.saved_by_compiled_graph()
         step.saw_compiled |= compiled
         root = tensor._base if tensor._base is not None else tensor
         # Parameters, inputs and views of them exist before the step: counted in the base; so do the leaves that
-        # eager ops save. A compiled graph's own activations are leaves that do not require grad (see _compiled).
+        # eager ops save. A compiled graph's own activations are leaves that do not require grad (see _compiler).
         produced_by_graph = compiled and root.is_leaf and not root.requires_grad
         if root.is_leaf and not produced_by_graph:
             return tensor
