@@ -59,21 +59,24 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
     sweep.add_argument("--accumulate", type=int, default=1)
     sweep.add_argument("--steps", type=int, default=16, help="timed optimizer steps per batch size")
-    sweep.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the model: one static graph per batch size, compile time apart from the timed steps",
-    )
-    sweep.add_argument(
-        "--compile-backend", default=None, help="torch.compile's backend with --compile (default inductor)"
-    )
+    _compile_args(sweep)
     sweep.add_argument("--out", default="memguard-sweep", help="folder for sweep.csv and sweep.png")
 
     plan = sub.add_parser("plan", help="measure micro-batch x accumulation for an effective batch; print the choice")
     _model_args(plan)
     plan.add_argument("--effective-batch", type=int, required=True)
     plan.add_argument("--min-micro-batch", type=int, default=8)
+    _compile_args(plan)
     return parser
+
+
+def _compile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model: one static graph per batch size, compile time apart from the timed steps",
+    )
+    p.add_argument("--compile-backend", default=None, help="torch.compile's backend with --compile (default inductor)")
 
 
 def _positive(name: str, value: int) -> int:
@@ -263,6 +266,7 @@ def _plan(args: argparse.Namespace) -> int:
     _positive("--image-size", args.image_size)
     capacity = _capacity(args.emulate_capacity)
     precision = _precision(args.precision, args.device)
+    backend = _compile_backend(args.compile, args.compile_backend, args.device)
     from lightning_memguard.core.search import accumulation_candidates
 
     smallest = accumulation_candidates(args.effective_batch, min(args.min_micro_batch, args.effective_batch))[0][0]
@@ -299,7 +303,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer.fit(model)
+            trainer.fit(model if backend is None else torch.compile(model, backend=backend))  # type: ignore[arg-type]
     except _Measured:
         pass
     except RuntimeError as err:
@@ -313,10 +317,13 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"effective batch {args.effective_batch}: micro-batch {tuner.batch_size} x accumulate_grad_batches "
           f"{tuner.accumulate_grad_batches}{extra}")  # fmt: skip
     print(f"expected: {chosen.samples_per_sec:.1f} samples/s, peak {(chosen.peak_bytes or 0) / 1e9:.2f} GB")
+    if backend is not None:
+        print(f"compiled ({backend}): the search took {tuner.search_s:.1f} s, {tuner.compile_s:.1f} s of it compiling")
     print("measured:")
     for r in tuner.results:
+        compiled = f"  compiled, {r.compile_s:.1f} s compiling" if r.compiled else ""
         print(f"  {r.size:>5} x {r.accumulate:<3} {r.outcome:<13} {r.samples_per_sec or 0:>10.1f} samples/s"
-              f"  peak {(r.peak_bytes or 0) / 1e9:.2f} GB")  # fmt: skip
+              f"  peak {(r.peak_bytes or 0) / 1e9:.2f} GB{compiled}")  # fmt: skip
     print("paste:")
     print(f"  model.batch_size = {tuner.batch_size}")
     lines = f"Trainer(accumulate_grad_batches={tuner.accumulate_grad_batches}, callbacks=[MemGuard()"

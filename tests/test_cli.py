@@ -74,10 +74,24 @@ def test_plan_prints_a_recommendation_and_lines_to_paste(capsys):
     assert "model.batch_size = " in out and "Trainer(accumulate_grad_batches=" in out
 
 
+def test_plan_compile_measures_each_micro_batch_compiled(capsys):
+    import torch
+
+    torch._dynamo.reset()
+    argv = ["plan", *TINY, "--effective-batch", "8", "--min-micro-batch", "4", "--compile", "--compile-backend"]
+    assert main([*argv, "aot_eager"]) == 0
+    out = capsys.readouterr().out
+    assert "compiled (aot_eager): the search took" in out
+    rows = [line for line in out.splitlines() if "samples/s" in line and " x " in line]
+    assert rows and all("compiled," in line for line in rows)  # every trial ran its own compiled graph
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["sweep", "--model", "resnet9000", "--device", "cpu"], "unknown model 'resnet9000'"),
+        (["plan", *TINY, "--effective-batch", "8", "--compile-backend", "eager"], "--compile-backend needs --compile"),
         (["sweep", *TINY, "--batch-sizes", "0,32"], "--batch-sizes must be integers >= 1, got '0,32'"),
         (["sweep", *TINY, "--batch-sizes", "a,b"], "--batch-sizes must be integers separated by commas"),
         (["sweep", *TINY, "--emulate-capacity", "16XB"], "--emulate-capacity must be a number of bytes"),
