@@ -16,6 +16,9 @@ ResNet50, bf16 autocast, channels_last, SGD with momentum, random data on the de
   (inductor, default) as it is, at ``torch._functorch.config.activation_memory_budget`` 0.8, 0.5, 0.4 and 0.25, with
   every block checkpointed by this library, and with the rebuild (which stands aside under compile). Each
   compiled row starts from a fresh Dynamo cache and reports its warm-up (compile) time.
+- ``budgets``: this library's plan under compile (``checkpoint_resnet(..., memory_budget=f, compile=...)``) at
+  each fraction, then the model trained compiled under the plan's setting: the one-pass peak against the budget,
+  and throughput as in ``frontier``; also the planning time and every combination the plan measured.
 - ``tuner``: a Lightning Trainer. BatchSizeTuner over 128..1024 on ``torch.compile(model)``, then 5 + 15 steps of
   training at its choice (StepTimer, median); the oracle: each size compiled on its own, static
   (``dynamic=False``), trained and timed the same way; and the tuner's search time on the eager model beside it.
@@ -179,6 +182,62 @@ def frontier(cfg: Setup) -> dict[str, Any]:
     }
 
 
+def one_pass_peak(model: nn.Module, forward: Callable, x: torch.Tensor) -> int | None:
+    """What the planner measures: one forward and backward's peak above what was allocated before it."""
+    if not CUDA:
+        return None
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        forward(x).float().sum().backward()
+    torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    return int(torch.cuda.max_memory_allocated() - before)
+
+
+def budgets(cfg: Setup, fractions: list[float]) -> dict[str, Any]:
+    """Ours under compile: plan with ``compile=True`` at each budget, then train compiled under the plan's setting."""
+    rows = []
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    x = torch.randn(cfg.batch, 3, cfg.image, cfg.image, device=DEVICE, generator=gen)
+    x = x.to(memory_format=torch.channels_last)
+    options = {"backend": cfg.backend}
+    for fraction in fractions:
+        torch._dynamo.reset()
+        free_memory()
+        model = make_model(cfg)
+        started = time.perf_counter()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=CUDA):
+            plan = checkpoint_resnet(model, memory_budget=fraction, example_input=x, compile=options)
+        plan_s = time.perf_counter() - started
+        torch._dynamo.reset()
+        with plan.compiling():
+            forward = torch.compile(model, **options)
+            trained = train_steps(model, forward, cfg)
+            peak = one_pass_peak(model, forward, x)
+        rows.append(
+            {
+                "fraction": fraction,
+                "budget_bytes": plan.budget_bytes,
+                "baseline_bytes": plan.baseline_bytes,
+                "planned_peak_bytes": plan.measured_bytes,
+                "measured_peak_bytes": peak,
+                "held": None if peak is None else peak <= plan.budget_bytes,  # type: ignore[operator]
+                "blocks": plan.blocks,
+                "activation_memory_budget": plan.activation_memory_budget,
+                "candidates": plan.compile_candidates,
+                "plan_s": round(plan_s, 1),
+                "img_s": trained["img_s"],
+                "train_peak_bytes": trained["peak_bytes"],
+            }
+        )
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "candidates"}), flush=True)
+        del model, forward
+    return {"budgets": rows}
+
+
 def _lightning_model(cfg: Setup, batch: int, steps: int) -> ImageClassifier:
     return ImageClassifier(
         cfg.arch, num_classes=1000, image_size=cfg.image, batch_size=batch, steps_per_epoch=steps, pool_size=64,
@@ -246,7 +305,8 @@ def tuner(cfg: Setup, root: str) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=("frontier", "tuner", "all"), default="all")
+    parser.add_argument("--part", choices=("frontier", "tuner", "budgets", "all"), default="all")
+    parser.add_argument("--budgets", default="0.6,0.5,0.4,0.35", help="fractions for --part budgets")
     parser.add_argument("--merge", nargs="+", default=None, help="JSON files of the parts to merge into --out")
     parser.add_argument("--out", default="benchmarks/results/compile.json")
     parser.add_argument("--smoke", action="store_true")
@@ -263,6 +323,8 @@ def main() -> None:
     if args.part in ("frontier", "all"):
         data["frontier"] = frontier(cfg)
         data["compile_frontier"] = data["frontier"].pop("compile_frontier")
+    if args.part in ("budgets", "all"):
+        data.update(budgets(cfg, [float(b) for b in args.budgets.split(",")]))
     if args.part in ("tuner", "all"):
         with tempfile.TemporaryDirectory() as root:
             data.update(tuner(cfg, root))
