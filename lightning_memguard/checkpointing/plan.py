@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_memguard.checkpointing.rebuild import (
     RebuiltBatchNormReLU,
+    RebuiltConvNormActivation,
     RebuiltStemReLU,
     link_outputs,
     rebuild_stem,
@@ -228,7 +229,8 @@ class _StepMeter:
 
 
 def _rebuilt(link: Link) -> bool:
-    return any(isinstance(module, RebuiltBatchNormReLU | RebuiltStemReLU) for _, module in link.modules)
+    rebuilt = RebuiltBatchNormReLU | RebuiltStemReLU | RebuiltConvNormActivation
+    return any(isinstance(sub, rebuilt) for _, module in link.modules for sub in module.modules())
 
 
 def _can_rebuild(link: Link) -> bool:
@@ -385,8 +387,8 @@ def checkpoint_blocks(
     names = [link.name for link in links]
     if rebuild_bn_relu and not any(_can_rebuild(link) for link in links):
         raise ValueError(
-            "`rebuild_bn_relu` needs torchvision BasicBlock or Bottleneck blocks or a ResNet stem (with"
-            f" nn.BatchNorm2d), and {type(model).__name__} has none"
+            "`rebuild_bn_relu` needs torchvision BasicBlock or Bottleneck blocks, a ResNet stem or Conv2dNormActivation"
+            f" units (with nn.BatchNorm2d) among its blocks, and {type(model).__name__} has none"
         )
     if memory_budget is None and rebuild_bn_relu:
         rebuilt = [link.name for link in links if _rebuild_link(link)]
