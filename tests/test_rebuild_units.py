@@ -268,3 +268,34 @@ def test_rebuilt_units_pickle_deepcopy_and_load_in_a_fresh_interpreter(tmp_path)
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == str(swapped)
+
+
+def test_the_one_pass_kernel_rebuilds_the_batchnorm_outputs_of_units(monkeypatch):
+    """CPU twin of test_rebuilt_units_under_bf16_and_channels_last (tests/test_gpu.py), in Triton's interpreter:
+    each unit's BatchNorm (+ ReLU) output is one kernel pass, its other activation PyTorch's own after it."""
+    pytest.importorskip("triton")
+    from lightning_memguard.checkpointing import _fused
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _fused._kernel.cache_clear()  # built again, for the interpreter
+    ran = []
+    fused = _fused.fused
+
+    def counted(*args, **kwargs):
+        out = fused(*args, **kwargs)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_fused, "fused", counted)
+    try:
+        plain, ours = _tiny(), _tiny()
+        rebuild_bn_relu(ours)
+        a, b = _step(plain, size=32), _step(ours, size=32)
+    finally:
+        _fused._kernel.cache_clear()
+    assert len(ran) == 5 and all(ran)  # once for each of the five units
+    for key in a:
+        if key.startswith("buf:"):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert (a[key] - b[key]).abs().max() <= 1e-5 * a[key].abs().max(), key  # the kernel's rounding

@@ -648,7 +648,9 @@ def _takes_recipes(module: nn.Module | None) -> bool:
 def link_outputs(model: nn.Module) -> int:
     """Rebuild the output of each rebuilt block of ``model`` too, ``relu(last_bn(.) + shortcut)``, where the block
     after it is rebuilt and not checkpointed (it then saves that output as a recipe too), and in a torchvision
-    ResNet the last block's, which the average pooling does not keep; return how many.
+    ResNet the last block's, which the average pooling does not keep; and mark the module that runs next on each
+    rebuilt Conv2dNormActivation's output :class:`TakesRecipes` (a convolution, a SqueezeExcitation: the next
+    element of an ``nn.Sequential``, where it is not a rebuilt unit itself); return how many outputs are linked.
 
     Rebuilding a stage's outputs in backward needs the one before, back to the stage's first block, whose shortcut
     has its own BatchNorm: they are built in turn and each is let go after its last use. A block whose output goes
@@ -670,9 +672,11 @@ def link_outputs(model: nn.Module) -> int:
 
 def rebuild_bn_relu(model: nn.Module) -> int:
     """Rebuild BatchNorm + ReLU outputs in backward in every torchvision Bottleneck (after bn1 and bn2), BasicBlock
-    (after bn1) and ResNet stem (after bn1) of ``model`` that is not checkpointed, in place; return how many blocks
-    and stems changed. The output of a block that feeds another rebuilt block is rebuilt too (see
-    :func:`link_outputs`): in a ResNet, every block's.
+    (after bn1) and ResNet stem (after bn1) of ``model`` that is not checkpointed, and the BatchNorm and activation
+    outputs of every torchvision Conv2dNormActivation (:func:`unit_parts` says which) not inside a checkpointed
+    module, in place; return how many blocks, stems and units changed. The output of a block that feeds another
+    rebuilt block is rebuilt too (see :func:`link_outputs`): in a ResNet, every block's; a unit's output is saved
+    as its recipe also by the module that runs next on it.
 
     ``state_dict`` keys do not change; :func:`remove_rebuild` undoes it.
 
@@ -680,6 +684,8 @@ def rebuild_bn_relu(model: nn.Module) -> int:
         >>> import torchvision
         >>> rebuild_bn_relu(torchvision.models.resnet50(num_classes=10))  # 16 blocks and the stem
         17
+        >>> rebuild_bn_relu(torchvision.models.mobilenet_v2(num_classes=10))  # 35 Conv2dNormActivation units
+        35
     """
     count = 0
     for module in _outside_checkpoints(model):
@@ -700,7 +706,7 @@ def rebuild_bn_relu(model: nn.Module) -> int:
 
 
 def remove_rebuild(model: nn.Module) -> int:
-    """Undo :func:`rebuild_bn_relu` everywhere in ``model``; return how many blocks changed back."""
+    """Undo :func:`rebuild_bn_relu` everywhere in ``model``; return how many blocks, stems and units changed back."""
     count = 0
     for module in model.modules():
         for mixin in (RebuiltConvNormActivation, TakesRecipes):
