@@ -9,9 +9,8 @@ ReLU and by the next block, is a recipe too where the next block is rebuilt as w
 input (the block before's rebuilt output, or a tensor kept anyway) or a BatchNorm of it, so a stage's outputs are
 rebuilt one after another, each let go after its last use. BatchNorm's running statistics are untouched (the
 rebuild never updates them). Gradients match the plain model's bit for bit on the CPU, to rounding on CUDA. A
-torchvision ResNet's stem
-gets the same: the output of its ``relu(bn1(.))``, kept by the ReLU and by the max-pooling after it, is rebuilt
-once for both, and the max-pooling's indices are kept as 16-bit integers.
+torchvision ResNet's stem gets the same: the output of its ``relu(bn1(.))``, kept by the ReLU and by the
+max-pooling after it, is rebuilt once for both, and the max-pooling's indices are kept as 16-bit integers.
 
 torchvision's Conv-BN-activation units (``Conv2dNormActivation``: MobileNet, EfficientNet, RegNet) get the same: a
 plain unit keeps three tensors of one size, the convolution output (by BatchNorm), the BatchNorm output (by an
