@@ -367,3 +367,45 @@ def test_batch_size_tuner_on_a_compiled_model_runs_one_static_inductor_graph_per
     assert tuner.compile_s <= tuner.search_s
     assert len(graphs) == seen.graphs  # training at the choice ran the graph its trial compiled
     torch._dynamo.reset()
+
+
+def test_rebuilt_units_under_bf16_and_channels_last(monkeypatch):
+    """CPU twins: test_the_one_pass_kernel_rebuilds_the_batchnorm_outputs_of_units and
+    test_units_train_bit_for_bit_like_the_plain_model_and_keep_far_less (tests/test_rebuild_units.py)."""
+    import copy
+
+    import torchvision
+
+    from lightning_memguard.checkpointing import _fused, rebuild_bn_relu
+
+    torch.manual_seed(0)
+    plain = torchvision.models.mobilenet_v2(num_classes=10).cuda().to(memory_format=torch.channels_last)
+    ours = copy.deepcopy(plain)
+    assert rebuild_bn_relu(ours) == 35
+    ran = []
+    fused = _fused.fused
+
+    def counted(*args, **kwargs):
+        out = fused(*args, **kwargs)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_fused, "fused", counted)
+    x = torch.randn(64, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (64,), device="cuda")
+    peaks, grads = {}, {}
+    for name, model in (("plain", plain), ("ours", ours)):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() - before
+        grads[name] = [p.grad.float() for p in model.parameters()]
+    assert len(ran) == 35 and all(ran)  # one Triton pass for each unit's BatchNorm output
+    assert peaks["ours"] < 0.65 * peaks["plain"], peaks  # two of the three tensors of each unit go
+    for a, b in zip(grads["plain"], grads["ours"], strict=True):
+        assert (a - b).abs().max() <= 2e-2 * a.abs().max() + 1e-6  # bf16 rounding of the rebuilt tensors
+    assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), ours.buffers(), strict=True))

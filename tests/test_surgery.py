@@ -24,7 +24,7 @@ from lightning_memguard.checkpointing import (
     surgery,
 )
 from lightning_memguard.checkpointing.plan import model_chain
-from lightning_memguard.checkpointing.rebuild import RebuiltBatchNormReLU
+from lightning_memguard.checkpointing.rebuild import RebuiltBatchNormReLU, TakesRecipes
 from lightning_memguard.checkpointing.wrap import CheckpointedUnit, Swap, preserved_state
 
 
@@ -50,6 +50,8 @@ def _model(name: str) -> tuple[nn.Module, torch.Tensor]:
         blocks = [BasicBlock(8, 8) for _ in range(3)]
         model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), *blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten())
         return model, torch.randn(2, 3, 16, 16)
+    if name in ("mobilenet_v2", "efficientnet_b0"):  # Conv2dNormActivation units, with and without a residual
+        return torchvision.models.get_model(name, num_classes=10), torch.randn(2, 3, 64, 64)
     return _Stack(), torch.randn(2, 6, 16)
 
 
@@ -57,6 +59,8 @@ RUNS = {
     "resnet18": [["stem"], ["layer1.0", "layer1.1"]],
     "blocks": [["1", "2"]],
     "transformer": [["layers.0", "layers.1"]],
+    "mobilenet_v2": [["features.2", "features.3"]],
+    "efficientnet_b0": [["features.2.0", "features.2.1"]],
 }
 
 
@@ -79,9 +83,17 @@ def _state(model: nn.Module) -> list[tuple[type, dict[str, object]]]:
     return [(type(m), _ours(m)) for m in model.modules()]
 
 
+def _settings(model: nn.Module) -> list[dict[str, object]]:
+    """Each module's own plain settings (``inplace``, ``training``, ``eps``, ...), not ours."""
+    return [
+        {k: v for k, v in vars(m).items() if isinstance(v, bool | int | float | str) and k not in _ours(m)}
+        for m in model.modules()
+    ]
+
+
 CASES = [
     (name, how)
-    for name in ("resnet18", "blocks", "transformer")
+    for name in ("resnet18", "blocks", "transformer", "mobilenet_v2", "efficientnet_b0")
     for how in ("every", "every+rebuild", "budget", "budget+rebuild", "runs", "runs+rebuild")
     if name != "transformer" or not how.endswith("+rebuild")
 ]
@@ -91,17 +103,22 @@ CASES = [
 def test_removing_leaves_every_module_as_it_was(name, how):
     model, x = _model(name)
     classes = [type(m) for m in model.modules()]
+    settings = _settings(model)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     _apply(model, x, name, how)
     assert any(hasattr(type(m), "_memguard_original") for m in model.modules())  # something was changed
     with preserved_state(model):  # a step (BatchNorm statistics given back): runs record outputs, blocks recipes
         model(x).sum().backward()
+    assert _settings(model) == settings  # a unit's in-place activation ran out of place for the call only
+    if name in ("mobilenet_v2", "efficientnet_b0") and how.endswith("+rebuild"):
+        assert any(isinstance(m, TakesRecipes) for m in model.modules())  # linked: a convolution, a SqueezeExcitation
     put = {key for m in model.modules() for key in _ours(m)}
     assert put and put <= set(surgery.ATTRIBUTES)  # everything it puts on modules is declared
     remove_checkpointing(model)
     remove_rebuild(model)
     assert [type(m) for m in model.modules()] == classes
     assert all(_ours(m) == {} for m in model.modules())
+    assert _settings(model) == settings
     after = model.state_dict()
     assert list(after) == list(state) and all(torch.equal(after[k], state[k]) for k in state)
 
@@ -126,6 +143,24 @@ def test_a_failure_part_way_leaves_the_model_exactly_as_before(monkeypatch, name
     _failing_on_the_third_swap(monkeypatch)
     with pytest.raises(RuntimeError, match="injected failure"):
         checkpoint_blocks(model)  # two modules changed before the third fails
+    assert _state(model) == before
+
+
+def test_a_failure_while_linking_outputs_leaves_the_model_exactly_as_before(monkeypatch):
+    """The modules after rebuilt units get their mixin from link_outputs, after every unit's swap: a failure there
+    undoes the units too."""
+    model, _ = _model("mobilenet_v2")
+    before = _state(model)
+    real = surgery.swapped_class
+
+    def swapped_class(cls, mixin):
+        if mixin is TakesRecipes:
+            raise RuntimeError("injected failure")
+        return real(cls, mixin)
+
+    monkeypatch.setattr(surgery, "swapped_class", swapped_class)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        rebuild_bn_relu(model)
     assert _state(model) == before
 
 
@@ -191,7 +226,8 @@ def test_an_attribute_not_declared_is_refused():
     assert type(block) is BasicBlock
 
 
-def test_the_rebuild_configuration_travels_with_the_modules(monkeypatch):
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_the_rebuild_configuration_travels_with_the_modules(monkeypatch, name):
     from lightning_memguard.checkpointing import _fused
 
     calls = []
@@ -202,10 +238,9 @@ def test_the_rebuild_configuration_travels_with_the_modules(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_fused, "fused", counted)
-    x = torch.randn(2, 3, 32, 32)
     seen = {}
     for fused in (True, False):
-        model, _ = _model("resnet18")
+        model, x = _model(name)
         rebuild_bn_relu(model, fused=fused, chain_kept=1)
         configs = {m.__dict__["memguard_rebuild"] for m in model.modules() if "memguard_rebuild" in vars(m)}
         assert configs == {RebuildConfig(fused=fused, chain_kept=1)}

@@ -36,7 +36,9 @@ class ActivationCheckpointing(Callback):
         bn_correct: recomputation leaves BatchNorm running statistics alone (they update once per step).
         rebuild_bn_relu: torchvision BasicBlocks, Bottlenecks and ResNet stems left unchecked rebuild their
             BatchNorm + ReLU outputs (and a block its output, where the next block is rebuilt too) in backward
-            instead of keeping them; without a budget, that alone (no block is checkpointed).
+            instead of keeping them, and so do the Conv2dNormActivation units inside blocks left unchecked
+            (MobileNet, EfficientNet, RegNet) with their BatchNorm and activation outputs; without a budget, that
+            alone (no block is checkpointed).
 
     Raises:
         TypeError: ``memory_budget`` of another type, or flags that are not bools.

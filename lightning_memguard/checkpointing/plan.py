@@ -379,8 +379,11 @@ def checkpoint_blocks(
 
     With ``rebuild_bn_relu=True``, torchvision BasicBlocks, Bottlenecks and ResNet stems that are not checkpointed
     keep their convolution outputs and rebuild the ReLU outputs after bn1 (and bn2), and their own outputs where
-    the next block is rebuilt too, in backward, one element-wise pass each, instead of keeping them (see
+    the next block is rebuilt too, in backward, one element-wise pass each, instead of keeping them; in blocks
+    that are not checkpointed, torchvision Conv2dNormActivation units (MobileNet, EfficientNet, RegNet) keep their
+    convolution outputs and rebuild their BatchNorm and activation outputs (see
     :mod:`lightning_memguard.checkpointing.rebuild`): less memory for far less recomputation than a whole block.
+    Units outside the blocks (a stem, a head) are left as they are here; ``rebuild_bn_relu(model)`` reaches them.
     Without a budget, that is all that happens (no block is checkpointed); with one, the rebuild comes first and
     whole blocks are checkpointed only for what it leaves over the budget.
 
@@ -411,7 +414,8 @@ def checkpoint_blocks(
 
     Raises:
         ValueError: no blocks found, a budget without an example input, a budget out of range, or
-            ``rebuild_bn_relu`` on a model with no torchvision BasicBlock or Bottleneck among its blocks.
+            ``rebuild_bn_relu`` on a model with no torchvision BasicBlock, Bottleneck, ResNet stem or
+            Conv2dNormActivation unit (with ``nn.BatchNorm2d``) among its blocks.
         TypeError: ``units`` of the wrong kind, ``rebuild_config`` not a ``RebuildConfig``.
 
     Example:
@@ -430,8 +434,8 @@ def checkpoint_blocks(
     links, joinable = model_chain(model, find_units(model, units))
     if rebuild_bn_relu and not any(_can_rebuild(link) for link in links):
         raise ValueError(
-            "`rebuild_bn_relu` needs torchvision BasicBlock or Bottleneck blocks or a ResNet stem (with"
-            f" nn.BatchNorm2d), and {type(model).__name__} has none"
+            "`rebuild_bn_relu` needs torchvision BasicBlock or Bottleneck blocks, a ResNet stem or Conv2dNormActivation"
+            f" units (with nn.BatchNorm2d) among its blocks, and {type(model).__name__} has none"
         )
     if memory_budget is None and rebuild_bn_relu:
         applied = surgery.apply(model, rebuilt=links, config=config)

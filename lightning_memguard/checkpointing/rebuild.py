@@ -7,30 +7,54 @@ once, when backward first needs it: one element-wise pass instead of a second co
 checkpointing re-runs the block's convolutions. The block's output, ``relu(bn3(.) + shortcut)``, kept by its last
 ReLU and by the next block, is a recipe too where the next block is rebuilt as well: the shortcut is the block's
 input (the block before's rebuilt output, or a tensor kept anyway) or a BatchNorm of it, so a stage's outputs are
-rebuilt one after another, each let go after its last use. BatchNorm's running statistics are untouched (nothing
-runs BatchNorm in training mode again). Gradients match the plain model to rounding. A torchvision ResNet's stem
-gets the same: the output of its ``relu(bn1(.))``, kept by the ReLU and by the max-pooling after it, is rebuilt
-once for both, and the max-pooling's indices are kept as 16-bit integers.
+rebuilt one after another, each let go after its last use. BatchNorm's running statistics are untouched (the
+rebuild never updates them). Gradients match the plain model's bit for bit on the CPU, to rounding on CUDA. A
+torchvision ResNet's stem gets the same: the output of its ``relu(bn1(.))``, kept by the ReLU and by the
+max-pooling after it, is rebuilt once for both, and the max-pooling's indices are kept as 16-bit integers.
 
-On CUDA each rebuilt tensor is one pass of a Triton kernel (:mod:`._fused`) that computes what training-mode
-BatchNorm computed; elsewhere PyTorch's own kernels, two or three passes. Saved-tensor hooks around the model (a
-profiler, an offloader) still see every other tensor a block saves. Inside a checkpoint, and under
-``torch.compile``, a block runs as usual.
+torchvision's Conv-BN-activation units (``Conv2dNormActivation``: MobileNet, EfficientNet, RegNet) get the same: a
+plain unit keeps three tensors of one size, the convolution output (by BatchNorm), the BatchNorm output (by an
+activation such as SiLU, Hardswish or ReLU6, which needs its input; an in-place one keeps a copy) and the activation
+output (by whatever runs next). Only the first stays; the BatchNorm output is rebuilt from it with the batch's
+statistics and the activation output from that, with PyTorch's own activation kernel, each once, when backward
+first needs it. The module that runs next on a unit's output where that is not another unit (a convolution, a
+SqueezeExcitation) saves it as the recipe too. A tensor changed in place after it got its recipe (a residual
+``+=``) is kept as it is.
+
+This module describes: the mixins, the recipes they save, and which modules get which mixin (as
+:class:`~.wrap.Swap` records: :func:`rebuild_swaps`, :func:`output_tails`, :func:`recipe_takers`);
+:mod:`.surgery` makes every change.
+
+On CUDA each rebuilt BatchNorm (+ ReLU) output is one pass of a Triton kernel (:mod:`._fused`) that computes what
+training-mode BatchNorm computed; elsewhere PyTorch's own kernels, two or three passes (on the CPU training-mode
+BatchNorm on the same input again, which gives the same bits). Other activations run after it, as PyTorch's own.
+Saved-tensor hooks around the model (a profiler, an offloader) still see every other tensor a block saves. Inside a
+checkpoint, and under ``torch.compile``, a block runs as usual.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_memguard.checkpointing import _fused
-from lightning_memguard.checkpointing.wrap import Swap, SwappedModule, _compiling, is_checkpointed, stock_resnet
+from lightning_memguard.checkpointing.wrap import (
+    Swap,
+    SwappedModule,
+    _compiling,
+    is_checkpointed,
+    stock_resnet,
+    swap_chain,
+    wrapped_by_someone_else,
+)
 
 
 @dataclass(frozen=True)
@@ -105,9 +129,14 @@ class _Recipe:
 
     def _eager(self, identity: torch.Tensor | None) -> torch.Tensor:
         bn = self.bn
-        var = self.invstd.float().pow(-2) - bn.eps  # the batch's variance, from what BatchNorm saved
-        cudnn = torch.backends.cudnn.enabled
-        out = torch.batch_norm(self.source, bn.weight, bn.bias, self.mean.float(), var, False, 0.0, bn.eps, cudnn)
+        if self.source.device.type == "cpu":
+            # training mode again on the same input: the same statistics, and the forward pass's output bit for bit
+            # (in eval mode a variance that gives back the saved inverse deviation does not always exist)
+            out = torch.native_batch_norm(self.source, bn.weight, bn.bias, None, None, True, 0.0, bn.eps)[0]
+        else:
+            var = self.invstd.float().pow(-2) - bn.eps  # the batch's variance, from what BatchNorm saved
+            cudnn = torch.backends.cudnn.enabled
+            out = torch.batch_norm(self.source, bn.weight, bn.bias, self.mean.float(), var, False, 0.0, bn.eps, cudnn)
         if identity is not None:
             out.add_(identity)
         return out.relu_() if self.relu else out
@@ -141,6 +170,43 @@ class _Recipe:
         if self.unpacked >= self.packed:  # every saved copy has been used: let it go
             self.rebuilt = None
         return out
+
+
+class _Activated:
+    """How to rebuild an activation's output: the activation, with PyTorch's own kernel as in the forward pass,
+    applied to ``pre``, the recipe of its input (a BatchNorm output, which the activation saves for its own
+    backward). Built when backward first unpacks it (``pre`` is built then too, and kept for the activation's
+    backward, which comes soon after), kept until every saved copy has been unpacked, then let go; ``pre``'s
+    ``config.chain_kept`` says how far up a chain it is kept, as for a recipe."""
+
+    __slots__ = ("pre", "fn", "packed", "unpacked", "rebuilt")
+
+    def __init__(self, pre: _Recipe, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.pre, self.fn = pre, fn
+        self.packed = 0
+        self.unpacked = 0
+        self.rebuilt: torch.Tensor | None = None
+
+    def value(self, depth: int = 0) -> torch.Tensor:
+        """The rebuilt tensor, kept while saved copies of it are still to be unpacked."""
+        out = self.rebuilt
+        if out is None:
+            out = self.fn(self.pre.value(depth + 1))
+            if self.unpacked < self.packed and depth <= self.pre.config.chain_kept:
+                self.rebuilt = out
+        return out
+
+    def rebuild(self) -> torch.Tensor:
+        """Unpack one saved copy."""
+        out = self.value()
+        self.unpacked += 1
+        if self.unpacked >= self.packed:
+            self.rebuilt = None
+        return out
+
+
+_Saved = _Recipe | _Activated
+"""What a tensor is saved as instead of itself."""
 
 
 def _batch_stats(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -188,37 +254,54 @@ def _may_rebuild(module: nn.Module) -> tuple[bool, _Outer]:
     return outer is None or not _checkpoint_internal(outer[0]), outer
 
 
-_RECIPES: dict[int, tuple[weakref.ref[torch.Tensor], _Recipe]] = {}
-"""Live tensors that a forward pass saves as recipes, by id: one block's output is saved again by the next."""
+_RECIPES: dict[int, tuple[weakref.ref[torch.Tensor], _Saved, int | None]] = {}
+"""Live tensors that a forward pass saves as recipes, by id: one block's output is saved again by the next. With a
+version, only while the tensor has not been changed in place since (its ``_version``)."""
 
 
-def _register(t: torch.Tensor, recipe: _Recipe) -> None:
+def _register(t: torch.Tensor, recipe: _Saved, version: int | None = None) -> None:
     key = id(t)
 
     def forget(ref: weakref.ref[torch.Tensor]) -> None:
         if _RECIPES.get(key, (None,))[0] is ref:
             del _RECIPES[key]
 
-    _RECIPES[key] = (weakref.ref(t, forget), recipe)  # no strong reference: the tensor is freed as it would be
+    _RECIPES[key] = (weakref.ref(t, forget), recipe, version)  # no strong reference: the tensor is freed as it would be
+
+
+def _pin(t: torch.Tensor) -> None:
+    """From now on, ``t`` is saved as its recipe only while it keeps its current version (nothing changes it)."""
+    entry = _RECIPES.get(id(t))
+    if entry is not None and entry[0]() is t:
+        _RECIPES[id(t)] = (entry[0], entry[1], t._version)
+
+
+def _saved_as(t: Any) -> _Saved | None:
+    """The recipe ``t`` is saved as, if it has one (and has not been changed in place since it got it)."""
+    entry = _RECIPES.get(id(t))
+    tensor = entry[0]() if entry is not None else None
+    if entry is None or tensor is None or tensor is not t or (entry[2] is not None and entry[2] != tensor._version):
+        return None
+    return entry[1]
 
 
 def _registered(t: Any) -> _Recipe | None:
-    entry = _RECIPES.get(id(t))
-    return entry[1] if entry is not None and entry[0]() is t else None
+    recipe = _saved_as(t)
+    return recipe if isinstance(recipe, _Recipe) else None
 
 
 def _recipe_hooks(outer: _Outer) -> _Hooks:
     """Pack and unpack hooks that save a recipe where a tensor has one, and hand anything else to ``outer``."""
 
     def pack(t: torch.Tensor) -> Any:
-        recipe = _registered(t)
+        recipe = _saved_as(t)
         if recipe is not None:
             recipe.packed += 1
             return recipe
         return t if outer is None else _Passed(outer[0](t))
 
     def unpack(saved: Any) -> torch.Tensor:
-        if isinstance(saved, _Recipe):
+        if isinstance(saved, _Recipe | _Activated):
             return saved.rebuild()
         return saved if outer is None else outer[1](saved.packed)
 
@@ -355,6 +438,124 @@ class RebuiltStemPool(RebuildMixin):
             return super().forward(x)
 
 
+def _relu6(x: torch.Tensor) -> torch.Tensor:
+    return F.hardtanh(x, 0.0, 6.0)  # what nn.ReLU6 runs
+
+
+_ACTIVATIONS: dict[type[nn.Module], Callable[[torch.Tensor], torch.Tensor] | None] = {
+    nn.ReLU: None,  # in place only: it keeps its output, rebuilt with BatchNorm in one pass like a ResNet's
+    nn.ReLU6: _relu6,
+    nn.SiLU: F.silu,
+    nn.Hardswish: F.hardswish,
+}
+"""The activations a Conv-BN-activation unit may end in, and how each output is rebuilt from its input."""
+
+
+def unit_parts(module: nn.Module) -> tuple[nn.Module, nn.BatchNorm2d, nn.Module | None] | None:
+    """The convolution, BatchNorm and activation (None without one) of a torchvision Conv2dNormActivation with
+    ``nn.Sequential``'s forward, when they are layers the rebuild knows: an ``nn.Conv2d``, an ``nn.BatchNorm2d``,
+    then an in-place ``nn.ReLU``, an ``nn.ReLU6``, ``nn.SiLU`` or ``nn.Hardswish``, or nothing (None otherwise)."""
+    from torchvision.ops.misc import Conv2dNormActivation
+
+    original: Any = swap_chain(type(module))[1]
+    if not isinstance(module, Conv2dNormActivation) or original.forward is not nn.Sequential.forward:
+        return None
+    parts = list(module._modules.values())
+    if len(parts) not in (2, 3) or not isinstance(parts[0], nn.Conv2d) or type(parts[1]) is not nn.BatchNorm2d:
+        return None
+    act = parts[2] if len(parts) == 3 else None
+    if act is not None and (type(act) not in _ACTIVATIONS or (type(act) is nn.ReLU and not act.inplace)):
+        return None
+    return parts[0], parts[1], act  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def _out_of_place(act: nn.Module) -> Iterator[None]:
+    """Run an in-place activation out of place for one call (the same values): it then keeps its input, the
+    BatchNorm output, instead of a copy made before overwriting it. Only the activation's own ``inplace`` flag
+    changes, and back when the call ends; nothing is put on it."""
+    inplace = vars(act).get("inplace") is True
+    if inplace:
+        vars(act)["inplace"] = False
+    try:
+        yield
+    finally:
+        if inplace:
+            vars(act)["inplace"] = True
+
+
+class RebuiltConvNormActivation(RebuildMixin):
+    """Mixin for a torchvision Conv2dNormActivation (see :func:`unit_parts`). Of the three tensors of one size that
+    a plain unit keeps for backward, the convolution output (kept by BatchNorm) stays; the BatchNorm output (kept by
+    the activation) and the activation output (kept by whatever runs next on it: the next unit, a convolution or
+    SqueezeExcitation marked :class:`TakesRecipes`) are saved as recipes and rebuilt in backward from it and the
+    batch's statistics, each once, when first needed. A ReLU keeps only its output: it is rebuilt with BatchNorm in
+    one pass, as in a ResNet. ``memguard_rebuild`` is the :class:`RebuildConfig` its recipes follow."""
+
+    memguard_prefix = "RebuiltCNA"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        active, outer = _may_rebuild(self)
+        parts = unit_parts(self) if active else None
+        if parts is None:
+            return super().forward(x)  # type: ignore[no-any-return]
+        conv, bn, act = parts
+        config = self.__dict__["memguard_rebuild"]
+        with _saving_recipes(outer):
+            source = conv(x)  # what BatchNorm keeps for its backward
+            out = bn(source)
+            stats = _batch_stats(out) if bn.training and isinstance(out, torch.Tensor) else None
+            if stats is None:
+                return out if act is None else act(out)  # type: ignore[no-any-return]
+            if act is None:
+                _register(out, _Recipe(source, bn, *stats, relu=False, config=config), out._version)
+                return out  # type: ignore[no-any-return]
+            rebuild = _ACTIVATIONS[type(act)]
+            if rebuild is None:  # an in-place ReLU, which keeps what it overwrites the BatchNorm output with
+                _register(out, _Recipe(source, bn, *stats, config=config))
+                activated = act(out)
+                _pin(out)
+                return activated  # type: ignore[no-any-return]
+            pre = _Recipe(source, bn, *stats, relu=False, config=config)
+            _register(out, pre, out._version)
+            with _out_of_place(act):
+                activated = act(out)
+            _register(activated, _Activated(pre, rebuild), activated._version)
+            return activated  # type: ignore[no-any-return]
+
+
+class TakesRecipes(RebuildMixin):
+    """Mixin for the module that runs next on a rebuilt unit's output where that is not a rebuilt unit itself (a
+    convolution, a SqueezeExcitation): within its forward, what it keeps of that output is saved as the unit's
+    recipe. Anything it keeps that was changed in place since is kept as it is. Which modules take recipes depends on
+    which units are rebuilt and what is checkpointed: :func:`recipe_takers` says, :func:`.surgery.link_outputs` gives
+    and takes this mixin after every change. It carries no attribute."""
+
+    memguard_prefix = "TakesRecipes"
+    memguard_unit = False  # part of the unit before it, which counts
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        active, outer = _may_rebuild(self)
+        if not active:
+            return super().forward(*args, **kwargs)
+        with _saving_recipes(outer):
+            return super().forward(*args, **kwargs)
+
+
+def _outside_checkpoints(model: nn.Module) -> Iterator[nn.Module]:
+    """The modules of ``model`` that are neither checkpointed nor inside a checkpointed one (a checkpoint recomputes
+    those whole), each once, parents before children."""
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen or is_checkpointed(module):
+            continue
+        seen.add(id(module))
+        yield module
+        stack.extend(reversed(list(module.children())))
+
+
 def stem_modules(resnet: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
     """The stem's BatchNorm, ReLU and max-pooling of a torchvision ResNet with torchvision's forward, when they are
     the stock layers the stem rebuild knows (None otherwise)."""
@@ -390,23 +591,33 @@ def block_swaps(module: nn.Module, config: RebuildConfig) -> list[Swap]:
     return [Swap(module, RebuiltBatchNormReLU, {"memguard_bns": bns, "memguard_rebuild": config})]  # plain references
 
 
+def unit_swaps(module: nn.Module, config: RebuildConfig) -> list[Swap]:
+    """What rebuilding a Conv2dNormActivation's BatchNorm and activation outputs takes (empty if it is not a unit
+    the rebuild knows, see :func:`unit_parts`, is rebuilt already or is checkpointed)."""
+    if isinstance(module, RebuiltConvNormActivation) or is_checkpointed(module) or unit_parts(module) is None:
+        return []
+    return [Swap(module, RebuiltConvNormActivation, {"memguard_rebuild": config})]
+
+
 def rebuild_swaps(module: nn.Module, config: RebuildConfig) -> list[Swap]:
-    """What rebuilding ``module`` and everything in it takes: the swaps of each torchvision ResNet stem and each
-    BasicBlock or Bottleneck, made by :func:`.surgery.apply`. A new kind of block is taught here: a mixin above, a
+    """What rebuilding ``module`` and everything in it that is not checkpointed (a checkpoint recomputes what is
+    inside it whole) takes: the swaps of each torchvision ResNet stem, each BasicBlock or Bottleneck and each
+    Conv2dNormActivation, made by :func:`.surgery.apply`. A new kind of block is taught here: a mixin above, a
     function like :func:`block_swaps`, and one line below."""
     swaps: list[Swap] = []
-    for sub in module.modules():
+    for sub in _outside_checkpoints(module):
         stem = stem_modules(sub)
         if stem is not None:
             swaps += stem_swaps(*stem, config)
         swaps += block_swaps(sub, config)
+        swaps += unit_swaps(sub, config)
     return swaps
 
 
 def rebuildable(module: nn.Module) -> bool:
-    """Whether :func:`rebuild_bn_relu` applies to this block (a torchvision BasicBlock or Bottleneck with
-    ``nn.BatchNorm2d``)."""
-    return _eligible(module) is not None
+    """Whether :func:`rebuild_bn_relu` applies to this block: a torchvision BasicBlock or Bottleneck with
+    ``nn.BatchNorm2d``, or a module that is or holds a Conv2dNormActivation it knows (see :func:`unit_parts`)."""
+    return _eligible(module) is not None or any(unit_parts(m) is not None for m in module.modules())
 
 
 def _eligible(module: nn.Module) -> tuple[nn.Module, ...] | None:
@@ -490,3 +701,31 @@ def output_tails(model: nn.Module) -> list[tuple[nn.Module, tuple[nn.Module, nn.
             tail = _tail(module)
             out.append((module, tail if tail is not None and _takes_recipes(after.get(id(module))) else None))
     return out
+
+
+def _taker(module: nn.Module | None) -> nn.Module | None:
+    """The module to mark :class:`TakesRecipes` when ``module`` runs next on a rebuilt unit's output: the first
+    element of a plain ``nn.Sequential``; none if it is a rebuilt unit or holds one (those take recipes already), is
+    checkpointed or wrapped by other code (it keeps its input anyway), or keeps nothing of its input."""
+    while module is not None and type(module).forward is nn.Sequential.forward and len(module._modules):
+        module = next(iter(module._modules.values()))
+    if module is None or isinstance(module, RebuiltBatchNormReLU | nn.ModuleList):
+        return None
+    if is_checkpointed(module) or wrapped_by_someone_else(module) or _keeps_nothing(module):
+        return None
+    return None if any(isinstance(m, RebuiltConvNormActivation) for m in module.modules()) else module
+
+
+def recipe_takers(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that are to be :class:`TakesRecipes`: for each rebuilt unit outside checkpoints, the
+    module that runs next on its output, where the model's structure says so and :func:`_taker` finds one. Depends
+    on which units are rebuilt and what is checkpointed: :func:`.surgery.link_outputs` follows it after every
+    change."""
+    after = _following(model)
+    takers: dict[int, nn.Module] = {}
+    for module in _outside_checkpoints(model):
+        if isinstance(module, RebuiltConvNormActivation):
+            taker = _taker(after.get(id(module)))
+            if taker is not None:
+                takers[id(taker)] = taker
+    return list(takers.values())

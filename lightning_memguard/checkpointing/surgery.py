@@ -24,9 +24,12 @@ from lightning_memguard.checkpointing.rebuild import (
     RebuildConfig,
     RebuildMixin,
     RebuiltBatchNormReLU,
+    RebuiltConvNormActivation,
     RebuiltStemReLU,
+    TakesRecipes,
     output_tails,
     rebuild_swaps,
+    recipe_takers,
     stem_swaps,
 )
 from lightning_memguard.checkpointing.wrap import (
@@ -56,11 +59,15 @@ ATTRIBUTES: dict[str, tuple[type[SwappedModule], ...]] = {
     "memguard_tail": (RebuiltBatchNormReLU,),
     # on a rebuilt ResNet stem's ReLU: the stem's BatchNorm (a plain reference)
     "memguard_bn": (RebuiltStemReLU,),
-    # on rebuilt blocks and stem ReLUs: the RebuildConfig their recipes follow
-    "memguard_rebuild": (RebuiltBatchNormReLU, RebuiltStemReLU),
+    # on rebuilt blocks, stem ReLUs and Conv2dNormActivation units: the RebuildConfig their recipes follow
+    "memguard_rebuild": (RebuiltBatchNormReLU, RebuiltStemReLU, RebuiltConvNormActivation),
 }
 """Every attribute this library puts in a module's ``__dict__``, and the mixins that carry it: it is set only with
-one of them and goes when the module's last one does. Teaching the rebuild a new block type adds its lines here."""
+one of them and goes when the module's last one does. Teaching the rebuild a new block type adds its lines here.
+Mixins that carry none: :class:`.wrap.CheckpointedMember` outside a run, :class:`.rebuild.RebuiltStemPool` and
+:class:`.rebuild.TakesRecipes` (given and taken by :func:`link_outputs`). Nothing else is put on a module: a rebuilt
+unit's in-place activation runs out of place for one call (its own ``inplace`` flag, set back when the call ends),
+and which tensors have recipes is kept beside the model (``rebuild._RECIPES``, weakly, with each tensor's version)."""
 
 CHECKPOINT: tuple[type[SwappedModule], ...] = (CheckpointedUnit, CheckpointedMember)
 """The checkpointing mixins."""
@@ -102,8 +109,9 @@ def apply(
     replacing: Applied | None = None,
 ) -> Applied:
     """Change ``model`` in place: undo ``replacing`` (an earlier call's changes), checkpoint each run of links (one
-    checkpoint per run), rebuild BatchNorm + ReLU outputs in the links of ``rebuilt`` that are not checkpointed, and
-    re-link outputs; return what was really changed.
+    checkpoint per run), rebuild BatchNorm + ReLU outputs (and Conv2dNormActivation units' BatchNorm and activation
+    outputs) in the links of ``rebuilt`` that are not checkpointed, and re-link outputs; return what was really
+    changed.
 
     A run with a module already checkpointed, or wrapped by other code, is left alone, with one warning for each
     kind. If anything raises, the model is as it was before the call (classes and attributes) and the error passes.
@@ -212,8 +220,10 @@ def restored_on_failure(model: nn.Module) -> Iterator[None]:
 
 
 def link_outputs(model: nn.Module) -> int:
-    """Set which rebuilt blocks of ``model`` rebuild their own output too (see :func:`.rebuild.output_tails`);
-    return how many. :func:`apply` and the removals call it after every change."""
+    """Set which rebuilt blocks of ``model`` rebuild their own output too (see :func:`.rebuild.output_tails`), and
+    which modules save a rebuilt unit's output as its recipe (:class:`.rebuild.TakesRecipes`, see
+    :func:`.rebuild.recipe_takers`), giving and taking that mixin; return how many outputs are linked (tails and
+    takers). :func:`apply` and the removals call it after every change."""
     count = 0
     for module, tail in output_tails(model):
         if tail is not None:
@@ -221,7 +231,13 @@ def link_outputs(model: nn.Module) -> int:
             count += 1
         else:
             module.__dict__.pop("memguard_tail", None)
-    return count
+    takers = {id(taker) for taker in recipe_takers(model)}
+    for module in model.modules():
+        if id(module) in takers and not isinstance(module, TakesRecipes):
+            _give(Swap(module, TakesRecipes, {}), [])
+        elif id(module) not in takers and isinstance(module, TakesRecipes):
+            _take_off(module, (TakesRecipes,))
+    return count + len(takers)
 
 
 def _remove(model: nn.Module, kinds: tuple[type[SwappedModule], ...]) -> int:
@@ -237,21 +253,24 @@ def remove_checkpointing(model: nn.Module) -> int:
 
 
 def remove_rebuild(model: nn.Module) -> int:
-    """Undo :func:`rebuild_bn_relu` everywhere in ``model``; return how many blocks and stems changed back."""
+    """Undo :func:`rebuild_bn_relu` everywhere in ``model``; return how many blocks, stems and units changed back."""
     return _remove(model, REBUILD)
 
 
 def rebuild_bn_relu(model: nn.Module, *, fused: bool = True, chain_kept: int = 2) -> int:
     """Rebuild BatchNorm + ReLU outputs in backward in every torchvision Bottleneck (after bn1 and bn2), BasicBlock
-    (after bn1) and ResNet stem (after bn1) of ``model`` that is not checkpointed, in place; return how many blocks
-    and stems changed. The output of a block that feeds another rebuilt block is rebuilt too (see
-    :func:`link_outputs`): in a ResNet, every block's.
+    (after bn1) and ResNet stem (after bn1) of ``model`` that is not checkpointed, and the BatchNorm and activation
+    outputs of every torchvision Conv2dNormActivation (:func:`.rebuild.unit_parts` says which) not inside a
+    checkpointed module, in place; return how many blocks, stems and units changed. The output of a block that feeds
+    another rebuilt block is rebuilt too (see :func:`link_outputs`): in a ResNet, every block's; a unit's output is
+    saved as its recipe also by the module that runs next on it.
 
     ``state_dict`` keys do not change; :func:`remove_rebuild` undoes it.
 
     Args:
         model: the model, changed in place.
-        fused: rebuild with one Triton kernel pass where it can run (CUDA); False: PyTorch's own kernels.
+        fused: rebuild each BatchNorm (+ ReLU) output with one Triton kernel pass where it can run (CUDA); False:
+            PyTorch's own kernels.
         chain_kept: how many of a stage's earlier outputs are kept while its later ones are rebuilt (see
             :class:`~lightning_memguard.checkpointing.RebuildConfig`).
 
@@ -259,6 +278,8 @@ def rebuild_bn_relu(model: nn.Module, *, fused: bool = True, chain_kept: int = 2
         >>> import torchvision
         >>> rebuild_bn_relu(torchvision.models.resnet50(num_classes=10))  # 16 blocks and the stem
         17
+        >>> rebuild_bn_relu(torchvision.models.mobilenet_v2(num_classes=10))  # 35 Conv2dNormActivation units
+        35
     """
     config = RebuildConfig(fused=fused, chain_kept=chain_kept)
     return apply(model, rebuilt=[Link("", (("", model),))], config=config).units(REBUILD)

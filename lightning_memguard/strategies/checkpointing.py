@@ -44,7 +44,7 @@ class CheckpointingDDPStrategy(DDPStrategy):
         memory_budget: a float in (0, 1] of the un-checkpointed peak, a size of at least 1 MB, or None (every block).
             With a budget, rank zero measures on the module's ``example_input_array`` and every rank applies its
             plan; the plan is made anew in each ``fit``.
-        rebuild_bn_relu: the cheap recomputation of torchvision ResNet blocks.
+        rebuild_bn_relu: the cheap recomputation of torchvision ResNet blocks and Conv2dNormActivation units.
         bn_correct: recomputation leaves BatchNorm running statistics alone.
         *args, **kwargs: ``DDPStrategy``'s own.
 
