@@ -23,7 +23,7 @@ want overhead && run timeout 240 python3 benchmarks/overhead.py --rounds 3 --out
 want spill && run timeout 120 python3 benchmarks/spill.py --out "$out/spill.json"
 want checkpointing && run timeout 420 python3 benchmarks/checkpointing.py --out "$out/checkpointing.json" --plot "$out/checkpointing.png"
 want tuners && run timeout 330 python3 benchmarks/tuners.py --out "$out/tuners.json"
-want zoo && run timeout 300 python3 benchmarks/checkpointing_zoo.py --out "$out/checkpointing_zoo.json"
+want zoo && TAIL=12 run timeout 300 python3 benchmarks/checkpointing_zoo.py ${ZOO_ARGS:-} --out "$out/checkpointing_zoo.json"
 want compile_frontier && TAIL=14 run timeout 540 python3 benchmarks/compile.py --part frontier --out "$out/compile_frontier.json"
 want compile_tuner && TAIL=10 run timeout 540 python3 benchmarks/compile.py --part tuner --out "$out/compile_tuner.json"
 want compile_budgets && TAIL=8 run timeout 540 python3 benchmarks/compile.py --part budgets --budgets "${BUDGETS:-0.6,0.5,0.4,0.35}" --out "$out/compile_budgets.json"
