@@ -34,18 +34,29 @@ from torch import nn
 _COUNTERS = "torch._dynamo.utils"
 
 _AOT_AUTOGRAD_DIR = os.path.join(os.path.dirname(torch.__file__), "_functorch", "_aot_autograd") + os.sep
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_FRAMES = 4  # frames of torch's own code looked through from the hook up to AOTAutograd's runtime
 _COMPILED_BACKWARD = "CompiledFunctionBackward"  # the autograd node of AOTAutograd's CompiledFunction
 
 
 def saved_by_compiled_graph() -> bool:
     """Whether the saved-tensor pack hook now running was called for a compiled graph's ``save_for_backward``.
 
-    Autograd packs a Function's saved tensors as ``Function.apply`` returns; for a compiled graph the nearest Python
-    frame is then AOTAutograd's boxed call (``make_boxed_func``'s ``g`` in ``torch/_functorch/_aot_autograd/
-    utils.py``). Eager ops pack from the user's code. Call this from the hook itself.
+    Autograd packs a Function's saved tensors as ``Function.apply`` returns. For a compiled graph, AOTAutograd's
+    runtime (``torch/_functorch/_aot_autograd/``) called that ``apply``: directly (torch 2.14: the nearest Python
+    frame is its boxed call), or through ``torch/autograd/function.py`` first (earlier releases). Eager ops pack from
+    the user's code. Call this from the hook itself; the few frames above it are looked at.
     """
     frame = sys._getframe(2)  # 0: this function, 1: the hook, 2: whoever made autograd pack
-    return frame.f_code.co_filename.startswith(_AOT_AUTOGRAD_DIR)
+    for _ in range(_FRAMES):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.startswith(_AOT_AUTOGRAD_DIR):
+            return True
+        if not frame.f_code.co_filename.startswith(_TORCH_DIR):  # user code (an eager op's caller): not compiled
+            return False
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def ran_compiled(loss: Any) -> bool:

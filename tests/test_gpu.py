@@ -395,6 +395,7 @@ def test_rebuilt_units_under_bf16_and_channels_last(monkeypatch):
     y = torch.randint(0, 10, (64,), device="cuda")
     peaks, grads = {}, {}
     for name, model in (("plain", plain), ("ours", ours)):
+        torch.manual_seed(1)  # the classifier's dropout draws the same mask in both
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()

@@ -299,3 +299,28 @@ def test_the_one_pass_kernel_rebuilds_the_batchnorm_outputs_of_units(monkeypatch
             assert torch.equal(a[key], b[key]), key
         else:
             assert (a[key] - b[key]).abs().max() <= 1e-5 * a[key].abs().max(), key  # the kernel's rounding
+
+
+def test_units_under_bf16_autocast_and_channels_last_match_the_plain_model_to_rounding():
+    """The CPU twin of the GPU test under bf16 autocast: the classifier's dropout draws the same mask in both."""
+    import copy
+
+    import torchvision
+
+    from lightning_memguard.checkpointing import rebuild_bn_relu
+
+    torch.manual_seed(0)
+    plain = torchvision.models.mobilenet_v2(num_classes=10).to(memory_format=torch.channels_last)
+    ours = copy.deepcopy(plain)
+    assert rebuild_bn_relu(ours) == 35
+    x = torch.randn(4, 3, 64, 64).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (4,))
+    grads = {}
+    for name, model in (("plain", plain), ("ours", ours)):
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        grads[name] = [p.grad.float() for p in model.parameters()]
+    for a, b in zip(grads["plain"], grads["ours"], strict=True):
+        assert (a - b).abs().max() <= 2e-2 * a.abs().max() + 1e-6
+    assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), ours.buffers(), strict=True))
