@@ -7,11 +7,14 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning
 import torch
 from lightning.pytorch import Callback, Trainer
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
 
 
 def make_trainer(
@@ -66,3 +69,16 @@ def write_json(path: str, data: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2)
     print(f"wrote {path}")
+
+
+def sequential_forward(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A torchvision ResNet's forward with its four stages under ``checkpoint_sequential`` (4 segments), as the
+    write-up checkpointed it."""
+    body = nn.Sequential(model.layer1, model.layer2, model.layer3, model.layer4)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x = model.maxpool(model.relu(model.bn1(model.conv1(x))))
+        x = checkpoint_sequential(body, 4, x, use_reentrant=False)
+        return model.fc(torch.flatten(model.avgpool(x), 1))
+
+    return forward

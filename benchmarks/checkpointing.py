@@ -28,12 +28,11 @@ from typing import Any
 import torch
 import torchvision
 from torch import nn
-from torch.utils.checkpoint import checkpoint_sequential
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import environment, free_memory, median, write_json  # noqa: E402
+from _common import environment, free_memory, median, sequential_forward, write_json  # noqa: E402
 
 from lightning_memguard import checkpoint_resnet  # noqa: E402
 from lightning_memguard.checkpointing import RebuildConfig, apply_plan  # noqa: E402
@@ -48,17 +47,6 @@ VARIANTS = {  # the rebuild alone, other ways
 def make_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return torchvision.models.resnet50(num_classes=1000).cuda().to(memory_format=torch.channels_last)
-
-
-def sequential_forward(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    body = nn.Sequential(model.layer1, model.layer2, model.layer3, model.layer4)
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        x = model.maxpool(model.relu(model.bn1(model.conv1(x))))
-        x = checkpoint_sequential(body, 4, x, use_reentrant=False)
-        return model.fc(torch.flatten(model.avgpool(x), 1))
-
-    return forward
 
 
 def train_steps(model: nn.Module, forward: Callable, batches: list, steps: int, warmup: int) -> dict[str, float]:

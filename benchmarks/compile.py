@@ -40,12 +40,11 @@ from typing import Any
 import torch
 import torchvision
 from torch import nn
-from torch.utils.checkpoint import checkpoint_sequential
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import environment, free_memory, make_trainer, median, write_json  # noqa: E402
+from _common import environment, free_memory, make_trainer, median, sequential_forward, write_json  # noqa: E402
 
 from lightning_memguard import BatchSizeTuner, checkpoint_resnet  # noqa: E402
 from lightning_memguard.testing import ImageClassifier, StepTimer  # noqa: E402
@@ -69,17 +68,6 @@ def make_model(cfg: Setup, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model = getattr(torchvision.models, cfg.arch)(num_classes=1000).to(DEVICE)
     return model.to(memory_format=torch.channels_last)
-
-
-def sequential_forward(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    body = nn.Sequential(model.layer1, model.layer2, model.layer3, model.layer4)
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        x = model.maxpool(model.relu(model.bn1(model.conv1(x))))
-        x = checkpoint_sequential(body, 4, x, use_reentrant=False)
-        return model.fc(torch.flatten(model.avgpool(x), 1))
-
-    return forward
 
 
 def _now() -> Any:
