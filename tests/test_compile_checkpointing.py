@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torchvision
+from conftest import trainer_kwargs
+from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_memguard import ActivationCheckpointing
 from lightning_memguard.checkpointing import checkpoint_resnet, remove_checkpointing
 from lightning_memguard.core.checkpoint_plan import BudgetSearch, fastest_within
 
@@ -101,7 +104,26 @@ def test_compile_arguments_are_checked():
         checkpoint_resnet(_resnet(), memory_budget=0.6, example_input=x, compile="yes")
 
 
-class _Saved:
+class Net(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = _resnet()
+        self.example_input_array = torch.randn(4, 3, 64, 64)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).float().sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 3, 64, 64)), batch_size=4)
+
+
+class _Saved(Callback):
     """Counts the bytes one training step saves for backward (parameters, buffers and the batch aside)."""
 
     def __init__(self):
@@ -127,31 +149,16 @@ class _Saved:
         self.steps.append((self.total, self.setting))
 
 
-def test_the_callback_holds_its_budget_on_a_compiled_module(tmp_path):
-    from conftest import trainer_kwargs
-    from lightning.pytorch import Callback, LightningModule, Trainer
+def _choose_compiles_half_setting(monkeypatch):
+    """Timing on this CPU decides nothing: the plan takes the candidate of compile's setting 0.5 (the third)."""
+    from lightning_memguard.checkpointing import plan
 
-    from lightning_memguard import ActivationCheckpointing
+    monkeypatch.setattr(plan, "fastest_within", lambda candidates, budget: 2)
 
-    class Net(LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = _resnet()
-            self.example_input_array = torch.randn(4, 3, 64, 64)
 
-        def forward(self, x):
-            return self.net(x)
-
-        def training_step(self, batch, batch_idx):
-            return self(batch[0]).float().sum()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.0)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 3, 64, 64)), batch_size=4)
-
-    saved = type("Saved", (_Saved, Callback), {})()
+def test_the_callback_holds_its_budget_on_a_compiled_module(tmp_path, monkeypatch):
+    _choose_compiles_half_setting(monkeypatch)
+    saved = _Saved()
     checkpointing = ActivationCheckpointing(memory_budget=0.3)
     before = torch._functorch.config.activation_memory_budget
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[checkpointing, saved]))
@@ -159,7 +166,26 @@ def test_the_callback_holds_its_budget_on_a_compiled_module(tmp_path):
     plan = checkpointing.plan
     assert plan.compiled and plan.held and plan.blocks
     setting = plan.activation_memory_budget
-    assert [s for _, s in saved.steps] == [before if setting is None else setting] * 2  # set for the fit
+    assert setting == 0.5 and [s for _, s in saved.steps] == [0.5, 0.5]  # set for the fit
     assert all(total <= plan.budget_bytes for total, _ in saved.steps)  # held in training, compiled
     assert torch._functorch.config.activation_memory_budget == before  # and restored after it
     assert checkpointing.state_dict()["compile_setting"] == setting
+
+
+def test_the_strategy_sets_compiles_setting_for_the_fit(tmp_path, monkeypatch):
+    _choose_compiles_half_setting(monkeypatch)
+    from lightning_memguard.strategies import CheckpointingSingleDeviceStrategy
+
+    saved = _Saved()
+    strategy = CheckpointingSingleDeviceStrategy("cpu", memory_budget=0.3)
+    before = torch._functorch.config.activation_memory_budget
+    kwargs = {k: v for k, v in trainer_kwargs(tmp_path, max_epochs=1).items() if k not in ("accelerator", "devices")}
+    trainer = Trainer(strategy=strategy, callbacks=[saved], **kwargs)
+    trainer.fit(torch.compile(Net(), backend="aot_eager"))
+    plan = strategy.checkpointing.plan
+    assert plan.compiled and plan.held
+    setting = strategy.checkpointing.compile_setting
+    assert setting == plan.activation_memory_budget == 0.5
+    assert [s for _, s in saved.steps] == [0.5, 0.5]
+    assert all(total <= plan.budget_bytes for total, _ in saved.steps)
+    assert torch._functorch.config.activation_memory_budget == before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -9,6 +10,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_memguard import _compiler
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 
 
@@ -33,6 +35,10 @@ def _checkpoint_before_wrapping(strategy: Strategy, policy: CheckpointingPolicy)
         measuring=strategy.precision_plugin.train_step_context,
     )
     rank_zero_info(f"{type(strategy).__name__}: {policy.summary()}")
+    # a plan made under torch.compile may rely on compile's own activation_memory_budget: set while this fit compiles
+    compiling: ExitStack = strategy._memguard_compiling  # type: ignore[attr-defined]
+    compiling.close()
+    compiling.enter_context(_compiler.activation_memory_budget(policy.compile_setting))
 
 
 class CheckpointingDDPStrategy(DDPStrategy):
@@ -43,7 +49,8 @@ class CheckpointingDDPStrategy(DDPStrategy):
             predicate ``(name, module) -> bool``; the name ``FSDPStrategy`` gives the same argument.
         memory_budget: a float in (0, 1] of the un-checkpointed peak, a size of at least 1 MB, or None (every block).
             With a budget, rank zero measures on the module's ``example_input_array`` and every rank applies its
-            plan; the plan is made anew in each ``fit``.
+            plan; the plan is made anew in each ``fit``. On a compiled module the budget is measured compiled, and
+            compile's ``activation_memory_budget`` the plan chose is set for the fit.
         rebuild_bn_relu: the cheap recomputation of torchvision ResNet blocks and Conv2dNormActivation units.
         bn_correct: recomputation leaves BatchNorm running statistics alone.
         *args, **kwargs: ``DDPStrategy``'s own.
@@ -70,11 +77,16 @@ class CheckpointingDDPStrategy(DDPStrategy):
         self.checkpointing = CheckpointingPolicy(
             activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu
         )
+        self._memguard_compiling = ExitStack()
         super().__init__(*args, **kwargs)
 
     def _setup_model(self, model: nn.Module) -> Any:
         _checkpoint_before_wrapping(self, self.checkpointing)
         return super()._setup_model(model)
+
+    def teardown(self) -> None:
+        self._memguard_compiling.close()
+        super().teardown()
 
 
 class CheckpointingSingleDeviceStrategy(SingleDeviceStrategy):
@@ -106,8 +118,13 @@ class CheckpointingSingleDeviceStrategy(SingleDeviceStrategy):
         self.checkpointing = CheckpointingPolicy(
             activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu
         )
+        self._memguard_compiling = ExitStack()
         super().__init__(device, **kwargs)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         _checkpoint_before_wrapping(self, self.checkpointing)
         return super()._setup_model(model)
+
+    def teardown(self) -> None:
+        self._memguard_compiling.close()
+        super().teardown()
