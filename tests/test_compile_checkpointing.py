@@ -189,3 +189,17 @@ def test_the_strategy_sets_compiles_setting_for_the_fit(tmp_path, monkeypatch):
     assert [s for _, s in saved.steps] == [0.5, 0.5]
     assert all(total <= plan.budget_bytes for total, _ in saved.steps)
     assert torch._functorch.config.activation_memory_budget == before
+
+
+def test_budget_search_with_savings_adds_what_the_gap_needs_scaled_by_what_was_freed():
+    # each link is predicted to free 10; the first added set freed half of its prediction
+    values, savings = [5.0, 4.0, 3.0, 2.0, 1.0, 0.5], [10] * 6
+    search = BudgetSearch(set(), values, budget=80, give_back=False, savings=savings)
+    assert search.propose() == set()
+    search.observe(100)  # 20 over, 10 predicted per link, nothing measured to scale by yet: two links at once
+    assert search.propose() == {0, 1}
+    search.observe(90)  # they freed 10 of the 20 predicted: scale 0.5, 10 over: two more (20 * 0.5 = 10)
+    assert search.propose() == {0, 1, 2, 3}
+    search.observe(80)
+    assert search.propose() is None and search.result == ({0, 1, 2, 3}, 80)
+    assert [len(s) for s, _ in search.tried] == [0, 2, 4]  # three measurements where one at a time took five

@@ -507,7 +507,9 @@ def _plan_compiled(
                         return best_runs(indices, profiles, start, joinable, cuda)
 
                     first, _, _ = choose_blocks(profiles, start, budget, joinable, meter.cuda)
-                    search = BudgetSearch(first, values, budget, give_back=False)  # each measurement compiles
+                    # each measurement compiles: no giving back, and links added as many at a time as the gap needs
+                    savings = [p.saving for p in profiles]
+                    search = BudgetSearch(first, values, budget, give_back=False, savings=savings)
                     while (indices := search.propose()) is not None:
                         runs = [[links[i] for i in run] for run in cut(indices)]
                         applied = surgery.apply(model, runs, bn_correct=bn_correct, replacing=applied)

@@ -190,6 +190,16 @@ class BudgetSearch:
         budget: the peak to stay under, in bytes.
         give_back: try giving links back once it fits (one measurement per chosen link); False where a measurement
             is dear (under ``torch.compile`` each one compiles the model).
+        savings: each link's predicted bytes freed, by index; given, a set that does not fit gets as many more
+            links at once as the gap needs, their predicted savings scaled by how much of its prediction the last
+            set really freed (where a measurement is dear: fewer of them); without, one link at a time.
+
+    With ``savings``:
+
+        >>> search = BudgetSearch(set(), values=[3.0, 2.0, 1.0], budget=50, give_back=False, savings=[20, 20, 20])
+        >>> search.observe(100)  # nothing chosen, 50 over: each link is predicted to free 20
+        >>> sorted(search.propose())  # three links are needed for 50
+        [0, 1, 2]
 
     Example:
         >>> peaks = {(): 100, (0,): 80, (0, 1): 60, (1,): 70}
@@ -200,9 +210,18 @@ class BudgetSearch:
         ([((0,), 80), ((0, 1), 60), ((0,), 80), ((1,), 70), ((1,), 70)], ({1}, 70))
     """
 
-    def __init__(self, chosen: set[int], values: Sequence[float], budget: int, give_back: bool = True) -> None:
+    def __init__(
+        self,
+        chosen: set[int],
+        values: Sequence[float],
+        budget: int,
+        give_back: bool = True,
+        savings: Sequence[int] | None = None,
+    ) -> None:
         self.budget = budget
         self.give_back = give_back
+        self._savings = None if savings is None else list(savings)
+        self._first: tuple[int, int] | None = None  # (peak, predicted saving) of the first set measured
         self._values = list(values)
         self._chosen = set(chosen)
         self._rest = sorted(set(range(len(self._values))) - self._chosen, key=lambda i: -self._values[i])
@@ -227,8 +246,11 @@ class BudgetSearch:
         if self._lowest is None or peak < self._lowest[0]:
             self._lowest = (peak, set(proposed))
         if self._phase == "add":
-            if peak > self.budget and self._rest:  # the prediction was optimistic: add the next best link
-                self._chosen.add(self._rest.pop(0))
+            if peak > self.budget and self._rest:  # the prediction was optimistic: add the next best link(s)
+                if self._savings is None:
+                    self._chosen.add(self._rest.pop(0))
+                else:
+                    self._add_for_gap(proposed, peak)
                 self._pending = set(self._chosen)
             elif peak <= self.budget and not self.give_back:
                 self._measured, self._pending, self._phase = peak, None, "done"  # this set, just measured
@@ -252,6 +274,22 @@ class BudgetSearch:
     def result(self) -> tuple[set[int], int] | None:
         """The chosen links and their measured peak, once :meth:`propose` returns None."""
         return None if self._measured is None else (set(self._chosen), self._measured)
+
+    def _add_for_gap(self, proposed: set[int], peak: int) -> None:
+        """Add the next most valuable links until their scaled predicted savings cover what is still over."""
+        savings = self._savings
+        assert savings is not None
+        predicted = sum(savings[i] for i in proposed)
+        if self._first is None:
+            self._first = (peak, predicted)
+        first_peak, first_predicted = self._first
+        freed, expected = first_peak - peak, predicted - first_predicted
+        scale = min(1.0, max(0.1, freed / expected)) if expected > 0 and freed > 0 else 1.0
+        gap, added, count = peak - self.budget, 0, 0
+        while self._rest and (count == 0 or added * scale < gap):  # at least one
+            i = self._rest.pop(0)
+            self._chosen.add(i)
+            added, count = added + savings[i], count + 1
 
     def _next_give_back(self) -> None:
         if self._give_back:
