@@ -1,10 +1,10 @@
 """Two CPU processes under DDP (gloo) tune; run by test_ddp.py.
 
-Usage: python ddp_tuner_run.py OUT_DIR [accumulation|oom|oom_backward]
+Usage: python ddp_tuner_run.py OUT_DIR [accumulation|oom|oom_backward|oom_compiled]
 
 accumulation: AccumulationTuner, rank 1's card is smaller. oom: BatchSizeTuner, and only rank 1 raises
 torch.OutOfMemoryError in its training step once a batch holds more than 8 samples. oom_backward: the same, raised
-halfway through rank 1's backward.
+halfway through rank 1's backward. oom_compiled: as oom, on ``torch.compile(model, backend="aot_eager")``.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def main() -> None:
     from lightning.pytorch import Callback
 
     clock = type("Clock", (BatchClock, Callback), {})()
-    if mode in ("oom", "oom_backward"):
-        cls = OomOnRankOne if mode == "oom" else OomInRankOnesBackward
+    if mode in ("oom", "oom_backward", "oom_compiled"):
+        cls = OomInRankOnesBackward if mode == "oom_backward" else OomOnRankOne
         model = cls("resnet18", image_size=16, batch_size=2, steps_per_epoch=40, pool_size=8)
         tuner = BatchSizeTuner(
             mode="max_fit", init_size=4, max_size=32, probe=PerSampleProbe(model, int(100e9)), cache=False,
@@ -114,7 +114,7 @@ def main() -> None:
         enable_model_summary=False,
         default_root_dir=out,
     )
-    trainer.fit(model)
+    trainer.fit(torch.compile(model, backend="aot_eager") if mode == "oom_compiled" else model)
     with open(os.path.join(out, f"{mode}{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(
             {
@@ -123,6 +123,7 @@ def main() -> None:
                 "model_batch_size": model.batch_size,
                 "trainer_accumulate": trainer.accumulate_grad_batches,
                 "results": [[r.size, r.accumulate, r.outcome] for r in tuner.results],
+                "compiled": [r.compiled for r in tuner.results],
             },
             f,
         )

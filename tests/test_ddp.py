@@ -80,12 +80,14 @@ def test_accumulation_tuner_ranks_agree_on_one_choice_that_fits_everywhere(tmp_p
     assert r["model_batch_size"] == r["batch_size"] and r["trainer_accumulate"] == r["accumulate"]
 
 
-@pytest.mark.parametrize("mode", ["oom", "oom_backward"])
+@pytest.mark.parametrize("mode", ["oom", "oom_backward", "oom_compiled"])
 def test_an_out_of_memory_error_on_one_rank_is_every_ranks_and_nobody_waits(tmp_path, mode):
-    """In the training step, or at the end of backward, when DDP would already have sent the gradients off."""
+    """In the training step, or at the end of backward, when DDP would already have sent the gradients off; and
+    with the model compiled (each trial size its own graph on both ranks)."""
     results = _run_tuner(tmp_path, mode)
     assert results[0] == results[1]
     r = results[0]
+    assert r["compiled"] == [mode == "oom_compiled"] * 3
     # rank 1 alone raises above 8 samples: 16 is out of memory for both ranks, in the same step
     assert r["results"] == [[4, 1, "ok"], [8, 1, "ok"], [16, 1, "oom"]]
     assert r["batch_size"] == r["model_batch_size"] == 8
