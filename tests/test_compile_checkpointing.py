@@ -203,3 +203,24 @@ def test_budget_search_with_savings_adds_what_the_gap_needs_scaled_by_what_was_f
     search.observe(80)
     assert search.propose() is None and search.result == ({0, 1, 2, 3}, 80)
     assert [len(s) for s, _ in search.tried] == [0, 2, 4]  # three measurements where one at a time took five
+
+
+def test_a_resumed_compiled_run_reapplies_the_runs_and_compiles_setting_without_measuring(tmp_path, monkeypatch):
+    _choose_compiles_half_setting(monkeypatch)
+    first = ActivationCheckpointing(memory_budget=0.3)
+    kwargs = trainer_kwargs(tmp_path, max_epochs=1, enable_checkpointing=True)
+    trainer = Trainer(**{**kwargs, "callbacks": [first]})
+    trainer.fit(torch.compile(Net(), backend="aot_eager"))
+    ckpt = trainer.checkpoint_callback.best_model_path
+    assert first.policy.compile_setting == 0.5 and first.runs
+
+    torch._dynamo.reset()
+    measured = []
+    from lightning_memguard.checkpointing import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "_plan_compiled", lambda *a, **k: measured.append(1))
+    resumed, saved = ActivationCheckpointing(memory_budget=0.3), _Saved()
+    trainer = Trainer(**{**trainer_kwargs(tmp_path, max_epochs=2), "callbacks": [resumed, saved]})
+    trainer.fit(torch.compile(Net(), backend="aot_eager"), ckpt_path=ckpt)
+    assert measured == [] and resumed.runs == first.runs  # re-applied from the checkpoint, nothing measured
+    assert [s for _, s in saved.steps] == [0.5, 0.5]  # and compile's setting set again for the resumed fit
