@@ -259,3 +259,27 @@ def test_configuration_is_checked():
         checkpoint_blocks(torchvision.models.resnet18(), rebuild_bn_relu=True, rebuild_config=2)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="`chain_kept` must be an int, got 1.5"):
         rebuild_bn_relu(torchvision.models.resnet18(), chain_kept=1.5)  # type: ignore[arg-type]
+
+
+def test_the_callback_and_the_strategy_pass_their_rebuild_configuration_on(tmp_path):
+    from conftest import trainer_kwargs
+    from lightning.pytorch import Trainer
+
+    from lightning_memguard import ActivationCheckpointing
+    from lightning_memguard.strategies import CheckpointingSingleDeviceStrategy
+    from lightning_memguard.testing import ImageClassifier
+
+    config = RebuildConfig(fused=False, chain_kept=1)
+    for form in ("callback", "strategy"):
+        model = ImageClassifier("resnet18", image_size=32, batch_size=4, steps_per_epoch=2)
+        kwargs = trainer_kwargs(tmp_path, max_epochs=1)
+        if form == "callback":
+            kwargs["callbacks"] = [ActivationCheckpointing(rebuild_bn_relu=True, rebuild_config=config)]
+        else:
+            kwargs.pop("accelerator"), kwargs.pop("devices")
+            kwargs["strategy"] = CheckpointingSingleDeviceStrategy("cpu", rebuild_bn_relu=True, rebuild_config=config)
+        Trainer(**kwargs).fit(model)
+        configs = {m.__dict__["memguard_rebuild"] for m in model.modules() if "memguard_rebuild" in vars(m)}
+        assert configs == {config}, form
+    with pytest.raises(TypeError, match="`rebuild_config` must be a RebuildConfig or None, got 'fast'"):
+        ActivationCheckpointing(rebuild_config="fast")

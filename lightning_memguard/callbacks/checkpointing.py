@@ -12,6 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_memguard import _compiler
 from lightning_memguard.checkpointing.plan import CheckpointPlan
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
+from lightning_memguard.checkpointing.rebuild import RebuildConfig
 from lightning_memguard.checkpointing.wrap import Units
 
 
@@ -39,6 +40,8 @@ class ActivationCheckpointing(Callback):
             instead of keeping them, and so do the Conv2dNormActivation units inside blocks left unchecked
             (MobileNet, EfficientNet, RegNet) with their BatchNorm and activation outputs; without a budget, that
             alone (no block is checkpointed).
+        rebuild_config: how the rebuild makes its tensors (``RebuildConfig(fused=..., chain_kept=...)``, from
+            ``lightning_memguard.checkpointing``); None: the defaults.
 
     Raises:
         TypeError: ``memory_budget`` of another type, or flags that are not bools.
@@ -60,14 +63,16 @@ class ActivationCheckpointing(Callback):
         memory_budget: float | int | str | None = None,
         bn_correct: bool = True,
         rebuild_bn_relu: bool = False,
+        rebuild_config: RebuildConfig | None = None,
     ):
-        self.policy = CheckpointingPolicy(units, memory_budget, bn_correct, rebuild_bn_relu)
+        self.policy = CheckpointingPolicy(units, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config)
         self._compiling = ExitStack()  # compile's activation_memory_budget for the fit, where the plan set one
 
     units = property(lambda self: self.policy.units)
     memory_budget = property(lambda self: self.policy.memory_budget)
     bn_correct = property(lambda self: self.policy.bn_correct)
     rebuild_bn_relu = property(lambda self: self.policy.rebuild_bn_relu)
+    rebuild_config = property(lambda self: self.policy.rebuild_config)
 
     @property
     def plan(self) -> CheckpointPlan | None:

@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from lightning_memguard.checkpointing.plan import CheckpointPlan, apply_plan, checkpoint_blocks
+from lightning_memguard.checkpointing.rebuild import RebuildConfig
 from lightning_memguard.checkpointing.wrap import Units, check_units
 from lightning_memguard.core.checks import check_memory_budget
 
@@ -28,6 +29,8 @@ class CheckpointingPolicy:
         bn_correct: recomputation leaves BatchNorm running statistics alone.
         rebuild_bn_relu: the cheap recomputation of torchvision ResNet blocks and Conv2dNormActivation units (see
             ``checkpoint_blocks``).
+        rebuild_config: how the rebuild makes its tensors (``RebuildConfig(fused=..., chain_kept=...)``); None:
+            the defaults.
 
     Example:
         >>> import torchvision
@@ -47,6 +50,7 @@ class CheckpointingPolicy:
         memory_budget: float | int | str | None = None,
         bn_correct: bool = True,
         rebuild_bn_relu: bool = False,
+        rebuild_config: RebuildConfig | None = None,
     ) -> None:
         self.units: Units = check_units(units)
         check_memory_budget(memory_budget)
@@ -56,6 +60,9 @@ class CheckpointingPolicy:
                 raise TypeError(f"`{name}` must be a bool, got {flag!r}")
         self.bn_correct = bn_correct
         self.rebuild_bn_relu = rebuild_bn_relu
+        if rebuild_config is not None and not isinstance(rebuild_config, RebuildConfig):
+            raise TypeError(f"`rebuild_config` must be a RebuildConfig or None, got {rebuild_config!r}")
+        self.rebuild_config = rebuild_config
         self.plan: CheckpointPlan | None = None  # this process's plan, where it made one
         self.runs: list[list[str]] | None = None  # the chosen runs of blocks: learned state
         # under torch.compile, compile's activation_memory_budget chosen with the runs (None: compile's default)
@@ -84,11 +91,15 @@ class CheckpointingPolicy:
             measuring: the context to measure in (the Trainer's precision).
         """
         if self.runs is not None:
-            apply_plan(model, self.runs, self.units, self.bn_correct, self.rebuild_bn_relu)
+            apply_plan(model, self.runs, self.units, self.bn_correct, self.rebuild_bn_relu, self.rebuild_config)
             return
         if self.memory_budget is None:  # the same on every rank: nothing to agree on
             self.plan = checkpoint_blocks(
-                model, self.units, bn_correct=self.bn_correct, rebuild_bn_relu=self.rebuild_bn_relu
+                model,
+                self.units,
+                bn_correct=self.bn_correct,
+                rebuild_bn_relu=self.rebuild_bn_relu,
+                rebuild_config=self.rebuild_config,
             )
             self.runs = self.plan.runs
             return
@@ -104,12 +115,13 @@ class CheckpointingPolicy:
                     example_input=example_input,
                     bn_correct=self.bn_correct,
                     rebuild_bn_relu=self.rebuild_bn_relu,
+                    rebuild_config=self.rebuild_config,
                 )
             runs = self.plan.runs
             setting = self.plan.activation_memory_budget
         runs, setting = broadcast((runs, setting if is_rank_zero else None))
         if not is_rank_zero:
-            apply_plan(model, runs, self.units, self.bn_correct, self.rebuild_bn_relu)
+            apply_plan(model, runs, self.units, self.bn_correct, self.rebuild_bn_relu, self.rebuild_config)
         self.runs, self.compile_setting = runs, setting
 
     def summary(self) -> str:

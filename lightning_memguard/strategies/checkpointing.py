@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_memguard import _compiler
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
+from lightning_memguard.checkpointing.rebuild import RebuildConfig
 
 
 def _checkpoint_before_wrapping(strategy: Strategy, policy: CheckpointingPolicy) -> None:
@@ -52,6 +53,7 @@ class CheckpointingDDPStrategy(DDPStrategy):
             plan; the plan is made anew in each ``fit``. On a compiled module the budget is measured compiled, and
             compile's ``activation_memory_budget`` the plan chose is set for the fit.
         rebuild_bn_relu: the cheap recomputation of torchvision ResNet blocks and Conv2dNormActivation units.
+        rebuild_config: how the rebuild makes its tensors (``RebuildConfig``); None: the defaults.
         bn_correct: recomputation leaves BatchNorm running statistics alone.
         *args, **kwargs: ``DDPStrategy``'s own.
 
@@ -72,10 +74,11 @@ class CheckpointingDDPStrategy(DDPStrategy):
         memory_budget: float | int | str | None = None,
         rebuild_bn_relu: bool = False,
         bn_correct: bool = True,
+        rebuild_config: RebuildConfig | None = None,
         **kwargs: Any,
     ) -> None:
         self.checkpointing = CheckpointingPolicy(
-            activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu
+            activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config
         )
         self._memguard_compiling = ExitStack()
         super().__init__(*args, **kwargs)
@@ -94,7 +97,7 @@ class CheckpointingSingleDeviceStrategy(SingleDeviceStrategy):
 
     Args:
         device: the device to train on (``"cuda:0"``, ``"cpu"``).
-        activation_checkpointing_policy, memory_budget, rebuild_bn_relu, bn_correct: as for
+        activation_checkpointing_policy, memory_budget, rebuild_bn_relu, bn_correct, rebuild_config: as for
             :class:`CheckpointingDDPStrategy`.
         **kwargs: ``SingleDeviceStrategy``'s own.
 
@@ -113,10 +116,11 @@ class CheckpointingSingleDeviceStrategy(SingleDeviceStrategy):
         memory_budget: float | int | str | None = None,
         rebuild_bn_relu: bool = False,
         bn_correct: bool = True,
+        rebuild_config: RebuildConfig | None = None,
         **kwargs: Any,
     ) -> None:
         self.checkpointing = CheckpointingPolicy(
-            activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu
+            activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config
         )
         self._memguard_compiling = ExitStack()
         super().__init__(device, **kwargs)
