@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from typing import Any
 
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_memguard import _compiler
 from lightning_memguard.checkpointing.plan import CheckpointPlan
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.checkpointing.rebuild import RebuildConfig
@@ -66,7 +64,6 @@ class ActivationCheckpointing(Callback):
         rebuild_config: RebuildConfig | None = None,
     ):
         self.policy = CheckpointingPolicy(units, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config)
-        self._compiling = ExitStack()  # compile's activation_memory_budget for the fit, where the plan set one
 
     units = property(lambda self: self.policy.units)
     memory_budget = property(lambda self: self.policy.memory_budget)
@@ -104,7 +101,6 @@ class ActivationCheckpointing(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.memory_budget is None:
             return
-        self._compiling.close()
         resumed = self.runs is not None
         strategy = trainer.strategy
         self.policy.apply(
@@ -116,11 +112,10 @@ class ActivationCheckpointing(Callback):
         )
         if not resumed:
             rank_zero_info(f"ActivationCheckpointing: {self.policy.summary()}")
-        # compile's own setting, chosen with the blocks, holds while this fit compiles (its first steps, recompiles)
-        self._compiling.enter_context(_compiler.activation_memory_budget(self.policy.compile_setting))
+        self.policy.hold_compile_setting()  # compile's own setting, chosen with the blocks, while this fit compiles
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._compiling.close()
+        self.policy.release_compile_setting()
 
     def state_dict(self) -> dict[str, Any]:
         return {"runs": self.runs, "compile_setting": self.policy.compile_setting}

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 from torch import nn
 
+from lightning_memguard import _compiler
 from lightning_memguard.checkpointing.plan import CheckpointPlan, apply_plan, checkpoint_blocks
 from lightning_memguard.checkpointing.rebuild import RebuildConfig
 from lightning_memguard.checkpointing.wrap import Units, check_units
@@ -67,6 +69,7 @@ class CheckpointingPolicy:
         self.runs: list[list[str]] | None = None  # the chosen runs of blocks: learned state
         # under torch.compile, compile's activation_memory_budget chosen with the runs (None: compile's default)
         self.compile_setting: float | None = None
+        self._compiling = ExitStack()  # the setting, held for a fit (hold_compile_setting)
 
     def apply(
         self,
@@ -80,8 +83,8 @@ class CheckpointingPolicy:
         """Checkpoint ``model`` in place: re-apply :attr:`runs` if known, else plan (rank zero) and agree.
 
         A compiled ``model`` (``fit(torch.compile(module))``) with a budget is measured compiled, and
-        :attr:`compile_setting` is compile's ``activation_memory_budget`` chosen with the runs: the caller sets it
-        for the training (``lightning_memguard._compiler.activation_memory_budget``).
+        :attr:`compile_setting` is compile's ``activation_memory_budget`` chosen with the runs: the caller holds it
+        for the training (:meth:`hold_compile_setting`).
 
         Args:
             model: the module to change.
@@ -123,6 +126,15 @@ class CheckpointingPolicy:
         if not is_rank_zero:
             apply_plan(model, runs, self.units, self.bn_correct, self.rebuild_bn_relu, self.rebuild_config)
         self.runs, self.compile_setting = runs, setting
+
+    def hold_compile_setting(self) -> None:
+        """Set compile's ``activation_memory_budget`` to :attr:`compile_setting` (nothing if None) until
+        :meth:`release_compile_setting`: for the fit, while the model compiles (its first steps, recompiles)."""
+        self._compiling.close()
+        self._compiling.enter_context(_compiler.activation_memory_budget(self.compile_setting))
+
+    def release_compile_setting(self) -> None:
+        self._compiling.close()
 
     def summary(self) -> str:
         if self.plan is not None:

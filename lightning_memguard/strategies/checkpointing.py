@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from typing import Any
 
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -10,7 +9,6 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_memguard import _compiler
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.checkpointing.rebuild import RebuildConfig
 
@@ -36,10 +34,7 @@ def _checkpoint_before_wrapping(strategy: Strategy, policy: CheckpointingPolicy)
         measuring=strategy.precision_plugin.train_step_context,
     )
     rank_zero_info(f"{type(strategy).__name__}: {policy.summary()}")
-    # a plan made under torch.compile may rely on compile's own activation_memory_budget: set while this fit compiles
-    compiling: ExitStack = strategy._memguard_compiling  # type: ignore[attr-defined]
-    compiling.close()
-    compiling.enter_context(_compiler.activation_memory_budget(policy.compile_setting))
+    policy.hold_compile_setting()  # a plan made under torch.compile may rely on compile's own setting
 
 
 class CheckpointingDDPStrategy(DDPStrategy):
@@ -80,7 +75,6 @@ class CheckpointingDDPStrategy(DDPStrategy):
         self.checkpointing = CheckpointingPolicy(
             activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config
         )
-        self._memguard_compiling = ExitStack()
         super().__init__(*args, **kwargs)
 
     def _setup_model(self, model: nn.Module) -> Any:
@@ -88,7 +82,7 @@ class CheckpointingDDPStrategy(DDPStrategy):
         return super()._setup_model(model)
 
     def teardown(self) -> None:
-        self._memguard_compiling.close()
+        self.checkpointing.release_compile_setting()
         super().teardown()
 
 
@@ -122,7 +116,6 @@ class CheckpointingSingleDeviceStrategy(SingleDeviceStrategy):
         self.checkpointing = CheckpointingPolicy(
             activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config
         )
-        self._memguard_compiling = ExitStack()
         super().__init__(device, **kwargs)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -130,5 +123,5 @@ class CheckpointingSingleDeviceStrategy(SingleDeviceStrategy):
         return super()._setup_model(model)
 
     def teardown(self) -> None:
-        self._memguard_compiling.close()
+        self.checkpointing.release_compile_setting()
         super().teardown()
