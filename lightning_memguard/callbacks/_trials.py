@@ -369,6 +369,7 @@ class TrialSession:
         if cuda:  # the last trial's cached blocks would count as this one's reserved peak
             torch.cuda.empty_cache()  # (a full garbage collection runs only after a failed trial and at the end)
         self.probe.reset_peak()
+        out_of_memory = False
         try:
             with _ranks_agree_on_oom(t):
                 t.fit_loop.run()
@@ -377,22 +378,22 @@ class TrialSession:
                 raise
             del err
             garbage_collection_cuda()
-            compile_s = sum(s for s, _, c in clock.steps() if c)
-            self.compile_s += compile_s
+            out_of_memory = True
+        measured = clock.steps()
+        compile_s = sum(s for s, _, c in measured if c)  # steps that compiled are compile time, not step time
+        self.compile_s += compile_s
+        compiled = compiled or compile_s > 0
+        if out_of_memory:
             return TrialResult(size, None, None, None, OOM, accumulate, compiled, round(compile_s, 3))
         _check_delivered(clock.sizes_by_epoch(), size, self.batch_arg_name)
         reading = self.probe.read()
         peak = reading.used
-        measured = clock.steps()
-        compile_s = sum(s for s, _, c in measured if c)
-        self.compile_s += compile_s
-        ran = [(s, n) for s, n, c in measured if not c]  # steps that compiled are compile time, not step time
+        ran = [(s, n) for s, n, c in measured if not c]
         timed = ran[warmup:] or ran or [(s, n) for s, n, _ in measured]  # a trial cut after its first step: that one
         step_s = statistics.median(s for s, _ in timed) if timed else float("nan")
         rates = [n / s for s, n in timed if s > 0]
         rate = statistics.median(rates) if rates else 0.0
         outcome = classify_trial(peak, self.capacity, self.headroom, rate, self.best_rate, self.collapse)
-        compiled = compiled or compile_s > 0
         return TrialResult(
             size, round(step_s * 1e3, 4), peak, round(rate, 3), outcome, accumulate, compiled, round(compile_s, 3)
         )
