@@ -1,12 +1,15 @@
 """torch.compile on a real GPU: what the measured choices and the checkpointing do where the model is compiled.
-Run on a CUDA machine (two calls of a few minutes each; each compile of ResNet50 takes about 45 s):
+Run on a CUDA machine (each compile of ResNet50 takes about 45 s; the budgets take 5-7 minutes each, planning
+included, so split them over calls of the device):
 
     python benchmarks/compile.py --part frontier --out OUT/compile_frontier.json
     python benchmarks/compile.py --part tuner --out OUT/compile_tuner.json
-    python benchmarks/compile.py --merge OUT/compile_frontier.json OUT/compile_tuner.json \
+    python benchmarks/compile.py --part budgets --out OUT/compile_budgets.json  # --budgets 0.6,0.5 for a part
+    python benchmarks/compile.py --merge OUT/compile_frontier.json OUT/compile_tuner.json OUT/compile_budgets.json \
         --out benchmarks/results/compile.json
 
-(``bash benchmarks/run_gpu.sh OUT compile_frontier`` and ``... compile_tuner`` run the first two.)
+(``bash benchmarks/run_gpu.sh OUT compile_frontier``, ``... compile_tuner`` and ``BUDGETS=0.6 ... compile_budgets``
+run the parts.)
 
 ResNet50, bf16 autocast, channels_last, SGD with momentum, random data on the device.
 
@@ -185,9 +188,10 @@ def one_pass_peak(model: nn.Module, forward: Callable, x: torch.Tensor) -> int |
     return int(torch.cuda.max_memory_allocated() - before)
 
 
-def budgets(cfg: Setup, fractions: list[float]) -> dict[str, Any]:
-    """Ours under compile: plan with ``compile=True`` at each budget, then train compiled under the plan's setting."""
-    rows = []
+def budgets(cfg: Setup, fractions: list[float], checkpoint: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Ours under compile: plan with ``compile=True`` at each budget, then train compiled under the plan's setting.
+    ``checkpoint`` gets the rows so far after each budget (a long run cut short keeps what it measured)."""
+    rows: list[dict[str, Any]] = []
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     x = torch.randn(cfg.batch, 3, cfg.image, cfg.image, device=DEVICE, generator=gen)
     x = x.to(memory_format=torch.channels_last)
@@ -222,6 +226,7 @@ def budgets(cfg: Setup, fractions: list[float]) -> dict[str, Any]:
             }
         )
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "candidates"}), flush=True)
+        checkpoint({"budgets": rows})
         del model, forward
     return {"budgets": rows}
 
@@ -291,6 +296,21 @@ def tuner(cfg: Setup, root: str) -> dict[str, Any]:
     }
 
 
+def merge(paths: list[str]) -> dict[str, Any]:
+    """The parts in one file; budgets measured over several calls are kept together, by fraction (a later
+    measurement of the same fraction replaces an earlier one)."""
+    merged: dict[str, Any] = {}
+    rows: dict[float, dict[str, Any]] = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            part = json.load(f)
+        rows.update({row["fraction"]: row for row in part.pop("budgets", [])})
+        merged.update(part)
+    if rows:
+        merged["budgets"] = [rows[f] for f in sorted(rows, reverse=True)]
+    return merged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--part", choices=("frontier", "tuner", "budgets", "all"), default="all")
@@ -300,11 +320,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     if args.merge:
-        merged: dict[str, Any] = {}
-        for path in args.merge:
-            with open(path, encoding="utf-8") as f:
-                merged.update(json.load(f))
-        write_json(args.out, merged)
+        write_json(args.out, merge(args.merge))
         return
     cfg = Setup(args.smoke or not CUDA)
     data: dict[str, Any] = {"environment": environment(), "arch": cfg.arch, "backend": cfg.backend}
@@ -312,7 +328,9 @@ def main() -> None:
         data["frontier"] = frontier(cfg)
         data["compile_frontier"] = data["frontier"].pop("compile_frontier")
     if args.part in ("budgets", "all"):
-        data.update(budgets(cfg, [float(b) for b in args.budgets.split(",")]))
+        data.update(
+            budgets(cfg, [float(b) for b in args.budgets.split(",")], lambda part: write_json(args.out, {**data, **part}))
+        )
     if args.part in ("tuner", "all"):
         with tempfile.TemporaryDirectory() as root:
             data.update(tuner(cfg, root))
