@@ -328,9 +328,8 @@ def main() -> None:
         data["frontier"] = frontier(cfg)
         data["compile_frontier"] = data["frontier"].pop("compile_frontier")
     if args.part in ("budgets", "all"):
-        data.update(
-            budgets(cfg, [float(b) for b in args.budgets.split(",")], lambda part: write_json(args.out, {**data, **part}))
-        )
+        fractions = [float(b) for b in args.budgets.split(",")]
+        data.update(budgets(cfg, fractions, lambda part: write_json(args.out, {**data, **part})))
     if args.part in ("tuner", "all"):
         with tempfile.TemporaryDirectory() as root:
             data.update(tuner(cfg, root))

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_memguard import _compiler
 from lightning_memguard.callbacks import MemGuard
 from lightning_memguard.core.report import SweepRow
-from lightning_memguard.core.throughput import settled_from, warmup_excess
 from lightning_memguard.testing import ImageClassifier, StepTimer, SysmemSpillEmulator
 
 
@@ -35,43 +35,59 @@ class SweepConfig:
     compile: str | None = None  # a torch.compile backend ("inductor", "aot_eager", ...); None: eager
 
 
-MAX_EXTRA_WARMUP = 20  # a compiled run whose step times have not settled after this many more steps is timed anyway
+MAX_COMPILE_STEPS = 20  # a compiled run that keeps compiling is timed on what it has after this many more steps
 
 
-class _WarmUpUntilSettled(Callback):
-    """A compiled run: warm up until two consecutive steps agree in time (:func:`settled_from`), then time
-    ``steps`` optimizer steps and stop. Reads the timer (a device sync on CUDA) only while warming up."""
+class _TimeStepsThatRan(Callback):
+    """A compiled run: an optimizer step during which Dynamo compiled (its graph counter moved,
+    :func:`lightning_memguard._compiler.compiles`) is compile time, not step time, as in the tuners' trials. After
+    ``minimum`` warm-up steps, ``steps`` steps that compiled nothing are timed, then training stops. Reads the
+    counter, not the timer: no device sync while training."""
 
-    def __init__(self, timer: StepTimer, minimum: int, steps: int, accumulate: int) -> None:
-        self.timer, self.minimum, self.steps, self.accumulate = timer, max(minimum, 2), steps, accumulate
-        self.first_timed: int | None = None
+    def __init__(self, minimum: int, steps: int, accumulate: int) -> None:
+        self.minimum, self.steps, self.accumulate = minimum, steps, accumulate
+        self.compiled: list[bool] = []  # per optimizer step: whether Dynamo compiled during it
+        self._count = 0
+        self._batches = 0
+        self._compiling = False
 
     @property
     def most(self) -> int:
-        return self.minimum + MAX_EXTRA_WARMUP
+        return self.minimum + self.steps + MAX_COMPILE_STEPS
+
+    def timed(self) -> list[int]:
+        """The optimizer steps to time: past the warm-up, and compiling nothing."""
+        return [i for i, compiled in enumerate(self.compiled) if i >= self.minimum and not compiled]
+
+    def split(self, times: Sequence[float]) -> tuple[list[float], float]:
+        """The timed steps' times, and the compile time: the sum of the steps that compiled (``times`` per optimizer
+        step, as the timer measured them)."""
+        compiling = sum(t for t, compiled in zip(times, self.compiled, strict=False) if compiled)
+        return [times[i] for i in self.timed() if i < len(times)], compiling
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.first_timed is not None:
-            return
-        times = self.timer.step_ms(self.accumulate)  # the steps done so far (the timer marked this batch's start)
-        end = settled_from(times, self.minimum)
-        self.first_timed = end if end is not None or len(times) < self.most else len(times)
+        self._count = _compiler.compiles()
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.first_timed is not None and len(self.timer.marks) >= (self.first_timed + self.steps) * self.accumulate:
+        self._compiling |= _compiler.compiles() != self._count
+        self._batches += 1
+        if self._batches % self.accumulate:
+            return
+        self.compiled.append(self._compiling)
+        self._compiling = False
+        if len(self.timed()) >= self.steps or len(self.compiled) >= self.most:
             trainer.should_stop = True
 
 
 def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
     """Train at ``batch``; return its row and the capacity in GB. Eager: ``warmup + steps`` optimizer steps, the
-    first ``warmup`` untimed. Compiled: a fresh static graph for this size (``dynamic=False``), warm-up until step
-    times settle (at least ``warmup`` steps), then ``steps`` timed steps; the warm-up's excess is the row's
-    ``compile_s``."""
+    first ``warmup`` untimed. Compiled: a fresh static graph for this size (``dynamic=False``), ``warmup`` steps, then
+    ``steps`` timed steps that compiled nothing; the steps that compiled are the row's ``compile_s``."""
     cuda = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "cuda"
     compiled = cfg.compile is not None
-    steps = cfg.warmup + cfg.steps + (MAX_EXTRA_WARMUP + 2 if compiled else 0)
+    steps = cfg.warmup + cfg.steps + (MAX_COMPILE_STEPS if compiled else 0)
     model: LightningModule = ImageClassifier(
         cfg.model, num_classes=1000, image_size=cfg.image_size, batch_size=batch,
         steps_per_epoch=steps * cfg.accumulate + 1, channels_last=cfg.channels_last, pool_size=max(64, batch),
@@ -86,7 +102,7 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
     emu = SysmemSpillEmulator(capacity=cfg.emulate_capacity) if cfg.emulate_capacity else None
     guard = MemGuard(probe=emu.probe if emu is not None else None, on_spill="warn", warmup_steps=1, reference_steps=2)
     timer = StepTimer(skip=0 if compiled else cfg.warmup)
-    warmup = _WarmUpUntilSettled(timer, cfg.warmup, cfg.steps, cfg.accumulate) if compiled else None
+    warmup = _TimeStepsThatRan(cfg.warmup, cfg.steps, cfg.accumulate) if compiled else None
     callbacks: list[Callback] = [c for c in (emu, guard, timer, warmup) if c is not None]
     trainer = Trainer(
         accelerator="cuda" if cuda else "cpu", devices=1, precision=cfg.precision,  # type: ignore[arg-type]
@@ -110,9 +126,8 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
     times = timer.step_ms(cfg.accumulate)
     compile_s = None
     if warmup is not None:
-        first = warmup.first_timed if warmup.first_timed is not None else len(times)
-        compile_s = round(warmup_excess(times, first) / 1e3, 3)
-        times = times[first:]
+        times, compiling_ms = warmup.split(times)
+        compile_s = round(compiling_ms / 1e3, 3)
     step_ms = statistics.median(times) if times else None
     record = guard.epochs[-1]
     spilled = guard.spill is not None or (emu is not None and emu.total_spilled_bytes > 0)

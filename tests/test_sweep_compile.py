@@ -9,74 +9,55 @@ import types
 import pytest
 import torch
 
+from lightning_memguard import _compiler
 from lightning_memguard.cli import main
-from lightning_memguard.core.throughput import settled_from, warmup_excess
-from lightning_memguard.sweep import MAX_EXTRA_WARMUP, SweepConfig, _WarmUpUntilSettled, run_one
+from lightning_memguard.sweep import MAX_COMPILE_STEPS, SweepConfig, _TimeStepsThatRan, run_one
 
 TINY = ["--model", "resnet18", "--image-size", "32", "--device", "cpu"]
 COMPILE = ["--compile", "--compile-backend", "aot_eager"]
 
 
-# ---------------------------------------------------------------- warm-up until step times settle (exact numbers)
+# ---------------------------------------------------------------- steps that compiled are not timed (a fake counter)
 
 
-@pytest.mark.parametrize(
-    ("times", "minimum", "expected"),
-    [
-        ([9000, 41, 40, 40.5], 2, 3),  # compiled in step 0, steady from step 1: timed from step 3
-        ([9000, 41, 40, 40.5], 3, 3),
-        ([9000, 41, 40, 40.5, 40], 4, 4),  # at least `minimum`
-        ([9000, 3000, 41, 40], 2, 4),  # a recompile in step 1
-        ([9000, 3000, 41], 2, None),  # not settled yet
-        ([40, 40, 40], 1, 2),  # one step alone never says it is steady
-        ([100, 130, 125], 2, 3),  # 30 % apart, then 4 %
-    ],
-)
-def test_settled_from(times, minimum, expected):
-    assert settled_from(times, minimum) == expected
-
-
-def test_warmup_excess_is_the_compile_time():
-    assert warmup_excess([9000, 3000, 41, 40, 40, 42, 39], end=4) == 9000 + 3000 + 41 + 40 - 4 * 40
-    assert warmup_excess([30, 50, 40], end=1) == 0.0  # a warm-up faster than the steady steps: no compile time
-    assert warmup_excess([9000, 40], end=2) == 0.0  # nothing timed
-
-
-class FakeTimer:
-    """The StepTimer interface the warm-up reads: batch starts marked, optimizer-step times in ms."""
-
-    def __init__(self, times: list[float]) -> None:
-        self.times, self.marks = times, []
-
-    def step_ms(self, accumulate: int = 1) -> list[float]:
-        done = (len(self.marks) - 1) // accumulate
-        return self.times[:done]
-
-
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_warm_up_until_settled_then_time_the_steps_and_stop(accumulate):
-    timer = FakeTimer([9000, 3000, 41, 40, 40, 42, 39, 40, 40])
-    warmup = _WarmUpUntilSettled(timer, minimum=3, steps=3, accumulate=accumulate)  # type: ignore[arg-type]
+def _drive(monkeypatch, graphs_after_batch: list[int], minimum: int, steps: int, accumulate: int) -> _TimeStepsThatRan:
+    """Run the callback's hooks as a Trainer would, Dynamo's graph count after each batch given; until it stops."""
+    count = [0]
+    monkeypatch.setattr(_compiler, "compiles", lambda: count[0])
+    timer = _TimeStepsThatRan(minimum=minimum, steps=steps, accumulate=accumulate)
     trainer = types.SimpleNamespace(should_stop=False)
-    batches = 0
-    while not trainer.should_stop:
-        timer.marks.append(batches)  # the timer marks each batch's start before the warm-up looks
-        warmup.on_train_batch_start(trainer, None, None, batches)  # type: ignore[arg-type]
-        warmup.on_train_batch_end(trainer, None, None, None, batches)  # type: ignore[arg-type]
-        batches += 1
-    assert warmup.first_timed == 4  # 9000 and 3000 compile, 41 and 40 agree: steps 4, 5 and 6 are timed
-    assert batches == (4 + 3) * accumulate
+    for batch, graphs in enumerate(graphs_after_batch):
+        timer.on_train_batch_start(trainer, None, None, batch)  # type: ignore[arg-type]
+        count[0] = graphs
+        timer.on_train_batch_end(trainer, None, None, None, batch)  # type: ignore[arg-type]
+        if trainer.should_stop:
+            break
+    return timer
 
 
-def test_warm_up_that_never_settles_is_cut_short():
-    timer = FakeTimer([100.0 * 2**i for i in range(40)])  # every step twice the last
-    warmup = _WarmUpUntilSettled(timer, minimum=3, steps=2, accumulate=1)  # type: ignore[arg-type]
-    trainer = types.SimpleNamespace(should_stop=False)
-    while not trainer.should_stop:
-        timer.marks.append(0)
-        warmup.on_train_batch_start(trainer, None, None, 0)  # type: ignore[arg-type]
-        warmup.on_train_batch_end(trainer, None, None, None, 0)  # type: ignore[arg-type]
-    assert warmup.first_timed == 3 + MAX_EXTRA_WARMUP and len(timer.marks) == 3 + MAX_EXTRA_WARMUP + 2
+def test_steps_that_compiled_are_left_out_and_replaced(monkeypatch):
+    # step 0 compiles (graph 1), step 4 recompiles (graph 2, say the last short batch), nothing else
+    timer = _drive(monkeypatch, [1, 1, 1, 1, 2, 2, 2, 2, 2, 2], minimum=2, steps=3, accumulate=1)
+    assert timer.compiled == [True, False, False, False, True, False]
+    assert timer.timed() == [2, 3, 5]  # past the 2 warm-up steps; step 4 compiled, so step 5 is timed in its place
+
+
+def test_a_compile_in_any_micro_batch_marks_its_optimizer_step(monkeypatch):
+    # accumulate 2: batches 0-1 are step 0 (compiles in batch 1, say the backward's first run), 2-3 step 1, ...
+    timer = _drive(monkeypatch, [0, 1, 1, 1, 1, 2, 2, 2, 2, 2], minimum=1, steps=2, accumulate=2)
+    assert timer.compiled == [True, False, True, False]
+    assert timer.timed() == [1, 3]
+
+
+def test_a_run_that_keeps_compiling_is_cut_short(monkeypatch):
+    timer = _drive(monkeypatch, list(range(1, 100)), minimum=3, steps=2, accumulate=1)  # a new graph every step
+    assert len(timer.compiled) == 3 + 2 + MAX_COMPILE_STEPS and timer.timed() == []
+
+
+def test_compile_time_is_the_steps_that_compiled_and_the_rest_are_timed(monkeypatch):
+    timer = _drive(monkeypatch, [1, 1, 1, 2, 2, 2, 2], minimum=1, steps=3, accumulate=1)  # steps 0 and 3 compile
+    timed, compiling = timer.split([9000.0, 40.0, 41.0, 3000.0, 40.0, 39.0])
+    assert timed == [40.0, 41.0, 40.0] and compiling == 9000.0 + 3000.0
 
 
 # ---------------------------------------------------------------- the sweep
