@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import FakeProbe, TinyModel, trainer_kwargs
 from lightning.pytorch import Callback, Trainer
-from tuner_helpers import BatchClock
+from tuner_helpers import BatchClock, FirstBatch
 
 from lightning_memguard import AccumulationTuner, BatchSizeTuner, MemGuard, SysmemSpillError
 
@@ -37,8 +37,15 @@ class Recorder:
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
     def batch_sizes(self) -> list[int]:
-        """The batch dimension of each static graph: its input of 16 features (the first layer's weight is 32 x 16)."""
-        return [min(s[0] for s in shapes if s[1:] == (16,)) for dynamic, shapes in self.graphs if not dynamic]
+        """The batch dimension of each static graph of the network: its input of 16 features, the (B, 16) tensor
+        that is not the first layer's 32 x 16 weight (graphs without one, e.g. a logged scalar's, are left out)."""
+        sizes = []
+        for dynamic, shapes in self.graphs:
+            rows = [s[0] for s in shapes if s[1:] == (16,)]
+            if not dynamic and len(rows) == 2:
+                rows.remove(32)
+                sizes.append(rows[0])
+        return sizes
 
 
 class Compiles(Callback):
@@ -196,3 +203,105 @@ def test_memguard_does_not_take_recompiles_for_a_spill(tmp_path):
     trainer.fit(torch.compile(TinyModel(batch_size=8, n=36), backend=recorder))
     assert guard.spill is None
     assert len(recorder.graphs) >= 2
+
+
+# ---------------------------------------------------------------- the runs users make, under compile (STYLE rule 13)
+
+
+def _batch_tuner(clock, probe, **kw):
+    return BatchSizeTuner(
+        init_size=4, max_size=16, probe=probe, cache=False, clock=clock, warmup_steps=0, timed_steps=2, **kw
+    )
+
+
+def test_resume_under_compile_with_a_tuner_the_checkpoint_did_not_have(tmp_path):
+    """The trials compile one static graph per size and leave the checkpoint's state as it was; training goes on
+    from the checkpoint on the chosen size's graph."""
+    first = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, limit_train_batches=4, enable_checkpointing=True))
+    first.fit(TinyModel(batch_size=8, n=64))
+    ckpt = first.checkpoint_callback.best_model_path
+
+    model = TinyModel(batch_size=8, n=64)
+    clock, seen_batch = BatchClock(), FirstBatch()
+    recorder = Recorder(clock)
+    tuner = _batch_tuner(clock, FakeProbe())
+    seen = Compiles(recorder)
+    trainer = Trainer(
+        **trainer_kwargs(tmp_path, max_epochs=3, limit_train_batches=4, callbacks=[clock, tuner, seen, seen_batch])
+    )
+    trainer.fit(torch.compile(model, backend=recorder), ckpt_path=ckpt)
+    assert recorder.batch_sizes() == [4, 8, 16] and not any(dynamic for dynamic, _ in recorder.graphs)
+    assert all(r.compiled for r in tuner.results) and tuner.batch_size == 16
+    assert (seen_batch.epoch, seen_batch.global_step) == (2, 8)  # where the checkpoint left off
+    assert seen_batch.batch_samples == 16 and seen.at_end == seen.at_start  # the trial's graph, nothing new
+
+
+def test_resume_under_compile_with_the_tuners_state_reapplies_it_without_measuring(tmp_path):
+    clock = BatchClock()
+    model = TinyModel(batch_size=4, n=64)
+    tuner = _batch_tuner(clock, FakeProbe())
+    first = Trainer(
+        **trainer_kwargs(
+            tmp_path, max_epochs=1, limit_train_batches=2, enable_checkpointing=True, callbacks=[clock, tuner]
+        )
+    )
+    first.fit(torch.compile(model, backend=Recorder(clock)))
+    ckpt = first.checkpoint_callback.best_model_path
+    torch._dynamo.reset()
+
+    model = TinyModel(batch_size=4, n=64)
+    probe, recorder, seen_batch = FakeProbe(), Recorder(clock), FirstBatch()
+    resumed = _batch_tuner(clock, probe)
+    trainer = Trainer(
+        **trainer_kwargs(tmp_path, max_epochs=2, limit_train_batches=2, callbacks=[clock, resumed, seen_batch])
+    )
+    trainer.fit(torch.compile(model, backend=recorder), ckpt_path=ckpt)
+    assert probe.resets == 0 and resumed.batch_size == tuner.batch_size == 16  # no trial ran
+    assert recorder.batch_sizes() == [16]  # training compiled the chosen size's graph, and only that
+    assert seen_batch.batch_samples == 16 and (seen_batch.epoch, seen_batch.global_step) == (1, 2)
+
+
+def test_the_same_tuner_in_a_second_fit_under_compile_checks_its_choice_and_compiles_only_that(tmp_path):
+    clock = BatchClock()
+    probe = FakeProbe()
+    tuner = _batch_tuner(clock, probe)
+    _fit(tmp_path, TinyModel(batch_size=4, n=64), tuner, clock, Recorder(clock), limit_train_batches=2)
+    first_results = list(tuner.results)
+    torch._dynamo.reset()
+    recorder = Recorder(clock)
+    _, seen = _fit(tmp_path, TinyModel(batch_size=4, n=64), tuner, clock, recorder, limit_train_batches=2)
+    assert tuner.batch_size == 16 and tuner.results == first_results  # its choice still fits: not searched again
+    assert recorder.batch_sizes() == [16]  # the check's one step compiled it; training ran that graph
+    assert seen.at_end == seen.at_start == 1
+
+
+def test_a_dataset_smaller_than_the_ladder_under_compile(tmp_path):
+    """100 samples: the ladder stops at 100. At 64 the epoch's last batch holds 36 samples, a new static graph:
+    that step compiled and is not timed; the trial runs one more in its place."""
+    clock = BatchClock()
+    recorder = Recorder(clock)
+    tuner = BatchSizeTuner(
+        init_size=16, max_size=512, probe=FakeProbe(), cache=False, clock=clock, warmup_steps=0, timed_steps=3
+    )
+    _, seen = _fit(tmp_path, TinyModel(batch_size=16, n=100), tuner, clock, recorder, limit_train_batches=2)
+    assert [r.size for r in tuner.results] == [16, 32, 64, 100]
+    assert sorted(set(recorder.batch_sizes())) == [4, 16, 32, 36, 64, 100]  # each size, and each short last batch
+    assert not any(dynamic for dynamic, _ in recorder.graphs)
+    rates = {r.size: r.samples_per_sec for r in tuner.results}
+    assert rates[100] == pytest.approx(100 / 0.110)
+    assert rates[64] == pytest.approx(64 / 0.074)  # the compiling 36-sample step is compile time, not a rate
+    assert tuner.batch_size == 100
+    assert seen.at_end == seen.at_start
+
+
+def test_fast_dev_run_under_compile_skips_the_search(tmp_path):
+    clock = BatchClock()
+    probe = FakeProbe()
+    tuner = _batch_tuner(clock, probe)
+    trainer = Trainer(**trainer_kwargs(tmp_path, fast_dev_run=True, callbacks=[clock, tuner]))
+    model = TinyModel(batch_size=4, n=64)
+    recorder = Recorder(clock)
+    with pytest.warns(UserWarning, match="Skipping BatchSizeTuner since `fast_dev_run` is enabled"):
+        trainer.fit(torch.compile(model, backend=recorder))
+    assert probe.resets == 0 and not tuner.results and model.batch_size == 4
+    assert set(recorder.batch_sizes()) == {4}  # the training step's graph and the validation step's, at 4

@@ -3,7 +3,6 @@ result cache, fast_dev_run, hyperparameters that are not tensors. Every clock is
 
 from __future__ import annotations
 
-import copy
 import logging
 import pathlib
 
@@ -12,41 +11,13 @@ import torch
 from conftest import FakeProbe, TinyModel, trainer_kwargs
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
-from tuner_helpers import BatchClock
+from tuner_helpers import BatchClock, FirstBatch, PerSample
 
 from lightning_memguard import AccumulationTuner, ActivationCheckpointing, BatchSizeTuner
 from lightning_memguard.checkpointing import is_checkpointed
-from lightning_memguard.probes import MemoryReading
 from lightning_memguard.testing import ImageClassifier
 
 QUICK = dict(warmup_steps=1, timed_steps=2)
-
-
-class PerSample(FakeProbe):
-    """Peak memory: ``per_sample`` bytes for each sample of the model's (or datamodule's) current batch size."""
-
-    def __init__(self, holder, capacity=int(4e9), per_sample=100 * 10**6):
-        super().__init__(capacity=capacity)
-        self.holder, self.per_sample = holder, per_sample
-
-    def read(self) -> MemoryReading:
-        self.peak = self.holder.batch_size * self.per_sample
-        return super().read()
-
-
-class FirstBatch(Callback):
-    """What the real run looks like at its first training batch, after tuning."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if hasattr(self, "epoch"):
-            return
-        self.epoch, self.global_step = trainer.current_epoch, trainer.global_step
-        self.optim = copy.deepcopy(trainer.optimizers[0].state_dict())
-        configs = trainer.lr_scheduler_configs
-        self.scheduler = configs[0].scheduler.state_dict() if configs else None
-        self.batch_samples = len(batch[0]) if isinstance(batch, list | tuple) else len(batch)
-        self.checkpointed = any(is_checkpointed(m) for m in pl_module.modules())
-        self.ckpt_path = trainer.ckpt_path
 
 
 class Scheduled(TinyModel):
