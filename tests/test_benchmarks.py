@@ -1,0 +1,50 @@
+"""The benchmark scripts' own logic: compile.py --merge keeps budgets measured over several device calls, and
+compile_peak.py reads what is alive at a step's peak from the allocator's events."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _benchmark(name):
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_merge_keeps_every_part_and_all_budgets_measured_over_several_calls(tmp_path):
+    parts = {
+        "frontier.json": {"environment": {"date": "a"}, "frontier": [1], "compile_frontier": [2]},
+        "first.json": {"environment": {"date": "b"}, "budgets": [{"fraction": 0.6, "img_s": 1.0}]},
+        "second.json": {"budgets": [{"fraction": 0.35, "img_s": 3.0}, {"fraction": 0.6, "img_s": 2.0}]},
+    }
+    for name, data in parts.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    merged = _benchmark("compile").merge([str(tmp_path / name) for name in parts])
+    assert merged["frontier"] == [1] and merged["compile_frontier"] == [2]
+    assert [(r["fraction"], r["img_s"]) for r in merged["budgets"]] == [(0.6, 2.0), (0.35, 3.0)]  # the later 0.6
+    assert merged["environment"] == {"date": "b"}
+
+
+def test_peak_breakdown_splits_what_is_alive_at_the_peak_by_phase_and_line():
+    def alloc(addr, size, line):
+        return {"action": "alloc", "addr": addr, "size": size, "frames": [{"filename": "/x/model.py", "line": line}]}
+
+    trace = [
+        alloc(1, 100, 10),  # forward: a saved tensor, alive to the end
+        alloc(2, 50, 11),  # forward: freed before the peak
+        {"action": "free_completed", "addr": 2},
+        alloc(3, 30, 20),  # backward from here
+        alloc(4, 40, 20),
+        {"action": "free_requested", "addr": 3},  # requested only: still counted
+        {"action": "free_completed", "addr": 1},
+        alloc(5, 10, 21),
+    ]
+    result = _benchmark("compile_peak").peak_breakdown(trace, backward_from=3)
+    assert result["peak_bytes_in_step"] == 170 and result["peak_event"] == 4 and result["peak_in"] == "backward"
+    assert result["alive_at_peak_by_phase"] == {"forward": 100, "backward": 70}
+    assert [(r["where"].split(" ")[0], r["where"].split(":")[1].split(" ")[0], r["bytes"]) for r in
+            result["alive_at_peak_by_line"]] == [("forward", "10", 100), ("backward", "20", 70)]  # fmt: skip
