@@ -224,3 +224,29 @@ def test_a_resumed_compiled_run_reapplies_the_runs_and_compiles_setting_without_
     trainer.fit(torch.compile(Net(), backend="aot_eager"), ckpt_path=ckpt)
     assert measured == [] and resumed.runs == first.runs  # re-applied from the checkpoint, nothing measured
     assert [s for _, s in saved.steps] == [0.5, 0.5]  # and compile's setting set again for the resumed fit
+
+
+def test_the_same_callback_in_a_second_fit_under_compile_reapplies_its_plan_without_measuring(tmp_path, monkeypatch):
+    """A reused callback on a fresh compiled module: its runs and compile's setting again, held in every step of the
+    second fit too, and nothing measured."""
+    _choose_compiles_half_setting(monkeypatch)
+    checkpointing = ActivationCheckpointing(memory_budget=0.3)
+    before = torch._functorch.config.activation_memory_budget
+    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[checkpointing])).fit(
+        torch.compile(Net(), backend="aot_eager")
+    )
+    runs, budget_bytes = checkpointing.runs, checkpointing.plan.budget_bytes
+
+    torch._dynamo.reset()
+    measured = []
+    from lightning_memguard.checkpointing import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "_plan_compiled", lambda *a, **k: measured.append(1))
+    saved, second = _Saved(), Net()
+    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[checkpointing, saved])).fit(
+        torch.compile(second, backend="aot_eager")
+    )
+    assert measured == [] and checkpointing.runs == runs
+    assert [s for _, s in saved.steps] == [0.5, 0.5]
+    assert all(total <= budget_bytes for total, _ in saved.steps)  # the fresh module is checkpointed as the first
+    assert torch._functorch.config.activation_memory_budget == before

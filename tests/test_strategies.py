@@ -66,17 +66,22 @@ def test_a_budget_without_an_example_input_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(tmp_path):
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(tmp_path, mode):
+    """Compiled: rank zero measures under compile and both ranks take its runs and compile's setting with them."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["PYTHONWARNINGS"] = "ignore"
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(SCRIPT)), env.get("PYTHONPATH", "")])
     done = subprocess.run(
-        [sys.executable, SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
-    )
+        [sys.executable, SCRIPT, str(tmp_path), *(["compiled"] if mode == "compiled" else [])],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"strategy{r}.json").read_text(encoding="utf-8")) for r in (0, 1)]
     assert ranks[0]["runs"] and ranks[0]["runs"] == ranks[1]["runs"]
     assert ranks[0]["swapped"] == ranks[1]["swapped"]
+    assert ranks[0]["compile_setting"] == ranks[1]["compile_setting"] == (0.5 if mode == "compiled" else None)
+    assert ranks[0]["compiled_plan"] is (mode == "compiled") and ranks[1]["compiled_plan"] is None  # rank 0 measured
     assert all(r["same_weights"] and r["step"] == 3 for r in ranks)
 
 
