@@ -1,14 +1,24 @@
-"""MemGuard and AccumulationTuner under DDP. Run on a machine with 2 GPUs (NCCL multicast variables as set there):
+"""The library under DDP on two GPUs. Run on a machine with 2 GPUs (NCCL multicast variables as set there):
 
-    python benchmarks/multigpu.py --out benchmarks/results/multigpu.json
+    python benchmarks/multigpu.py --out benchmarks/results/multigpu.json [--parts tuning,overhead,...]
 
-ResNet50, bf16-mixed, channels_last, strategy="ddp", 2 GPUs:
-1. MemGuard() + AccumulationTuner(effective_batch_size=512): every rank's choice, and the logged samples/s (all
-   ranks together) against the sum of each rank's own;
-2. overhead: the tuned configuration with and without MemGuard, interleaved, median step time (CUDA events);
-3. SysmemSpillEmulator on rank 1 only: both ranks stop within 3 steps, SysmemSpillError with its own report on
-   rank 1, no hang.
-Every rank writes its own JSON; rank 0 merges them. `--smoke` runs a tiny version on 2 CPU processes (gloo).
+ResNet50, bf16-mixed, channels_last, strategy="ddp", 2 GPUs; the parts (all by default, in this order):
+- ``tuning``: MemGuard() + AccumulationTuner(effective_batch_size=512): every rank's choice, and the logged
+  samples/s (all ranks together) against the sum of each rank's own;
+- ``overhead``: the tuned configuration with and without MemGuard, interleaved, median step time (CUDA events);
+- ``spill``: SysmemSpillEmulator on rank 1 only: both ranks stop within 3 steps, SysmemSpillError with its own
+  report on rank 1, no hang;
+- ``oom``: a real CUDA out-of-memory error on rank 1 only, inside BatchSizeTuner's trials: rank 1 holds a ballast
+  that leaves it 30 GB, so the trial at 1024 (about 47 GB) fails there alone; both ranks must call that size "does
+  not fit", agree on one smaller size and train on, without a hang;
+- ``compiled``: BatchSizeTuner on ``torch.compile(model)`` under DDP (128..512), then 5 + 15 steps at its choice;
+  the oracle: the same size compiled on its own (``dynamic=False``), trained the same way;
+- ``strategy``: CheckpointingDDPStrategy(memory_budget=0.6) in fp32, batch 64: both ranks apply rank zero's plan,
+  each rank's one-pass peak against the budget, and the weights after 3 steps against plain DDP's from the same
+  seed.
+Every rank writes its own JSON; rank 0 merges them. `--smoke` runs a tiny version on 2 CPU processes (gloo; the
+``oom`` part then raises the error in rank 1's training step instead of allocating a ballast, and ``compiled``
+uses the ``aot_eager`` backend).
 """
 
 from __future__ import annotations
@@ -23,76 +33,260 @@ import time
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_memguard import AccumulationTuner, MemGuard, SysmemSpillError  # noqa: E402
+from lightning_memguard import AccumulationTuner, BatchSizeTuner, MemGuard, SysmemSpillError  # noqa: E402
+from lightning_memguard.strategies import CheckpointingDDPStrategy  # noqa: E402
 from lightning_memguard.testing import ImageClassifier, StepTimer, SysmemSpillEmulator  # noqa: E402
+
+PARTS = ("tuning", "overhead", "spill", "oom", "compiled", "strategy")
 
 
 def trainer(args: argparse.Namespace, callbacks: list[Any], max_steps: int, **kwargs: Any) -> Trainer:
+    kwargs.setdefault("strategy", "ddp")
+    kwargs.setdefault("precision", "32-true" if args.smoke else "bf16-mixed")
     return Trainer(
-        accelerator="cpu" if args.smoke else "cuda", devices=2, strategy="ddp",
-        precision="32-true" if args.smoke else "bf16-mixed",  # type: ignore[arg-type]
-        max_steps=max_steps, max_epochs=1, callbacks=callbacks, logger=False, enable_progress_bar=False,
-        enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=args.tmp,
-        **kwargs,
+        accelerator="cpu" if args.smoke else "cuda", devices=2, max_steps=max_steps, max_epochs=1,
+        callbacks=callbacks, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+        enable_model_summary=False, limit_val_batches=0, default_root_dir=args.tmp, **kwargs,
     )  # fmt: skip
 
 
-def model(args: argparse.Namespace, batch: int, steps: int) -> ImageClassifier:
+def model(args: argparse.Namespace, batch: int, steps: int, cls: type[ImageClassifier] = ImageClassifier) -> Any:
     if args.smoke:
-        return ImageClassifier("resnet18", image_size=32, batch_size=batch, steps_per_epoch=steps, pool_size=32)
-    return ImageClassifier("resnet50", image_size=224, num_classes=1000, batch_size=batch, steps_per_epoch=steps,
-                           channels_last=True, pool_size=256)  # fmt: skip
+        return cls("resnet18", image_size=32, batch_size=batch, steps_per_epoch=steps, pool_size=32, seed=0)
+    return cls("resnet50", image_size=224, num_classes=1000, batch_size=batch, steps_per_epoch=steps,
+               channels_last=True, pool_size=256, seed=0)  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="benchmarks/results/multigpu.json")
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--tmp", default=os.path.join(os.getcwd(), ".multigpu_runs"))
-    args = parser.parse_args()
-    effective, steps, spill_batch, capacity = (32, 6, 16, "120MB") if args.smoke else (512, 60, 384, "16GB")
-    rank = int(os.environ.get("LOCAL_RANK", "0"))
-    mine: dict[str, Any] = {"rank": rank}
+class _OomOnRankOne(ImageClassifier):
+    """Smoke only: rank 1 raises CUDA's out-of-memory error in its training step above 8 samples."""
 
-    # 1. tuning under DDP, then training with MemGuard
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_rank == 1 and batch.shape[0] > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (smoke: rank 1 only)")
+        return super().training_step(batch, batch_idx)
+
+
+def part_tuning(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    effective, steps = (32, 6) if args.smoke else (512, 60)
     guard = MemGuard()
     tuner = AccumulationTuner(effective, min_micro_batch=8 if args.smoke else 32, cache=False)
-    net = model(args, 64, 10_000)
     t = trainer(args, [guard, tuner], steps)
-    t.fit(net)
-    mine["choice"] = {"micro_batch": tuner.batch_size, "accumulate": tuner.accumulate_grad_batches}
-    mine["trials"] = [r.to_dict() for r in tuner.results]
-    mine["logged_samples_per_sec"] = float(t.callback_metrics["memguard/samples_per_sec"])
-    mine["own_samples_per_sec"] = guard.epochs[-1].samples_per_sec
-    micro, accumulate = tuner.batch_size or 64, tuner.accumulate_grad_batches or 1
+    t.fit(model(args, 64, 10_000))
+    return {
+        "choice": {"micro_batch": tuner.batch_size, "accumulate": tuner.accumulate_grad_batches},
+        "trials": [r.to_dict() for r in tuner.results],
+        "logged_samples_per_sec": float(t.callback_metrics["memguard/samples_per_sec"]),
+        "own_samples_per_sec": guard.epochs[-1].samples_per_sec,
+    }
 
-    # 2. overhead of MemGuard in the tuned configuration
-    mine["overhead"] = []
+
+def part_overhead(args: argparse.Namespace, rank: int, micro: int, accumulate: int) -> list[dict[str, Any]]:
+    steps = 6 if args.smoke else 60
+    rows = []
     for round_ in range(2):
         for guarded in (True, False) if round_ % 2 == 0 else (False, True):
             timer = StepTimer(skip=5)
             callbacks: list[Any] = [MemGuard(), timer] if guarded else [timer]
             trainer(args, callbacks, steps, accumulate_grad_batches=accumulate).fit(model(args, micro, 10_000))
-            times = timer.step_ms(accumulate)
-            mine["overhead"].append({"memguard": guarded, "median_step_ms": statistics.median(times)})
+            rows.append({"memguard": guarded, "median_step_ms": statistics.median(timer.step_ms(accumulate))})
+    return rows
 
-    # 3. a spill on rank 1 only
+
+def part_spill(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    spill_batch, capacity = (16, "120MB") if args.smoke else (384, "16GB")
     emu = SysmemSpillEmulator(capacity=capacity if rank == 1 else "10TB")
-    spill_guard = MemGuard(probe=emu.probe, warmup_steps=3)
-    spill_trainer = trainer(args, [emu, spill_guard], 40)
+    guard = MemGuard(probe=emu.probe, warmup_steps=3)
+    t = trainer(args, [emu, guard], 40)
     start = time.perf_counter()
     outcome: dict[str, Any] = {"error": None}
     try:
-        spill_trainer.fit(model(args, spill_batch, 10_000))
+        t.fit(model(args, spill_batch, 10_000))
     except SysmemSpillError as err:
         outcome = {"error": "SysmemSpillError", "own_report": err.report is not None, "message": str(err)[:300]}
-    outcome["stopped_at_step"] = spill_trainer.global_step
+    outcome["stopped_at_step"] = t.global_step
     outcome["seconds"] = time.perf_counter() - start
-    mine["spill_on_rank_1"] = outcome
+    return outcome
+
+
+def part_oom(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    ballast = None
+    if not args.smoke and rank == 1:
+        free, _ = torch.cuda.mem_get_info()
+        ballast = torch.empty(max(0, free - 30 * 2**30), dtype=torch.uint8, device="cuda")  # leaves 30 GB
+    init, top, steps = (4, 16, 4) if args.smoke else (64, 1024, 20)
+    tuner = BatchSizeTuner(init_size=init, max_size=top, cache=False)
+    t = trainer(args, [tuner], steps)
+    start = time.perf_counter()
+    t.fit(model(args, init, 10_000, _OomOnRankOne if args.smoke else ImageClassifier))
+    result = {
+        "ballast_bytes": None if ballast is None else ballast.numel(),
+        "choice": tuner.batch_size,
+        "trials": [{"size": r.size, "outcome": r.outcome} for r in tuner.results],
+        "trained_steps": t.global_step,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    del ballast
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def _timed_fit(args: argparse.Namespace, module: Any, callbacks: list[Any]) -> float:
+    """This rank's samples/s over 15 training steps after 5 warm-up steps (compiling among them), at the batch size
+    the module trains at (the tuner's choice, where there is a tuner: its trials are not training steps)."""
+    timer = StepTimer(skip=5)
+    t = trainer(args, [*callbacks, timer], 20)
+    t.fit(module)
+    return t.lightning_module.batch_size / statistics.median(timer.step_ms()) * 1e3  # type: ignore[attr-defined]
+
+
+def part_compiled(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    backend = "aot_eager" if args.smoke else "inductor"
+    init, top = (4, 16) if args.smoke else (128, 512)
+    torch._dynamo.reset()
+    tuner = BatchSizeTuner(init_size=init, max_size=top, cache=False)
+    rate = _timed_fit(args, torch.compile(model(args, init, 10_000), backend=backend), [tuner])
+    choice = tuner.batch_size or init
+    torch._dynamo.reset()
+    oracle = _timed_fit(args, torch.compile(model(args, choice, 10_000), backend=backend, dynamic=False), [])
+    torch._dynamo.reset()
+    return {
+        "choice": choice,
+        "search_s": tuner.search_s,
+        "compile_s": tuner.compile_s,
+        "trials": [r.to_dict() for r in tuner.results],
+        "choice_img_s": round(rate, 1),
+        "oracle_img_s": round(oracle, 1),
+    }
+
+
+class _StepPeak(Callback):
+    """Each training step's forward and backward peak above what was allocated before it (what the checkpointing
+    plan measures), on CUDA; the optimizer step left out."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self._before = 0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self._before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
+        if torch.cuda.is_available():
+            self.peaks.append(torch.cuda.max_memory_allocated() - self._before)
+
+
+def part_strategy(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    batch = 8 if args.smoke else 64
+    gloo = {"process_group_backend": "gloo"} if args.smoke else {}
+
+    def fit(strategy: Any, callbacks: list[Any]) -> Any:
+        torch.manual_seed(0)
+        net = model(args, batch, 10_000)
+        net.example_input_array = net.images[:batch].clone()
+        trainer(args, callbacks, 3, strategy=strategy, precision="32-true").fit(net)
+        return net
+
+    plain = fit(DDPStrategy(**gloo), [])
+    strategy = CheckpointingDDPStrategy(memory_budget=0.6, **gloo)
+    peaks = _StepPeak()
+    checked = fit(strategy, [peaks])
+    pairs = list(zip(plain.state_dict().values(), checked.state_dict().values(), strict=True))
+    plan = strategy.checkpointing.plan  # rank zero's; the other ranks apply its runs
+    return {
+        "runs": strategy.checkpointing.runs,
+        "budget_bytes": plan.budget_bytes if plan is not None else None,
+        "planned_peak_bytes": plan.measured_bytes if plan is not None else None,
+        "step_peaks_bytes": peaks.peaks,
+        "same_weights_as_plain_ddp": all(torch.equal(a, b) for a, b in pairs),
+        "max_weight_difference": max(float((a.float() - b.float()).abs().max()) for a, b in pairs if a.numel()),
+    }
+
+
+def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's view of every part that ran."""
+    summary: dict[str, Any] = {"gpus": torch.cuda.device_count()}
+    first = ranks[0]
+    if "tuning" in first:
+        summary["tuning"] = {
+            "same_choice_on_every_rank": len({json.dumps(r["tuning"]["choice"], sort_keys=True) for r in ranks}) == 1,
+            "choice": first["tuning"]["choice"],
+            "logged_samples_per_sec": first["tuning"]["logged_samples_per_sec"],
+            "sum_of_ranks_samples_per_sec": sum(r["tuning"]["own_samples_per_sec"] for r in ranks),
+        }
+    if "overhead" in first:
+        with_g = [r["median_step_ms"] for r in first["overhead"] if r["memguard"]]
+        without = [r["median_step_ms"] for r in first["overhead"] if not r["memguard"]]
+        summary["overhead_ratio"] = statistics.median(with_g) / statistics.median(without)
+    if "spill" in first:
+        summary["spill"] = {r["rank"]: r["spill"] for r in ranks}
+    if "oom" in first:
+        summary["oom"] = {
+            "same_choice_on_every_rank": len({r["oom"]["choice"] for r in ranks}) == 1,
+            "choice": first["oom"]["choice"],
+            "trials": {r["rank"]: r["oom"]["trials"] for r in ranks},
+            "trained_steps": [r["oom"]["trained_steps"] for r in ranks],
+            "seconds": [r["oom"]["seconds"] for r in ranks],
+        }
+    if "compiled" in first:
+        rows = [r["compiled"] for r in ranks]
+        summary["compiled"] = {
+            "same_choice_on_every_rank": len({row["choice"] for row in rows}) == 1,
+            "choice": rows[0]["choice"],
+            "choice_vs_oracle": [round(row["choice_img_s"] / row["oracle_img_s"], 4) for row in rows],
+            "search_s": rows[0]["search_s"],
+            "compile_s": rows[0]["compile_s"],
+        }
+    if "strategy" in first:
+        rows = [r["strategy"] for r in ranks]
+        budget = rows[0]["budget_bytes"]
+        summary["strategy"] = {
+            "same_runs_on_every_rank": len({json.dumps(row["runs"]) for row in rows}) == 1,
+            "budget_bytes": budget,
+            "peak_bytes_per_rank": [max(row["step_peaks_bytes"], default=None) for row in rows],
+            "held_on_every_rank": None
+            if budget is None or not rows[0]["step_peaks_bytes"]
+            else all(max(row["step_peaks_bytes"]) <= budget for row in rows),
+            "same_weights_as_plain_ddp": [row["same_weights_as_plain_ddp"] for row in rows],
+            "max_weight_difference": [row["max_weight_difference"] for row in rows],
+        }
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results/multigpu.json")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--tmp", default=os.path.join(os.getcwd(), ".multigpu_runs"))
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    mine: dict[str, Any] = {"rank": rank}
+    micro, accumulate = 8 if args.smoke else 64, 1
+    if "tuning" in parts:
+        mine["tuning"] = part_tuning(args, rank)
+        micro, accumulate = mine["tuning"]["choice"]["micro_batch"], mine["tuning"]["choice"]["accumulate"]
+    if "overhead" in parts:
+        mine["overhead"] = part_overhead(args, rank, micro or 64, accumulate or 1)
+    if "spill" in parts:
+        mine["spill"] = part_spill(args, rank)
+    if "oom" in parts:
+        mine["oom"] = part_oom(args, rank)
+    if "compiled" in parts:
+        mine["compiled"] = part_compiled(args, rank)
+    if "strategy" in parts:
+        mine["strategy"] = part_strategy(args, rank)
 
     os.makedirs(args.tmp, exist_ok=True)
     with open(os.path.join(args.tmp, f"rank{rank}.json"), "w", encoding="utf-8") as f:
@@ -103,17 +297,7 @@ def main() -> None:
         for path in sorted(glob.glob(os.path.join(args.tmp, "rank*.json"))):
             with open(path, encoding="utf-8") as f:
                 ranks.append(json.load(f))
-        with_g = [r["median_step_ms"] for r in mine["overhead"] if r["memguard"]]
-        without = [r["median_step_ms"] for r in mine["overhead"] if not r["memguard"]]
-        summary = {
-            "same_choice_on_every_rank": len({json.dumps(r["choice"], sort_keys=True) for r in ranks}) == 1,
-            "choice": mine["choice"],
-            "logged_samples_per_sec": mine["logged_samples_per_sec"],
-            "sum_of_ranks_samples_per_sec": sum(r["own_samples_per_sec"] for r in ranks),
-            "overhead_ratio": statistics.median(with_g) / statistics.median(without),
-            "spill": {r["rank"]: r["spill_on_rank_1"] for r in ranks},
-            "gpus": torch.cuda.device_count(),
-        }
+        summary = summarize(ranks)
         print(json.dumps(summary, indent=2))
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:

@@ -48,3 +48,31 @@ def test_peak_breakdown_splits_what_is_alive_at_the_peak_by_phase_and_line():
     assert result["alive_at_peak_by_phase"] == {"forward": 100, "backward": 70}
     assert [(r["where"].split(" ")[0], r["where"].split(":")[1].split(" ")[0], r["bytes"]) for r in
             result["alive_at_peak_by_line"]] == [("forward", "10", 100), ("backward", "20", 70)]  # fmt: skip
+
+
+def test_multigpu_summary_compares_every_rank():
+    def rank(r, choice, peaks, rate):
+        return {
+            "rank": r,
+            "oom": {"choice": 512, "trials": [], "trained_steps": 20, "seconds": 9.0},
+            "compiled": {
+                "choice": choice,
+                "search_s": 1.0,
+                "compile_s": 0.5,
+                "choice_img_s": rate,
+                "oracle_img_s": 100,
+            },
+            "strategy": {
+                "runs": [["layer1.0"]],
+                "budget_bytes": 100 if r == 0 else None,  # rank zero's plan
+                "step_peaks_bytes": peaks,
+                "same_weights_as_plain_ddp": True,
+                "max_weight_difference": 0.0,
+            },
+        }
+
+    summary = _benchmark("multigpu").summarize([rank(0, 256, [90, 95], 98.0), rank(1, 256, [99, 101], 97.5)])
+    assert summary["compiled"]["same_choice_on_every_rank"] and summary["compiled"]["choice_vs_oracle"] == [0.98, 0.975]
+    strategy = summary["strategy"]
+    assert strategy["peak_bytes_per_rank"] == [95, 101] and strategy["held_on_every_rank"] is False  # rank 1: 101
+    assert summary["oom"]["same_choice_on_every_rank"] and "tuning" not in summary
