@@ -66,8 +66,9 @@ def free_memory() -> None:
 
 def write_json(path: str, data: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:  # then replaced whole: a run cut short leaves no half file
         json.dump(data, f, indent=2)
+    os.replace(path + ".tmp", path)
     print(f"wrote {path}")
 
 

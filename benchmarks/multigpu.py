@@ -8,14 +8,15 @@ ResNet50, bf16-mixed, channels_last, strategy="ddp", 2 GPUs; the parts (all by d
 - ``overhead``: the tuned configuration with and without MemGuard, interleaved, median step time (CUDA events);
 - ``spill``: SysmemSpillEmulator on rank 1 only: both ranks stop within 3 steps, SysmemSpillError with its own
   report on rank 1, no hang;
-- ``oom``: a real CUDA out-of-memory error on rank 1 only, inside BatchSizeTuner's trials: rank 1 holds a ballast
-  that leaves it 30 GB, so the trial at 1024 (about 47 GB) fails there alone; both ranks must call that size "does
-  not fit", agree on one smaller size and train on, without a hang;
+- ``oom``: a real CUDA out-of-memory error on rank 1 only, inside BatchSizeTuner's trials (``mode="max_fit"``, 64 to
+  1024): rank 1 holds a ballast on its GPU that leaves it 40 GiB, so the trial at 1024 (about 51 GB) fails there
+  alone while 512 (about 26 GB, the ballast counted in its peak) fits; both ranks must call 1024 "does not fit",
+  agree on 512 and train on, without a hang;
 - ``compiled``: BatchSizeTuner on ``torch.compile(model)`` under DDP (128..512), then 5 + 15 steps at its choice;
   the oracle: the same size compiled on its own (``dynamic=False``), trained the same way;
-- ``strategy``: CheckpointingDDPStrategy(memory_budget=0.6) in fp32, batch 64: both ranks apply rank zero's plan,
-  each rank's one-pass peak against the budget, and the weights after 3 steps against plain DDP's from the same
-  seed.
+- ``strategy``: CheckpointingDDPStrategy(memory_budget=0.6) in fp32, batch 64, cuDNN deterministic: both ranks
+  apply rank zero's plan, each rank's first forward and backward peak against the budget, and the weights after
+  3 steps against plain DDP's from the same seed (with a second plain run's difference as the baseline).
 Every rank writes its own JSON; rank 0 merges them. `--smoke` runs a tiny version on 2 CPU processes (gloo; the
 ``oom`` part then raises the error in rank 1's training step instead of allocating a ballast, and ``compiled``
 uses the ``aot_eager`` backend).
@@ -24,6 +25,7 @@ uses the ``aot_eager`` backend).
 from __future__ import annotations
 
 import argparse
+import gc
 import glob
 import json
 import os
@@ -43,6 +45,7 @@ from lightning_memguard.strategies import CheckpointingDDPStrategy  # noqa: E402
 from lightning_memguard.testing import ImageClassifier, StepTimer, SysmemSpillEmulator  # noqa: E402
 
 PARTS = ("tuning", "overhead", "spill", "oom", "compiled", "strategy")
+WORLD = 2  # devices=2
 
 
 def trainer(args: argparse.Namespace, callbacks: list[Any], max_steps: int, **kwargs: Any) -> Trainer:
@@ -116,10 +119,13 @@ def part_spill(args: argparse.Namespace, rank: int) -> dict[str, Any]:
 def part_oom(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     ballast = None
     if not args.smoke and rank == 1:
-        free, _ = torch.cuda.mem_get_info()
-        ballast = torch.empty(max(0, free - 30 * 2**30), dtype=torch.uint8, device="cuda")  # leaves 30 GB
+        device = torch.device("cuda", rank)  # this rank's GPU: Lightning sets the current device only inside fit
+        gc.collect()
+        torch.cuda.empty_cache()  # what earlier parts cached is free, not counted as the ballast's
+        free, _ = torch.cuda.mem_get_info(device)
+        ballast = torch.empty(max(0, free - 40 * 2**30), dtype=torch.uint8, device=device)  # leaves 40 GiB
     init, top, steps = (4, 16, 4) if args.smoke else (64, 1024, 20)
-    tuner = BatchSizeTuner(init_size=init, max_size=top, cache=False)
+    tuner = BatchSizeTuner(init_size=init, max_size=top, mode="max_fit", cache=False)
     t = trainer(args, [tuner], steps)
     start = time.perf_counter()
     t.fit(model(args, init, 10_000, _OomOnRankOne if args.smoke else ImageClassifier))
@@ -166,8 +172,9 @@ def part_compiled(args: argparse.Namespace, rank: int) -> dict[str, Any]:
 
 
 class _StepPeak(Callback):
-    """Each training step's forward and backward peak above what was allocated before it (what the checkpointing
-    plan measures), on CUDA; the optimizer step left out."""
+    """Each training step's forward and backward peak above what was allocated before it, the gradients set to
+    None first (as the checkpointing plan measures; Lightning zeroes them next anyway), on CUDA; the optimizer step
+    left out."""
 
     def __init__(self) -> None:
         self.peaks: list[int] = []
@@ -175,6 +182,7 @@ class _StepPeak(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if torch.cuda.is_available():
+            pl_module.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             self._before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -195,10 +203,20 @@ def part_strategy(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         trainer(args, callbacks, 3, strategy=strategy, precision="32-true").fit(net)
         return net
 
-    plain = fit(DDPStrategy(**gloo), [])
-    strategy = CheckpointingDDPStrategy(memory_budget=0.6, **gloo)
-    peaks = _StepPeak()
-    checked = fit(strategy, [peaks])
+    def difference(a: Any, b: Any) -> float:
+        pairs = list(zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+        return max(float((x.float() - y.float()).abs().max()) for x, y in pairs if x.numel())
+
+    deterministic = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        plain = fit(DDPStrategy(**gloo), [])
+        plain_again = fit(DDPStrategy(**gloo), [])
+        strategy = CheckpointingDDPStrategy(memory_budget=0.6, **gloo)
+        peaks = _StepPeak()
+        checked = fit(strategy, [peaks])
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = deterministic
     pairs = list(zip(plain.state_dict().values(), checked.state_dict().values(), strict=True))
     plan = strategy.checkpointing.plan  # rank zero's; the other ranks apply its runs
     return {
@@ -207,7 +225,8 @@ def part_strategy(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         "planned_peak_bytes": plan.measured_bytes if plan is not None else None,
         "step_peaks_bytes": peaks.peaks,
         "same_weights_as_plain_ddp": all(torch.equal(a, b) for a, b in pairs),
-        "max_weight_difference": max(float((a.float() - b.float()).abs().max()) for a, b in pairs if a.numel()),
+        "max_weight_difference": difference(plain, checked),
+        "plain_vs_plain_difference": difference(plain, plain_again),  # the run-to-run baseline
     }
 
 
@@ -233,6 +252,9 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "same_choice_on_every_rank": len({r["oom"]["choice"] for r in ranks}) == 1,
             "choice": first["oom"]["choice"],
             "trials": {r["rank"]: r["oom"]["trials"] for r in ranks},
+            "sizes_out_of_memory": sorted(
+                {t["size"] for r in ranks for t in r["oom"]["trials"] if t["outcome"] == "oom"}
+            ),
             "trained_steps": [r["oom"]["trained_steps"] for r in ranks],
             "seconds": [r["oom"]["seconds"] for r in ranks],
         }
@@ -257,6 +279,7 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             else all(max(row["step_peaks_bytes"]) <= budget for row in rows),
             "same_weights_as_plain_ddp": [row["same_weights_as_plain_ddp"] for row in rows],
             "max_weight_difference": [row["max_weight_difference"] for row in rows],
+            "plain_vs_plain_difference": [row["plain_vs_plain_difference"] for row in rows],
         }
     return summary
 
@@ -272,7 +295,10 @@ def main() -> None:
     if unknown := set(parts) - set(PARTS):
         parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
     rank = int(os.environ.get("LOCAL_RANK", "0"))
-    mine: dict[str, Any] = {"rank": rank}
+    mine: dict[str, Any] = {"rank": rank, "parts": parts}
+    own = os.path.join(args.tmp, f"rank{rank}.json")
+    if os.path.exists(own):
+        os.remove(own)  # an earlier run's, perhaps of other parts
     micro, accumulate = 8 if args.smoke else 64, 1
     if "tuning" in parts:
         mine["tuning"] = part_tuning(args, rank)
@@ -289,14 +315,22 @@ def main() -> None:
         mine["strategy"] = part_strategy(args, rank)
 
     os.makedirs(args.tmp, exist_ok=True)
-    with open(os.path.join(args.tmp, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+    with open(own + ".tmp", "w", encoding="utf-8") as f:
         json.dump(mine, f, indent=2)
+    os.replace(own + ".tmp", own)  # whole, or not there
     if rank == 0:
-        time.sleep(2)
         ranks = []
-        for path in sorted(glob.glob(os.path.join(args.tmp, "rank*.json"))):
-            with open(path, encoding="utf-8") as f:
-                ranks.append(json.load(f))
+        deadline = time.monotonic() + 300
+        while len(ranks) < WORLD and time.monotonic() < deadline:  # every rank's file of this run
+            time.sleep(1)
+            ranks = []
+            for path in sorted(glob.glob(os.path.join(args.tmp, "rank*.json"))):
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+                if data.get("parts") == parts:
+                    ranks.append(data)
+        if len(ranks) < WORLD:
+            raise SystemExit(f"only {len(ranks)} of {WORLD} ranks wrote their results within 300 s")
         summary = summarize(ranks)
         print(json.dumps(summary, indent=2))
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -10,10 +10,7 @@ out=${1:?usage: run_gpu.sh OUT_DIR}
 shift
 steps=" ${*:-tests overhead spill checkpointing tuners sweeps} "
 mkdir -p "$out"
-root=$(cd "$(dirname "$0")/.." && pwd)
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$root" PYTHONUNBUFFERED=1
-# Inductor's cache beside the checkout: a second call on the same machine reuses the compiled kernels
-export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$root/.inductor_cache}
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(cd "$(dirname "$0")/.." && pwd)" PYTHONUNBUFFERED=1
 quiet='Warning|warn\(|LOCAL_RANK|available|Tip|AMP|Restor|weights_only'
 run() { echo "== $*"; "$@" 2>&1 | grep -vE "$quiet" | tail -"${TAIL:-6}"; }
 want() { [[ $steps == *" $1 "* ]]; }

@@ -65,13 +65,15 @@ class _TimeStepsThatRan(Callback):
         compiling = sum(t for t, compiled in zip(times, self.compiled, strict=False) if compiled)
         return [times[i] for i in self.timed() if i < len(times)], compiling
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._count = _compiler.compiles()
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._compiling |= _compiler.compiles() != self._count
+        count = _compiler.compiles()  # against the last batch's end: a compile between two batches counts too
+        self._compiling |= count != self._count
+        self._count = count
         self._batches += 1
         if self._batches % self.accumulate:
             return

@@ -11,19 +11,29 @@ import os
 import sys
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_memguard.strategies import CheckpointingDDPStrategy
 from lightning_memguard.testing import ImageClassifier
 
 
-def _fit(strategy, out: str, compiled: bool) -> tuple[ImageClassifier, Trainer]:
+class _Setting(Callback):
+    """Compile's activation_memory_budget in each training step, on this rank."""
+
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.steps.append(torch._functorch.config.activation_memory_budget)
+
+
+def _fit(strategy, out: str, compiled: bool, callbacks=()) -> tuple[ImageClassifier, Trainer]:
     model = ImageClassifier("resnet18", image_size=16, batch_size=4, steps_per_epoch=6, pool_size=16, seed=0)
     model.example_input_array = model.images[:4].clone()
     trainer = Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=out, callbacks=list(callbacks),
     )  # fmt: skip
     torch.manual_seed(0)
     torch._dynamo.reset()
@@ -40,7 +50,8 @@ def main() -> None:
     plain, _ = _fit(DDPStrategy(process_group_backend="gloo"), out, compiled)
     # compiled: a budget that compile's own setting alone does not meet, so runs and the setting travel together
     strategy = CheckpointingDDPStrategy(memory_budget=0.3 if compiled else 0.6, process_group_backend="gloo")
-    checked, trainer = _fit(strategy, out, compiled)
+    setting = _Setting()
+    checked, trainer = _fit(strategy, out, compiled, [setting])
     same = all(
         torch.equal(a, b) for a, b in zip(plain.state_dict().values(), checked.state_dict().values(), strict=False)
     )
@@ -52,6 +63,7 @@ def main() -> None:
         "step": trainer.global_step,
         "compiled_plan": strategy.checkpointing.plan.compiled if strategy.checkpointing.plan is not None else None,
         "compile_setting": strategy.checkpointing.compile_setting,
+        "step_settings": setting.steps,
     }
     with open(os.path.join(out, f"strategy{trainer.global_rank}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)

@@ -81,6 +81,8 @@ def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(tmp_path, mode):
     assert ranks[0]["runs"] and ranks[0]["runs"] == ranks[1]["runs"]
     assert ranks[0]["swapped"] == ranks[1]["swapped"]
     assert ranks[0]["compile_setting"] == ranks[1]["compile_setting"] == (0.5 if mode == "compiled" else None)
+    if mode == "compiled":  # and both ranks trained under it
+        assert ranks[0]["step_settings"] == ranks[1]["step_settings"] == [0.5, 0.5, 0.5]
     assert ranks[0]["compiled_plan"] is (mode == "compiled") and ranks[1]["compiled_plan"] is None  # rank 0 measured
     assert all(r["same_weights"] and r["step"] == 3 for r in ranks)
 

@@ -26,8 +26,8 @@ def _drive(monkeypatch, graphs_after_batch: list[int], minimum: int, steps: int,
     monkeypatch.setattr(_compiler, "compiles", lambda: count[0])
     timer = _TimeStepsThatRan(minimum=minimum, steps=steps, accumulate=accumulate)
     trainer = types.SimpleNamespace(should_stop=False)
+    timer.on_train_start(trainer, None)  # type: ignore[arg-type]
     for batch, graphs in enumerate(graphs_after_batch):
-        timer.on_train_batch_start(trainer, None, None, batch)  # type: ignore[arg-type]
         count[0] = graphs
         timer.on_train_batch_end(trainer, None, None, None, batch)  # type: ignore[arg-type]
         if trainer.should_stop:
@@ -49,6 +49,22 @@ def test_a_compile_in_any_micro_batch_marks_its_optimizer_step(monkeypatch):
     assert timer.timed() == [1, 3]
 
 
+def test_a_compile_between_two_batches_marks_the_next_step(monkeypatch):
+    """The graph count is compared with the last batch's end, so a compile outside any batch (a hook, validation)
+    marks the step whose time holds it."""
+    count = [0]
+    monkeypatch.setattr(_compiler, "compiles", lambda: count[0])
+    timer = _TimeStepsThatRan(minimum=0, steps=5, accumulate=1)
+    trainer = types.SimpleNamespace(should_stop=False)
+    timer.on_train_start(trainer, None)  # type: ignore[arg-type]
+    for batch in range(3):
+        if batch == 1:
+            count[0] = 1  # compiled between batch 0's end and batch 1's start
+        timer.on_train_batch_start(trainer, None, None, batch)  # type: ignore[arg-type]
+        timer.on_train_batch_end(trainer, None, None, None, batch)  # type: ignore[arg-type]
+    assert timer.compiled == [False, True, False]
+
+
 def test_a_run_that_keeps_compiling_is_cut_short(monkeypatch):
     timer = _drive(monkeypatch, list(range(1, 100)), minimum=3, steps=2, accumulate=1)  # a new graph every step
     assert len(timer.compiled) == 3 + 2 + MAX_COMPILE_STEPS and timer.timed() == []
@@ -56,7 +72,8 @@ def test_a_run_that_keeps_compiling_is_cut_short(monkeypatch):
 
 def test_compile_time_is_the_steps_that_compiled_and_the_rest_are_timed(monkeypatch):
     timer = _drive(monkeypatch, [1, 1, 1, 2, 2, 2, 2], minimum=1, steps=3, accumulate=1)  # steps 0 and 3 compile
-    timed, compiling = timer.split([9000.0, 40.0, 41.0, 3000.0, 40.0, 39.0])
+    assert len(timer.compiled) == 5  # stopped once 3 steps were timed
+    timed, compiling = timer.split([9000.0, 40.0, 41.0, 3000.0, 40.0])
     assert timed == [40.0, 41.0, 40.0] and compiling == 9000.0 + 3000.0
 
 

@@ -63,8 +63,8 @@ def format_epoch_table(records: Sequence[EpochRecord]) -> str:
 class SweepRow:
     """One batch size of a sweep: the write-up's table row, with what happened.
 
-    ``compiled`` is the ``torch.compile`` backend the row ran under (``None``: eager) and ``compile_s`` what its
-    warm-up took beyond as many steady steps (the compile), kept out of ``step_ms`` and ``samples_per_sec``.
+    ``compiled`` is the ``torch.compile`` backend the row ran under (``None``: eager) and ``compile_s`` the time of
+    its steps in which Dynamo compiled, kept out of ``step_ms`` and ``samples_per_sec``.
     """
 
     batch: int
