@@ -2,7 +2,8 @@
 
 Under ``torch.compile`` ResNet50 with every block checkpointed peaks 1.3-1.5 GB above the same model in eager mode
 (``benchmarks/results/compile.json``), although on the CPU the compiled graph saves the same tensors as eager
-checkpointing does. This script finds where the difference lives, on a CUDA machine (about 3 minutes):
+checkpointing does. This script finds where the difference lives, and whether leaving the stem alone or joining
+each stage into one checkpoint changes it, on a CUDA machine (4-5 minutes):
 
     python benchmarks/compile_peak.py --out OUT/compile_peak.json
 
@@ -38,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import environment, free_memory, write_json  # noqa: E402
 
-from lightning_memguard import checkpoint_resnet  # noqa: E402
+from lightning_memguard.checkpointing import apply_plan, checkpoint_resnet  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -89,14 +90,29 @@ def peak_breakdown(trace: list[dict[str, Any]], backward_from: int, top: int = 1
 
 
 def one_step(model: nn.Module, forward: Callable, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
-    """Three untimed steps (compiling), then one recorded forward and backward."""
-    for _ in range(3):
+    """Three untimed steps (compiling), ten timed forward and backward passes (CUDA events, median), then one
+    recorded forward and backward."""
+
+    def step() -> None:
         model.zero_grad(set_to_none=True)
         with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=CUDA):
             nn.functional.cross_entropy(forward(x), y).backward()
+
+    for _ in range(3):
+        step()
     model.zero_grad(set_to_none=True)
     if not CUDA:
         return {}
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    model.zero_grad(set_to_none=True)
+    img_s = round(x.shape[0] / sorted(times)[len(times) // 2] * 1e3, 1)
     free_memory()
     before = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
@@ -112,7 +128,26 @@ def one_step(model: nn.Module, forward: Callable, x: torch.Tensor, y: torch.Tens
         torch.cuda.memory._record_memory_history(enabled=None)
     result = peak_breakdown(trace, backward_from)
     result["allocated_before_bytes"] = before
+    result["img_s_forward_backward"] = img_s  # no optimizer step: for comparing the configurations only
     return result
+
+
+STAGES = ("layer1", "layer2", "layer3", "layer4")
+
+
+def _blocks(model: nn.Module, stage: str) -> list[str]:
+    return [f"{stage}.{i}" for i in range(len(getattr(model, stage)))]
+
+
+CONFIGURATIONS: list[tuple[str, bool, Callable[[nn.Module], Any]]] = [
+    ("eager_every_block", False, checkpoint_resnet),  # every block and the stem, each its own checkpoint
+    ("compiled_every_block", True, checkpoint_resnet),
+    # the budgets' plans under compile left the stem out: each residual block its own checkpoint
+    ("compiled_every_block_but_the_stem", True, lambda m: apply_plan(m, [[b] for s in STAGES for b in _blocks(m, s)])),
+    # each stage's blocks as one checkpoint: fewer block outputs kept, more brought back at once
+    ("compiled_one_run_per_stage", True, lambda m: apply_plan(m, [_blocks(m, s) for s in STAGES])),
+    ("compiled", True, lambda m: None),
+]
 
 
 def main() -> None:
@@ -127,12 +162,11 @@ def main() -> None:
     x = torch.randn(batch, 3, image, image, device=DEVICE, generator=gen).to(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (batch,), device=DEVICE, generator=gen)
     rows: dict[str, Any] = {}
-    for name, compiled in (("eager_every_block", False), ("compiled_every_block", True), ("compiled", True)):
+    for name, compiled, checkpoint in CONFIGURATIONS:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = getattr(torchvision.models, arch)(num_classes=1000).to(DEVICE).to(memory_format=torch.channels_last)
-        if name.endswith("every_block"):
-            checkpoint_resnet(model)
+        checkpoint(model)
         forward = torch.compile(model, backend=backend) if compiled else model
         rows[name] = one_step(model, forward, x, y)
         print(name, {k: v for k, v in rows[name].items() if k != "alive_at_peak_by_line"}, flush=True)
