@@ -106,3 +106,20 @@ def trainer_kwargs(tmp_path, **overrides):
     )
     kwargs.update(overrides)
     return kwargs
+
+
+def fused_calls(monkeypatch) -> list[bool]:
+    """Record each call of the rebuild's fused-kernel entry (``checkpointing._fused.fused``): True where the Triton
+    kernel ran, False where it declined and PyTorch's kernels did the work."""
+    from lightning_memguard.checkpointing import _fused
+
+    ran: list[bool] = []
+    fused = _fused.fused
+
+    def counted(*args, **kwargs):
+        out = fused(*args, **kwargs)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_fused, "fused", counted)
+    return ran

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torchvision
-from conftest import trainer_kwargs
+from conftest import fused_calls, trainer_kwargs
 from lightning.pytorch import Trainer
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
@@ -508,15 +508,7 @@ def test_the_one_pass_rebuild_kernel_trains_like_the_plain_model(monkeypatch):
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     _fused._kernel.cache_clear()  # built again, for the interpreter
-    ran = []
-
-    def counted(*args, **kwargs):
-        out = fused(*args, **kwargs)
-        ran.append(out is not None)
-        return out
-
-    fused = _fused.fused
-    monkeypatch.setattr(_fused, "fused", counted)
+    ran = fused_calls(monkeypatch)
     try:
         torch.manual_seed(1)
         plain = torchvision.models.resnet18(num_classes=10)

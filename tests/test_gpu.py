@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import trainer_kwargs
+from conftest import fused_calls, trainer_kwargs
 from lightning.pytorch import Callback, Trainer
 
 from lightning_memguard import MemGuard, SysmemSpillError
@@ -207,17 +207,7 @@ def test_rebuilt_batchnorm_relu_under_bf16_and_channels_last(monkeypatch):
     plain = torchvision.models.resnet50(num_classes=10).cuda().to(memory_format=torch.channels_last)
     ours = copy.deepcopy(plain)
     rebuild_bn_relu(ours)
-    from lightning_memguard.checkpointing import _fused
-
-    ran = []
-    fused = _fused.fused
-
-    def counted(*args, **kwargs):
-        out = fused(*args, **kwargs)
-        ran.append(out is not None)
-        return out
-
-    monkeypatch.setattr(_fused, "fused", counted)
+    ran = fused_calls(monkeypatch)
     x = torch.randn(64, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (64,), device="cuda")
     peaks, grads = {}, {}
@@ -376,21 +366,13 @@ def test_rebuilt_units_under_bf16_and_channels_last(monkeypatch):
 
     import torchvision
 
-    from lightning_memguard.checkpointing import _fused, rebuild_bn_relu
+    from lightning_memguard.checkpointing import rebuild_bn_relu
 
     torch.manual_seed(0)
     plain = torchvision.models.mobilenet_v2(num_classes=10).cuda().to(memory_format=torch.channels_last)
     ours = copy.deepcopy(plain)
     assert rebuild_bn_relu(ours) == 35
-    ran = []
-    fused = _fused.fused
-
-    def counted(*args, **kwargs):
-        out = fused(*args, **kwargs)
-        ran.append(out is not None)
-        return out
-
-    monkeypatch.setattr(_fused, "fused", counted)
+    ran = fused_calls(monkeypatch)
     x = torch.randn(64, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (64,), device="cuda")
     peaks, grads = {}, {}

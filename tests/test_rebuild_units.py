@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import torchvision
+from conftest import fused_calls
 from torch import nn
 from torchvision.models.mobilenetv2 import InvertedResidual
 from torchvision.ops.misc import Conv2dNormActivation, SqueezeExcitation
@@ -278,15 +279,7 @@ def test_the_one_pass_kernel_rebuilds_the_batchnorm_outputs_of_units(monkeypatch
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     _fused._kernel.cache_clear()  # built again, for the interpreter
-    ran = []
-    fused = _fused.fused
-
-    def counted(*args, **kwargs):
-        out = fused(*args, **kwargs)
-        ran.append(out is not None)
-        return out
-
-    monkeypatch.setattr(_fused, "fused", counted)
+    ran = fused_calls(monkeypatch)
     try:
         plain, ours = _tiny(), _tiny()
         rebuild_bn_relu(ours)
