@@ -1,7 +1,8 @@
 """Two CPU processes (gloo): plain DDP, then CheckpointingDDPStrategy with a budget, from the same seed. Each rank
 writes the plan it applied and its weights' checksum. Run by test_strategies.py.
 
-Usage: python ddp_strategy_run.py OUT_DIR [compiled]   (compiled: both fits on an aot_eager torch.compile)
+Usage: python ddp_strategy_run.py OUT_DIR [compiled|planning_fails]
+compiled: both fits on an aot_eager torch.compile. planning_fails: rank zero runs out of memory while it plans.
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ def _fit(strategy, out: str, compiled: bool, callbacks=()) -> tuple[ImageClassif
 
 def main() -> None:
     out, compiled = sys.argv[1], sys.argv[2:] == ["compiled"]
+    if sys.argv[2:] == ["planning_fails"]:  # rank zero measures; the other ranks wait for its plan
+        from lightning_memguard.checkpointing import policy
+
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected while rank zero plans)")
+
+        policy.checkpoint_blocks = out_of_memory  # type: ignore[assignment]
+        _fit(CheckpointingDDPStrategy(memory_budget=0.6, process_group_backend="gloo"), out, False)
+        return
     if compiled:  # this CPU's timing decides nothing: rank zero takes the candidate of compile's setting 0.5
         from lightning_memguard.checkpointing import plan
 

@@ -87,6 +87,21 @@ def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(tmp_path, mode):
     assert all(r["same_weights"] and r["step"] == 3 for r in ranks)
 
 
+@pytest.mark.slow
+def test_ddp_rank_zero_failing_while_it_plans_ends_every_rank(tmp_path):
+    """The other ranks wait in the broadcast for rank zero's plan: its error must end the run, not leave them there."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["PYTHONWARNINGS"] = "ignore"
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(SCRIPT)), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, SCRIPT, str(tmp_path), "planning_fails"],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+    )  # fmt: skip  # a hang would wait for gloo's 30-minute timeout: past this limit
+    assert done.returncode != 0
+    assert "injected while rank zero plans" in done.stderr
+    assert not list(tmp_path.glob("strategy*.json"))
+
+
 def test_a_lightning_cli_config_builds_the_strategy(tmp_path):
     pytest.importorskip("jsonargparse")
     from lightning.pytorch.cli import LightningCLI
