@@ -230,6 +230,32 @@ def test_callback_checkpoints_before_training_and_resumes_the_same_blocks(tmp_pa
     assert sorted(n for n, m in model2.named_modules() if is_checkpointed(m)) == checkpointed
 
 
+@pytest.mark.parametrize("run", ["second fit", "fast_dev_run", "loader passed to fit"])
+def test_callback_with_a_budget_in_the_runs_users_make(tmp_path, run):
+    """The same callback in a second fit re-applies its runs to the fresh model without measuring; under
+    fast_dev_run and with a loader passed to fit the plan is measured on the example input as ever."""
+    cb = ActivationCheckpointing(memory_budget=0.6)
+    model = ExampleClassifier(image_size=32, batch_size=4, steps_per_epoch=3)
+    kwargs = {"fast_dev_run": True} if run == "fast_dev_run" else {"max_epochs": 1}
+    trainer = Trainer(**trainer_kwargs(tmp_path, callbacks=[cb], **kwargs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if run == "loader passed to fit":
+            trainer.fit(model, train_dataloaders=model.train_dataloader())
+        else:
+            trainer.fit(model)
+    assert cb.plan is not None and cb.plan.held and cb.runs and trainer.global_step >= 1
+    checkpointed = sorted(n for n, m in model.named_modules() if is_checkpointed(m))
+    assert checkpointed
+    if run != "second fit":
+        return
+    first_plan = cb.plan
+    second = ExampleClassifier(image_size=32, batch_size=4, steps_per_epoch=3)
+    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[cb])).fit(second)
+    assert cb.plan is first_plan  # not planned again
+    assert sorted(n for n, m in second.named_modules() if is_checkpointed(m)) == checkpointed
+
+
 def test_callback_without_budget_checkpoints_every_block(tmp_path):
     cb = ActivationCheckpointing()
     model = ImageClassifier(image_size=32, batch_size=4, steps_per_epoch=2)
