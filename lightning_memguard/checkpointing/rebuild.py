@@ -496,10 +496,11 @@ class RebuiltConvNormActivation(RebuildMixin):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         active, outer = _may_rebuild(self)
-        parts = unit_parts(self) if active else None
-        if parts is None:
+        if not active:
             return super().forward(x)  # type: ignore[no-any-return]
-        conv, bn, act = parts
+        # the layers unit_parts checked when the mixin was given (unit_swaps): conv, BatchNorm, the activation if any
+        layers: list[Any] = list(self._modules.values())
+        conv, bn, act = layers[0], layers[1], layers[2] if len(layers) == 3 else None
         config = self.__dict__["memguard_rebuild"]
         with _saving_recipes(outer):
             source = conv(x)  # what BatchNorm keeps for its backward
