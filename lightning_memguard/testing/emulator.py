@@ -218,9 +218,10 @@ class SysmemSpillEmulator(Callback):
         step = self._step
         if step is None:
             return tensor
-        compiled = _compiler.saved_by_compiled_graph()
-        step.saw_compiled |= compiled
         root = tensor._base if tensor._base is not None else tensor
+        # a compiled graph saves leaves only (its activations, parameters, inputs): the frame walk is for those
+        compiled = root.is_leaf and _compiler.saved_by_compiled_graph()
+        step.saw_compiled |= compiled
         # Parameters, inputs and views of them exist before the step: counted in the base; so do the leaves that
         # eager ops save. A compiled graph's own activations are leaves that do not require grad (see _compiler).
         produced_by_graph = compiled and root.is_leaf and not root.requires_grad
