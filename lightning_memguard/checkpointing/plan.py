@@ -9,7 +9,7 @@ import contextlib
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -467,6 +467,57 @@ def _check_compile(compile: Any, settings: Any) -> dict[str, Any] | None:
     return dict(compile) if isinstance(compile, Mapping) else None
 
 
+def _budget_bytes(baseline: int, memory_budget: float | int) -> int:
+    """A fraction of the baseline peak, or bytes as they are."""
+    return int(baseline * memory_budget) if isinstance(memory_budget, float) else memory_budget
+
+
+@contextlib.contextmanager
+def _warnings_once() -> Iterator[None]:
+    """Each application of a plan repeats the same warnings: pass each on once, after the block."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for category, message in dict.fromkeys((w.category, str(w.message)) for w in caught):
+        warnings.warn(message, category, stacklevel=5)  # past this, contextlib and the planner: the caller's
+
+
+def _search(
+    search: BudgetSearch,
+    measure: Callable[[], int],
+    model: nn.Module,
+    links: list[Link],
+    joinable: list[bool],
+    profiles: list[BlockProfile],
+    start: int,
+    applied: surgery.Applied,
+    cuda: bool,
+    *,
+    rebuilt: Sequence[Link] = (),
+    bn_correct: bool,
+    config: RebuildConfig = DEFAULT_CONFIG,
+) -> tuple[set[int], int, surgery.Applied]:
+    """Hand each of ``search``'s proposals, cut into runs, to surgery and tell the search the peak ``measure`` reads;
+    return its result and what is applied (the last proposal, the result's own set)."""
+    while (indices := search.propose()) is not None:
+        runs = [[links[i] for i in run] for run in best_runs(indices, profiles, start, joinable, cuda)]
+        applied = surgery.apply(model, runs, rebuilt, bn_correct=bn_correct, config=config, replacing=applied)
+        search.observe(measure())
+    chosen, peak = search.result  # type: ignore[misc]
+    return chosen, peak, applied
+
+
+def _finished(plan: CheckpointPlan) -> CheckpointPlan:
+    if not plan.held:
+        warnings.warn(f"memory budget not met; the lowest peak found: {plan.summary()}", UserWarning, stacklevel=4)
+    return plan
+
+
+def _in_model_order(names: Sequence[str], links: list[Link]) -> list[str]:
+    order = {link.name: i for i, link in enumerate(links)}
+    return sorted(names, key=order.__getitem__)
+
+
 def _plan_compiled(
     measured: nn.Module,
     model: nn.Module,
@@ -485,36 +536,27 @@ def _plan_compiled(
     with _compiler.eager():  # each link's own bytes and time, to rank them: in eager mode, hooks and all
         profiles = _StepMeter(model, example_input, loss_fn).profile(links)
     values = [value(p) for p in profiles]
+    savings = [p.saving for p in profiles]
     budget = None
     baseline = 0
     candidates: list[dict[str, Any]] = []
     applied = surgery.Applied()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with _warnings_once():
         for setting in (None, *dict.fromkeys(settings)):  # compile's default first: the budget's baseline
             with _compiler.activation_memory_budget(setting):
                 meter = _StepMeter(measured, example_input, loss_fn, _compiler.fresh_compiled(measured, options))
                 applied = surgery.apply(model, [], replacing=applied)
                 peak = meter.peak()
                 if budget is None:
-                    baseline = peak
-                    budget = int(peak * memory_budget) if isinstance(memory_budget, float) else memory_budget
-                chosen: set[int] = set()
+                    baseline, budget = peak, _budget_bytes(peak, memory_budget)
                 if peak > budget:
-                    start = peak
-
-                    def cut(indices: set[int], start: int = start, cuda: bool = meter.cuda) -> list[list[int]]:
-                        return best_runs(indices, profiles, start, joinable, cuda)
-
-                    first, _, _ = choose_blocks(profiles, start, budget, joinable, meter.cuda)
+                    first, _, _ = choose_blocks(profiles, peak, budget, joinable, meter.cuda)
                     # each measurement compiles: no giving back, and links added as many at a time as the gap needs
-                    savings = [p.saving for p in profiles]
                     search = BudgetSearch(first, values, budget, give_back=False, savings=savings)
-                    while (indices := search.propose()) is not None:
-                        runs = [[links[i] for i in run] for run in cut(indices)]
-                        applied = surgery.apply(model, runs, bn_correct=bn_correct, replacing=applied)
-                        search.observe(meter.peak())
-                    chosen, peak = search.result  # type: ignore[misc]
+                    _, peak, applied = _search(
+                        search, meter.peak, model, links, joinable, profiles, peak, applied, meter.cuda,
+                        bn_correct=bn_correct,
+                    )  # fmt: skip
                 candidates.append(
                     {
                         "activation_memory_budget": setting,
@@ -524,27 +566,22 @@ def _plan_compiled(
                     }
                 )
     pick = candidates[fastest_within([(c["peak_bytes"], c["step_ms"]) for c in candidates], budget)]  # type: ignore[arg-type]
-    index = {link.name: link for link in links}
-    runs = [[index[name] for name in run] for run in pick["runs"]]
+    runs = _runs_named(links, joinable, pick["runs"])
     applied = surgery.apply(model, runs, bn_correct=bn_correct, replacing=applied)
-    for message in dict.fromkeys((w.category, str(w.message)) for w in caught):
-        warnings.warn(message[1], message[0], stacklevel=3)
-    order = {link.name: i for i, link in enumerate(links)}
-    plan = CheckpointPlan(
-        blocks=sorted(applied.checkpointed, key=order.__getitem__),
-        candidates=len(links),
-        runs=applied.runs,
-        baseline_bytes=baseline,
-        budget_bytes=budget,
-        measured_bytes=pick["peak_bytes"],
-        profiles=profiles,
-        compiled=True,
-        activation_memory_budget=pick["activation_memory_budget"],
-        compile_candidates=candidates,
+    return _finished(
+        CheckpointPlan(
+            blocks=_in_model_order(applied.checkpointed, links),
+            candidates=len(links),
+            runs=applied.runs,
+            baseline_bytes=baseline,
+            budget_bytes=budget,
+            measured_bytes=pick["peak_bytes"],
+            profiles=profiles,
+            compiled=True,
+            activation_memory_budget=pick["activation_memory_budget"],
+            compile_candidates=candidates,
+        )
     )
-    if not plan.held:
-        warnings.warn(f"memory budget not met; the lowest peak found: {plan.summary()}", UserWarning, stacklevel=3)
-    return plan
 
 
 def _plan(
@@ -559,10 +596,9 @@ def _plan(
     config: RebuildConfig,
 ) -> CheckpointPlan:
     """Measure, choose links under the budget, and leave the model as the plan says (see :func:`checkpoint_blocks`)."""
-    names = [link.name for link in links]
     meter = _StepMeter(model, example_input, loss_fn or _default_loss)
     baseline = meter.peak()
-    budget = int(baseline * memory_budget) if isinstance(memory_budget, float) else memory_budget
+    budget = _budget_bytes(baseline, memory_budget)
     profiles = meter.profile(links)
     start = baseline  # the peak the blocks are chosen against: after the rebuild, where there is one
     rebuilt = links if rebuild_bn_relu else []  # the rebuild goes wherever a link is left unchecked
@@ -573,35 +609,26 @@ def _plan(
         profiles = _rebuilt_profiles(meter.profile(links), plain)
         start -= sum(q.saved_bytes for q in plain) - sum(p.saved_bytes for p in profiles)  # what the rebuild frees
     chosen, _, _ = choose_blocks(profiles, start, budget, joinable, meter.cuda)
-
-    def cut(indices: set[int]) -> list[list[int]]:
-        return best_runs(indices, profiles, start, joinable, meter.cuda)
-
     search = BudgetSearch(chosen, [value(p) for p in profiles], budget)  # the pure core decides, this measures
-    with warnings.catch_warnings(record=True) as caught:  # each apply repeats the same warnings: pass them on once
-        warnings.simplefilter("always")
-        while (indices := search.propose()) is not None:
-            runs = [[links[i] for i in run] for run in cut(indices)]
-            applied = surgery.apply(model, runs, rebuilt, bn_correct=bn_correct, config=config, replacing=applied)
-            search.observe(meter.peak())
-    chosen, measured = search.result  # type: ignore[misc]
-    for message in dict.fromkeys((w.category, str(w.message)) for w in caught):
-        warnings.warn(message[1], message[0], stacklevel=3)
-    order = {name: i for i, name in enumerate(names)}
-    plan = CheckpointPlan(
-        blocks=sorted(applied.checkpointed, key=order.__getitem__),  # what was really changed, in model order
-        candidates=len(links),
-        runs=applied.runs,
-        rebuilt=applied.rebuilt,
-        baseline_bytes=baseline,
-        budget_bytes=budget,
-        predicted_bytes=predict_peak(start, profiles, cut(chosen), meter.cuda),
-        measured_bytes=measured,
-        profiles=profiles,
+    with _warnings_once():
+        chosen, measured, applied = _search(
+            search, meter.peak, model, links, joinable, profiles, start, applied, meter.cuda,
+            rebuilt=rebuilt, bn_correct=bn_correct, config=config,
+        )  # fmt: skip
+    final_runs = best_runs(chosen, profiles, start, joinable, meter.cuda)
+    return _finished(
+        CheckpointPlan(
+            blocks=_in_model_order(applied.checkpointed, links),  # what was really changed, in model order
+            candidates=len(links),
+            runs=applied.runs,
+            rebuilt=applied.rebuilt,
+            baseline_bytes=baseline,
+            budget_bytes=budget,
+            predicted_bytes=predict_peak(start, profiles, final_runs, meter.cuda),
+            measured_bytes=measured,
+            profiles=profiles,
+        )
     )
-    if not plan.held:
-        warnings.warn(f"memory budget not met; the lowest peak found: {plan.summary()}", UserWarning, stacklevel=3)
-    return plan
 
 
 def _check_config(config: Any) -> RebuildConfig:
