@@ -122,7 +122,7 @@ class CheckpointingPolicy:
                 )
             runs = self.plan.runs
             setting = self.plan.activation_memory_budget
-        runs, setting = broadcast((runs, setting if is_rank_zero else None))
+        runs, setting = broadcast((runs, setting))  # both None off rank zero
         if not is_rank_zero:
             apply_plan(model, runs, self.units, self.bn_correct, self.rebuild_bn_relu, self.rebuild_config)
         self.runs, self.compile_setting = runs, setting

@@ -13,6 +13,21 @@ from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.checkpointing.rebuild import RebuildConfig
 
 
+class _ChecksBeforeWrapping:
+    """What both strategies add to theirs: checkpointing in ``_setup_model``, before the model is wrapped, and
+    compile's setting released at ``teardown``. Listed first among the bases, so ``super()`` is the strategy."""
+
+    checkpointing: CheckpointingPolicy
+
+    def _setup_model(self, model: nn.Module) -> Any:
+        _checkpoint_before_wrapping(self, self.checkpointing)  # type: ignore[arg-type]
+        return super()._setup_model(model)  # type: ignore[misc]
+
+    def teardown(self) -> None:
+        self.checkpointing.release_compile_setting()
+        super().teardown()  # type: ignore[misc]
+
+
 def _checkpoint_before_wrapping(strategy: Strategy, policy: CheckpointingPolicy) -> None:
     """Checkpoint the LightningModule in place, on its device, before the strategy wraps it."""
     module = strategy.lightning_module
@@ -37,7 +52,7 @@ def _checkpoint_before_wrapping(strategy: Strategy, policy: CheckpointingPolicy)
     policy.hold_compile_setting()  # a plan made under torch.compile may rely on compile's own setting
 
 
-class CheckpointingDDPStrategy(DDPStrategy):
+class CheckpointingDDPStrategy(_ChecksBeforeWrapping, DDPStrategy):
     """``DDPStrategy`` that checkpoints the model's blocks before wrapping it in ``DistributedDataParallel``.
 
     Args:
@@ -77,16 +92,8 @@ class CheckpointingDDPStrategy(DDPStrategy):
         )
         super().__init__(*args, **kwargs)
 
-    def _setup_model(self, model: nn.Module) -> Any:
-        _checkpoint_before_wrapping(self, self.checkpointing)
-        return super()._setup_model(model)
 
-    def teardown(self) -> None:
-        self.checkpointing.release_compile_setting()
-        super().teardown()
-
-
-class CheckpointingSingleDeviceStrategy(SingleDeviceStrategy):
+class CheckpointingSingleDeviceStrategy(_ChecksBeforeWrapping, SingleDeviceStrategy):
     """``SingleDeviceStrategy`` that checkpoints the model's blocks once the model is on its device.
 
     Args:
@@ -117,11 +124,3 @@ class CheckpointingSingleDeviceStrategy(SingleDeviceStrategy):
             activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config
         )
         super().__init__(device, **kwargs)
-
-    def _setup_model(self, model: nn.Module) -> nn.Module:
-        _checkpoint_before_wrapping(self, self.checkpointing)
-        return super()._setup_model(model)
-
-    def teardown(self) -> None:
-        self.checkpointing.release_compile_setting()
-        super().teardown()
