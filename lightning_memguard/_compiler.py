@@ -2,7 +2,7 @@
 
 - :func:`compiles`: how many graphs Dynamo has compiled in this process, read from its counters, so a step that
   compiled (the first at a new size, the last short batch, the first after a switch to eval) is told apart from a
-  step that only ran.
+  step that only ran; :class:`CompileWatch` says whether that count moved since its last look.
 - :func:`static_graph_per_size`: Dynamo's configuration patched for a block of trials, so each new batch size gets
   a graph specialised to it, as training at that size alone would, instead of the dynamic-shape graph Dynamo makes
   after a second size (``automatic_dynamic_shapes``), and so no trial silently falls back to eager because the
@@ -80,6 +80,18 @@ def compiles() -> int:
     if utils is None:  # nothing imported Dynamo: nothing compiled
         return 0
     return int(utils.counters["stats"]["unique_graphs"])
+
+
+class CompileWatch:
+    """Whether Dynamo compiled since the last look: :meth:`moved` reads :func:`compiles` and remembers it."""
+
+    def __init__(self) -> None:
+        self._count = compiles()
+
+    def moved(self) -> bool:
+        count = compiles()
+        moved, self._count = count != self._count, count
+        return moved
 
 
 def is_compiled(module: nn.Module) -> bool:

@@ -47,7 +47,7 @@ class _TimeStepsThatRan(Callback):
     def __init__(self, minimum: int, steps: int, accumulate: int) -> None:
         self.minimum, self.steps, self.accumulate = minimum, steps, accumulate
         self.compiled: list[bool] = []  # per optimizer step: whether Dynamo compiled during it
-        self._count = 0
+        self._compiles = _compiler.CompileWatch()
         self._batches = 0
         self._compiling = False
 
@@ -66,14 +66,12 @@ class _TimeStepsThatRan(Callback):
         return [times[i] for i in self.timed() if i < len(times)], compiling
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._count = _compiler.compiles()
+        self._compiles = _compiler.CompileWatch()
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        count = _compiler.compiles()  # against the last batch's end: a compile between two batches counts too
-        self._compiling |= count != self._count
-        self._count = count
+        self._compiling |= self._compiles.moved()  # since the last batch's end: a compile between batches counts
         self._batches += 1
         if self._batches % self.accumulate:
             return

@@ -108,3 +108,12 @@ def test_eager_runs_compiled_code_eagerly():
     assert calls == []
     model(torch.randn(2, 4))
     assert calls == [1]
+
+
+def test_a_compile_watch_says_whether_dynamo_compiled_since_its_last_look():
+    torch._dynamo.reset()
+    watch = _compiler.CompileWatch()
+    assert not watch.moved()
+    torch.compile(lambda x: x * 2, backend="eager")(torch.ones(3))
+    assert watch.moved() and not watch.moved()  # once per compile
+    torch._dynamo.reset()

@@ -67,7 +67,7 @@ class _StepClock(Callback):
         self.probe, self.capacity, self.headroom, self.accumulate = probe, capacity, headroom, accumulate
         self.marks: list[tuple[float, int | None]] = []  # (time, samples) at each batch start; (time, None): epoch end
         self.compiled: list[bool] = []  # per batch: whether torch.compile compiled during it
-        self._compiles = _compiler.compiles()
+        self._compiles = _compiler.CompileWatch()
         self.extended = 0
         self.batches = 0
         self.cut = False
@@ -84,9 +84,7 @@ class _StepClock(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        compiles = _compiler.compiles()
-        self.compiled.append(compiles != self._compiles)
-        self._compiles = compiles
+        self.compiled.append(self._compiles.moved())
         self.batches += 1
         step_done = self.batches % self.accumulate == 0
         if step_done and any(self.compiled[-self.accumulate :]) and self.extended < self.max_compile_steps:

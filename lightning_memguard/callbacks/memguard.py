@@ -155,7 +155,7 @@ class MemGuard(Callback):
         self._prevent_others: int | None = None
         self._loader_paths: list[tuple[Any, ...]] | None = None  # where each loader's batch sits in a combined batch
         self._shared_spill: tuple[int, SpillReport] | None = None  # the spilling rank and its report, once shared
-        self._compiles = 0  # graphs torch.compile had compiled at the last batch start
+        self._compiles = _compiler.CompileWatch()  # since the last batch start
 
     @property
     def spill(self) -> SpillReport | None:
@@ -183,7 +183,7 @@ class MemGuard(Callback):
         )
         detector.load_state_dict(self._restored_detector)
         self._timeline = StepTimeline(detector=detector, read_every=self.read_every)
-        self._compiles = _compiler.compiles()
+        self._compiles = _compiler.CompileWatch()
         self._vote = StopVote(trainer.strategy.root_device, trainer.world_size)
         probe.read()  # the first reading sets up NVML (milliseconds): here, not inside a training step
         if self.preflight:
@@ -204,9 +204,8 @@ class MemGuard(Callback):
         timeline = self._timeline
         if timeline is None:
             return
-        compiles = _compiler.compiles()  # a step in which torch.compile compiled is compile time, not a slowdown
-        compiled, self._compiles = compiles != self._compiles, compiles
-        if timeline.batch_start(now, self._batch_size(batch), compiled):
+        # a step in which torch.compile compiled is compile time, not a slowdown
+        if timeline.batch_start(now, self._batch_size(batch), self._compiles.moved()):
             self._read_and_judge(trainer)
         vote = self._vote
         if vote is not None:

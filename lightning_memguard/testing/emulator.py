@@ -32,7 +32,7 @@ class _Step:
         self.spilled_kept = 0  # of those, a compiled graph's on CUDA: their round trip is real, they stay allocated
         self.seen: dict[tuple[int, int], bool] = {}  # storage -> spilled?
         self.saw_compiled = False  # a compiled graph saved tensors (its parameters at least)
-        self.graphs = _compiler.compiles()  # a change by the step's end: the step compiled
+        self.compiles = _compiler.CompileWatch()  # moved by the step's end: the step compiled
         self._existing = existing
         self._existing_keys: set[tuple[int, int]] | None = None
 
@@ -205,7 +205,7 @@ class SysmemSpillEmulator(Callback):
             return
         if step.device is None:
             self.peak = max(self.peak, step.base + step.resident + step.spilled)
-        elif _compiler.compiles() != step.graphs:
+        elif step.compiles.moved():
             # dynamo compiled during this step (the first step, a recompile for the last short batch): the real peak
             # holds the compiler's work, which training does not repeat, so this step counts what it saved
             self.peak = max(self.peak, step.base + step.resident + step.spilled + step.transient)
