@@ -3,7 +3,7 @@
 Under ``torch.compile`` ResNet50 with every block checkpointed peaks 1.3-1.5 GB above the same model in eager mode
 (``benchmarks/results/compile.json``), although on the CPU the compiled graph saves the same tensors as eager
 checkpointing does. This script finds where the difference lives, and whether leaving the stem alone or joining
-each stage into one checkpoint changes it, on a CUDA machine (4-5 minutes):
+each stage into one checkpoint changes it, on a CUDA machine (about 8 minutes):
 
     python benchmarks/compile_peak.py --out OUT/compile_peak.json
 
@@ -120,6 +120,7 @@ def one_step(model: nn.Module, forward: Callable, x: torch.Tensor, y: torch.Tens
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(forward(x), y)
         torch.cuda.synchronize()
+        saved = torch.cuda.memory_allocated() - before
         backward_from = len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
         loss.backward()
         torch.cuda.synchronize()
@@ -128,6 +129,7 @@ def one_step(model: nn.Module, forward: Callable, x: torch.Tensor, y: torch.Tens
         torch.cuda.memory._record_memory_history(enabled=None)
     result = peak_breakdown(trace, backward_from)
     result["allocated_before_bytes"] = before
+    result["saved_after_forward_bytes"] = saved  # what the forward left for the backward (and the loss)
     result["img_s_forward_backward"] = img_s  # no optimizer step: for comparing the configurations only
     return result
 
@@ -139,9 +141,27 @@ def _blocks(model: nn.Module, stage: str) -> list[str]:
     return [f"{stage}.{i}" for i in range(len(getattr(model, stage)))]
 
 
+def _break_before(modules: list[nn.Module]) -> None:
+    """A Dynamo graph break before each of ``modules``: the model compiles into several graphs, each with its own
+    backward, so the backward of one cannot hold another's recomputation."""
+    for module in modules:
+        module.register_forward_pre_hook(lambda _module, _args: torch._dynamo.graph_break())
+
+
+def _every_block_breaking(per: str) -> Callable[[nn.Module], Any]:
+    def checkpoint(model: nn.Module) -> None:
+        checkpoint_resnet(model)
+        stages = [getattr(model, s) for s in STAGES]
+        _break_before(stages if per == "stage" else [block for stage in stages for block in stage])
+
+    return checkpoint
+
+
 CONFIGURATIONS: list[tuple[str, bool, Callable[[nn.Module], Any]]] = [
     ("eager_every_block", False, checkpoint_resnet),  # every block and the stem, each its own checkpoint
     ("compiled_every_block", True, checkpoint_resnet),
+    ("compiled_every_block_graph_break_per_stage", True, _every_block_breaking("stage")),
+    ("compiled_every_block_graph_break_per_block", True, _every_block_breaking("block")),
     # the budgets' plans under compile left the stem out: each residual block its own checkpoint
     ("compiled_every_block_but_the_stem", True, lambda m: apply_plan(m, [[b] for s in STAGES for b in _blocks(m, s)])),
     # each stage's blocks as one checkpoint: fewer block outputs kept, more brought back at once
@@ -174,6 +194,7 @@ def main() -> None:
             print(f"    {line['bytes'] / 1e9:6.2f} GB  {line['where']}", flush=True)
         del model, forward
         free_memory()
+        write_json(args.out, {"environment": environment(), "arch": arch, "batch": batch, "rows": rows})
     write_json(args.out, {"environment": environment(), "arch": arch, "batch": batch, "rows": rows})
 
 

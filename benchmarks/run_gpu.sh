@@ -28,7 +28,7 @@ want zoo && TAIL=12 run timeout 300 python3 benchmarks/checkpointing_zoo.py ${ZO
 want compile_frontier && TAIL=14 run timeout 540 python3 benchmarks/compile.py --part frontier --out "$out/compile_frontier.json"
 want compile_tuner && TAIL=10 run timeout 540 python3 benchmarks/compile.py --part tuner --out "$out/compile_tuner.json"
 want compile_budgets && TAIL=8 run timeout 540 python3 benchmarks/compile.py --part budgets --budgets "${BUDGETS:-0.6,0.5,0.4,0.35}" --out "$out/compile_budgets.json"
-want compile_peak && TAIL=40 run timeout 500 python3 benchmarks/compile_peak.py --out "$out/compile_peak.json"
+want compile_peak && TAIL=80 run timeout 555 python3 benchmarks/compile_peak.py --out "$out/compile_peak.json"
 if want sweeps; then
 TAIL=9 run timeout 90 python3 -m lightning_memguard.cli sweep --model resnet50 --batch-sizes 32,64,128,256,512 \
     --precision bf16-mixed --channels-last --out "$out/sweep"
