@@ -23,9 +23,12 @@ the CPU (no allocator history there: it only runs the steps).
 from __future__ import annotations
 
 import argparse
+import json
 import linecache
 import os
+import subprocess
 import sys
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -89,7 +92,7 @@ def peak_breakdown(trace: list[dict[str, Any]], backward_from: int, top: int = 1
     }
 
 
-def one_step(model: nn.Module, forward: Callable, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+def one_step(model: nn.Module, forward: Callable, x: torch.Tensor, y: torch.Tensor, out: str) -> dict[str, Any]:
     """Three untimed steps (compiling), ten timed forward and backward passes (CUDA events, median), then one
     recorded forward and backward."""
 
@@ -102,6 +105,7 @@ def one_step(model: nn.Module, forward: Callable, x: torch.Tensor, y: torch.Tens
         step()
     model.zero_grad(set_to_none=True)
     if not CUDA:
+        write_json(out, {})
         return {}
     times = []
     for _ in range(10):
@@ -115,22 +119,36 @@ def one_step(model: nn.Module, forward: Callable, x: torch.Tensor, y: torch.Tens
     img_s = round(x.shape[0] / sorted(times)[len(times) // 2] * 1e3, 1)
     free_memory()
     before = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
+    torch.cuda.reset_peak_memory_stats()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        loss = nn.functional.cross_entropy(forward(x), y)
+    torch.cuda.synchronize()
+    result: dict[str, Any] = {
+        "allocated_before_bytes": before,
+        "saved_after_forward_bytes": torch.cuda.memory_allocated() - before,  # left for the backward (and the loss)
+        "forward_peak_bytes": torch.cuda.max_memory_allocated() - before,
+    }
+    loss.backward()
+    torch.cuda.synchronize()
+    result["step_peak_bytes"] = torch.cuda.max_memory_allocated() - before
+    result["img_s_forward_backward"] = img_s  # no optimizer step: for comparing the configurations only
+    del loss
+    model.zero_grad(set_to_none=True)
+    free_memory()
+    write_json(out, result)  # kept if the recorded step below fails
+    # the same step again with the allocator's history (alloc events with their Python stacks)
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
     try:
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(forward(x), y)
         torch.cuda.synchronize()
-        saved = torch.cuda.memory_allocated() - before
         backward_from = len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
         loss.backward()
         torch.cuda.synchronize()
         trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    result = peak_breakdown(trace, backward_from)
-    result["allocated_before_bytes"] = before
-    result["saved_after_forward_bytes"] = saved  # what the forward left for the backward (and the loss)
-    result["img_s_forward_backward"] = img_s  # no optimizer step: for comparing the configurations only
+    result.update(peak_breakdown(trace, backward_from))
     return result
 
 
@@ -170,32 +188,46 @@ CONFIGURATIONS: list[tuple[str, bool, Callable[[nn.Module], Any]]] = [
 ]
 
 
+def _run_one(name: str, smoke: bool, out: str) -> dict[str, Any]:
+    compiled, checkpoint = next((c, f) for n, c, f in CONFIGURATIONS if n == name)
+    arch, image, batch = ("resnet18", 32, 4) if smoke else ("resnet50", 224, 256)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(batch, 3, image, image, device=DEVICE, generator=gen).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device=DEVICE, generator=gen)
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, arch)(num_classes=1000).to(DEVICE).to(memory_format=torch.channels_last)
+    checkpoint(model)
+    forward = torch.compile(model, backend="aot_eager" if smoke else "inductor") if compiled else model
+    return one_step(model, forward, x, y, out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/compile_peak.json")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--only", help="one configuration, in this process (the default runs each in its own)")
     args = parser.parse_args()
     smoke = args.smoke or not CUDA
-    arch, image, batch = ("resnet18", 32, 4) if smoke else ("resnet50", 224, 256)
-    backend = "aot_eager" if smoke else "inductor"
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    x = torch.randn(batch, 3, image, image, device=DEVICE, generator=gen).to(memory_format=torch.channels_last)
-    y = torch.randint(0, 1000, (batch,), device=DEVICE, generator=gen)
+    if args.only:
+        write_json(args.out, _run_one(args.only, smoke, args.out))
+        return
+    # each configuration in a process of its own: a fresh allocator and Dynamo, and one failing costs only itself
     rows: dict[str, Any] = {}
-    for name, compiled, checkpoint in CONFIGURATIONS:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = getattr(torchvision.models, arch)(num_classes=1000).to(DEVICE).to(memory_format=torch.channels_last)
-        checkpoint(model)
-        forward = torch.compile(model, backend=backend) if compiled else model
-        rows[name] = one_step(model, forward, x, y)
+    for name, _, _ in CONFIGURATIONS:
+        with tempfile.TemporaryDirectory() as tmp:
+            row_file = os.path.join(tmp, "row.json")
+            command = [sys.executable, os.path.abspath(__file__), "--only", name, "--out", row_file]
+            done = subprocess.run(command + (["--smoke"] if smoke else []), capture_output=True, text=True)
+            rows[name] = {}
+            if os.path.exists(row_file):
+                with open(row_file, encoding="utf-8") as f:
+                    rows[name] = json.load(f)
+            if done.returncode != 0:
+                rows[name]["error"] = done.stderr.strip().splitlines()[-3:]
         print(name, {k: v for k, v in rows[name].items() if k != "alive_at_peak_by_line"}, flush=True)
         for line in rows[name].get("alive_at_peak_by_line", [])[:8]:
             print(f"    {line['bytes'] / 1e9:6.2f} GB  {line['where']}", flush=True)
-        del model, forward
-        free_memory()
-        write_json(args.out, {"environment": environment(), "arch": arch, "batch": batch, "rows": rows})
-    write_json(args.out, {"environment": environment(), "arch": arch, "batch": batch, "rows": rows})
+        write_json(args.out, {"environment": environment(), "batch": 4 if smoke else 256, "rows": rows})
 
 
 if __name__ == "__main__":
