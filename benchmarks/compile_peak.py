@@ -184,7 +184,6 @@ CONFIGURATIONS: list[tuple[str, bool, Callable[[nn.Module], Any]]] = [
     ("compiled_every_block_but_the_stem", True, lambda m: apply_plan(m, [[b] for s in STAGES for b in _blocks(m, s)])),
     # each stage's blocks as one checkpoint: fewer block outputs kept, more brought back at once
     ("compiled_one_run_per_stage", True, lambda m: apply_plan(m, [_blocks(m, s) for s in STAGES])),
-    ("compiled", True, lambda m: None),
 ]
 
 
