@@ -118,8 +118,13 @@ class ActivationCheckpointing(Callback):
         self.policy.release_compile_setting()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"runs": self.runs, "compile_setting": self.policy.compile_setting}
+        return {
+            "runs": self.runs,
+            "compile_setting": self.policy.compile_setting,
+            "split_graphs": self.policy.split_graphs,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.policy.runs = state_dict.get("runs", self.policy.runs)
         self.policy.compile_setting = state_dict.get("compile_setting", self.policy.compile_setting)
+        self.policy.split_graphs = state_dict.get("split_graphs", self.policy.split_graphs)

@@ -50,9 +50,12 @@ class CheckpointPlan:
         candidates: how many links the model has.
         rebuilt: the links (blocks, a ResNet's stem) that rebuild their BatchNorm + ReLU outputs in backward
             (``rebuild_bn_relu=True``).
+        graph_splits: the containers of checkpointed blocks (a ResNet's stages) that each begin a graph of their
+            own under ``torch.compile`` (see :class:`~.wrap.GraphSplit`); re-apply with ``apply_plan(...,
+            split_graphs=bool(plan.graph_splits))``.
         compiled: the budget was measured under ``torch.compile``; then ``activation_memory_budget`` is compile's
             own setting chosen with the blocks (None: compile's default; apply it with :meth:`compiling`), and
-            ``compile_candidates`` the combinations measured (setting, blocks, peak, step time).
+            ``compile_candidates`` the combinations measured (setting, blocks, graph splits, peak, step time).
     """
 
     blocks: list[str]
@@ -64,6 +67,7 @@ class CheckpointPlan:
     predicted_bytes: int | None = None
     measured_bytes: int | None = None
     profiles: list[BlockProfile] = field(default_factory=list)
+    graph_splits: list[str] = field(default_factory=list)
     compiled: bool = False
     activation_memory_budget: float | None = None
     compile_candidates: list[dict[str, Any]] = field(default_factory=list)
@@ -86,6 +90,8 @@ class CheckpointPlan:
         if self.compiled:
             setting = self.activation_memory_budget
             text += f", under torch.compile with activation_memory_budget {'default' if setting is None else setting}"
+            if self.graph_splits:
+                text += f" and a graph per container ({', '.join(self.graph_splits)})"
         if self.budget_bytes is not None:
             text += f"; budget {self.budget_bytes / 1e9:.3f} GB of baseline {self.baseline_bytes / 1e9:.3f} GB"  # type: ignore[operator]
             if self.predicted_bytes is not None:
@@ -441,8 +447,10 @@ def checkpoint_blocks(
         applied = surgery.apply(model, rebuilt=links, config=config)
         return CheckpointPlan(blocks=[], candidates=len(links), rebuilt=applied.rebuilt)
     if memory_budget is None:
-        applied = surgery.apply(model, [[link] for link in links], bn_correct=bn_correct)
-        return CheckpointPlan(blocks=applied.checkpointed, candidates=len(links), runs=applied.runs)
+        applied = surgery.apply(model, [[link] for link in links], bn_correct=bn_correct, split_graphs=True)
+        return CheckpointPlan(
+            blocks=applied.checkpointed, candidates=len(links), runs=applied.runs, graph_splits=applied.splits
+        )
     if example_input is None:
         raise ValueError("`memory_budget` needs `example_input`, a real batch to measure the blocks on")
     if any(is_checkpointed(m) for link in links for _, m in link.modules):
@@ -496,12 +504,15 @@ def _search(
     rebuilt: Sequence[Link] = (),
     bn_correct: bool,
     config: RebuildConfig = DEFAULT_CONFIG,
+    split_graphs: bool = False,
 ) -> tuple[set[int], int, surgery.Applied]:
     """Hand each of ``search``'s proposals, cut into runs, to surgery and tell the search the peak ``measure`` reads;
     return its result and what is applied (the last proposal, the result's own set)."""
     while (indices := search.propose()) is not None:
         runs = [[links[i] for i in run] for run in best_runs(indices, profiles, start, joinable, cuda)]
-        applied = surgery.apply(model, runs, rebuilt, bn_correct=bn_correct, config=config, replacing=applied)
+        applied = surgery.apply(
+            model, runs, rebuilt, bn_correct=bn_correct, config=config, replacing=applied, split_graphs=split_graphs
+        )
         search.observe(measure())
     chosen, peak = search.result  # type: ignore[misc]
     return chosen, peak, applied
@@ -518,6 +529,16 @@ def _in_model_order(names: Sequence[str], links: list[Link]) -> list[str]:
     return sorted(names, key=order.__getitem__)
 
 
+def _candidate(setting: float | None, applied: surgery.Applied, peak: int, meter: _StepMeter) -> dict[str, Any]:
+    return {
+        "activation_memory_budget": setting,
+        "runs": applied.runs,
+        "graph_splits": applied.splits,
+        "peak_bytes": peak,
+        "step_ms": round(meter.seconds() * 1e3, 3),
+    }
+
+
 def _plan_compiled(
     measured: nn.Module,
     model: nn.Module,
@@ -531,7 +552,8 @@ def _plan_compiled(
     settings: tuple[float, ...],
 ) -> CheckpointPlan:
     """The budget under compile: each of compile's settings alone, else with the fewest most valuable blocks that
-    fit, measured compiled; the fastest that fits is applied (see :func:`checkpoint_blocks`)."""
+    fit, measured compiled, the blocks' containers each a graph of its own; the fastest that fits is applied, in
+    one graph where that fits and is faster (see :func:`checkpoint_blocks`)."""
     loss_fn = loss_fn or _default_loss
     with _compiler.eager():  # each link's own bytes and time, to rank them: in eager mode, hooks and all
         profiles = _StepMeter(model, example_input, loss_fn).profile(links)
@@ -555,19 +577,22 @@ def _plan_compiled(
                     search = BudgetSearch(first, values, budget, give_back=False, savings=savings)
                     _, peak, applied = _search(
                         search, meter.peak, model, links, joinable, profiles, peak, applied, meter.cuda,
-                        bn_correct=bn_correct,
+                        bn_correct=bn_correct, split_graphs=True,
                     )  # fmt: skip
-                candidates.append(
-                    {
-                        "activation_memory_budget": setting,
-                        "runs": applied.runs,
-                        "peak_bytes": peak,
-                        "step_ms": round(meter.seconds() * 1e3, 3),
-                    }
-                )
-    pick = candidates[fastest_within([(c["peak_bytes"], c["step_ms"]) for c in candidates], budget)]  # type: ignore[arg-type]
+                candidates.append(_candidate(setting, applied, peak, meter))
+        pick = candidates[fastest_within([(c["peak_bytes"], c["step_ms"]) for c in candidates], budget)]  # type: ignore[arg-type]
+        if pick["graph_splits"]:  # the same blocks in one graph: chosen instead where it fits and is faster
+            runs = _runs_named(links, joinable, pick["runs"])
+            with _compiler.activation_memory_budget(pick["activation_memory_budget"]):
+                meter = _StepMeter(measured, example_input, loss_fn, _compiler.fresh_compiled(measured, options))
+                applied = surgery.apply(model, runs, bn_correct=bn_correct, replacing=applied)
+                candidates.append(_candidate(pick["activation_memory_budget"], applied, meter.peak(), meter))
+            pick = candidates[fastest_within([(c["peak_bytes"], c["step_ms"]) for c in candidates], budget)]  # type: ignore[arg-type]
     runs = _runs_named(links, joinable, pick["runs"])
-    applied = surgery.apply(model, runs, bn_correct=bn_correct, replacing=applied)
+    applied = surgery.apply(
+        model, runs, bn_correct=bn_correct, replacing=applied, split_graphs=bool(pick["graph_splits"])
+    )
+    _compiler.forget_graph_breaks()  # training compiles its split graphs anew, under its own settings
     return _finished(
         CheckpointPlan(
             blocks=_in_model_order(applied.checkpointed, links),
@@ -577,6 +602,7 @@ def _plan_compiled(
             budget_bytes=budget,
             measured_bytes=pick["peak_bytes"],
             profiles=profiles,
+            graph_splits=applied.splits,
             compiled=True,
             activation_memory_budget=pick["activation_memory_budget"],
             compile_candidates=candidates,
@@ -646,10 +672,12 @@ def apply_plan(
     bn_correct: bool = True,
     rebuild_bn_relu: bool = False,
     rebuild_config: RebuildConfig | None = None,
+    split_graphs: bool = False,
 ) -> list[str]:
     """Checkpoint the runs of a plan made before (``CheckpointPlan.runs``) on a fresh copy of its model, and with
     ``rebuild_bn_relu`` rebuild BatchNorm + ReLU outputs in the blocks left unchecked (made as ``rebuild_config``
-    says); return the links checkpointed.
+    says); with ``split_graphs`` (the plan has ``graph_splits``) the blocks' containers each begin a compiled graph of
+    their own; return the links checkpointed.
 
     Raises:
         ValueError: a block the model does not have, or a run of blocks that may not share one checkpoint.
@@ -658,7 +686,8 @@ def apply_plan(
     config = _check_config(rebuild_config)
     links, joinable = model_chain(model, find_units(model, units))
     named = _runs_named(links, joinable, runs)
-    applied = surgery.apply(model, named, links if rebuild_bn_relu else (), bn_correct=bn_correct, config=config)
+    rebuilt = links if rebuild_bn_relu else ()
+    applied = surgery.apply(model, named, rebuilt, bn_correct=bn_correct, config=config, split_graphs=split_graphs)
     return applied.checkpointed
 
 

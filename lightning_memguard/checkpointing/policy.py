@@ -69,6 +69,8 @@ class CheckpointingPolicy:
         self.runs: list[list[str]] | None = None  # the chosen runs of blocks: learned state
         # under torch.compile, compile's activation_memory_budget chosen with the runs (None: compile's default)
         self.compile_setting: float | None = None
+        # whether the runs' containers each begin a compiled graph of their own (CheckpointPlan.graph_splits)
+        self.split_graphs = False
         self._compiling = ExitStack()  # the setting, held for a fit (hold_compile_setting)
 
     def apply(
@@ -94,7 +96,7 @@ class CheckpointingPolicy:
             measuring: the context to measure in (the Trainer's precision).
         """
         if self.runs is not None:
-            apply_plan(model, self.runs, self.units, self.bn_correct, self.rebuild_bn_relu, self.rebuild_config)
+            self._apply_runs(model, self.runs, self.split_graphs)
             return
         if self.memory_budget is None:  # the same on every rank: nothing to agree on
             self.plan = checkpoint_blocks(
@@ -104,11 +106,11 @@ class CheckpointingPolicy:
                 rebuild_bn_relu=self.rebuild_bn_relu,
                 rebuild_config=self.rebuild_config,
             )
-            self.runs = self.plan.runs
+            self.runs, self.split_graphs = self.plan.runs, bool(self.plan.graph_splits)
             return
         if example_input is None:
             raise ValueError("a `memory_budget` is measured on a real batch: give the module an `example_input_array`")
-        runs, setting = None, None
+        runs, setting, split = None, None, False
         if is_rank_zero:
             with measuring():
                 self.plan = checkpoint_blocks(
@@ -122,10 +124,16 @@ class CheckpointingPolicy:
                 )
             runs = self.plan.runs
             setting = self.plan.activation_memory_budget
-        runs, setting = broadcast((runs, setting))  # both None off rank zero
+            split = bool(self.plan.graph_splits)
+        runs, setting, split = broadcast((runs, setting, split))  # rank zero's, on every rank
         if not is_rank_zero:
-            apply_plan(model, runs, self.units, self.bn_correct, self.rebuild_bn_relu, self.rebuild_config)
-        self.runs, self.compile_setting = runs, setting
+            self._apply_runs(model, runs, split)
+        self.runs, self.compile_setting, self.split_graphs = runs, setting, split
+
+    def _apply_runs(self, model: nn.Module, runs: list[list[str]], split_graphs: bool) -> None:
+        apply_plan(
+            model, runs, self.units, self.bn_correct, self.rebuild_bn_relu, self.rebuild_config, split_graphs
+        )  # fmt: skip
 
     def hold_compile_setting(self) -> None:
         """Set compile's ``activation_memory_budget`` to :attr:`compile_setting` (nothing if None) until

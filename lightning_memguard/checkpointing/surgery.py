@@ -35,6 +35,7 @@ from lightning_memguard.checkpointing.rebuild import (
 from lightning_memguard.checkpointing.wrap import (
     CheckpointedMember,
     CheckpointedUnit,
+    GraphSplit,
     Link,
     RunOutput,
     Swap,
@@ -61,6 +62,8 @@ ATTRIBUTES: dict[str, tuple[type[SwappedModule], ...]] = {
     "memguard_bn": (RebuiltStemReLU,),
     # on rebuilt blocks, stem ReLUs and Conv2dNormActivation units: the RebuildConfig their recipes follow
     "memguard_rebuild": (RebuiltBatchNormReLU, RebuiltStemReLU, RebuiltConvNormActivation),
+    # on a container of checkpointed blocks that begins a compiled graph of its own: its module name (a str)
+    "memguard_split": (GraphSplit,),
 }
 """Every attribute this library puts in a module's ``__dict__``, and the mixins that carry it: it is set only with
 one of them and goes when the module's last one does. Teaching the rebuild a new block type adds its lines here.
@@ -69,8 +72,8 @@ Mixins that carry none: :class:`.wrap.CheckpointedMember` outside a run, :class:
 unit's in-place activation runs out of place for one call (its own ``inplace`` flag, set back when the call ends),
 and which tensors have recipes is kept beside the model (``rebuild._RECIPES``, weakly, with each tensor's version)."""
 
-CHECKPOINT: tuple[type[SwappedModule], ...] = (CheckpointedUnit, CheckpointedMember)
-"""The checkpointing mixins."""
+CHECKPOINT: tuple[type[SwappedModule], ...] = (CheckpointedUnit, CheckpointedMember, GraphSplit)
+"""The checkpointing mixins (a graph split goes with them)."""
 REBUILD: tuple[type[SwappedModule], ...] = (RebuildMixin,)
 """The rebuild's mixins (each a subclass of this)."""
 
@@ -82,11 +85,13 @@ class Applied:
     Attributes:
         runs: the runs of links checkpointed, by link name (runs left alone are not here).
         rebuilt: the links in which something was rebuilt.
+        splits: the containers of checkpointed blocks that begin a compiled graph of their own (``split_graphs``).
         swaps: every (module, mixin) given, in order: what a later ``apply(replacing=...)`` undoes.
     """
 
     runs: list[list[str]] = field(default_factory=list)
     rebuilt: list[str] = field(default_factory=list)
+    splits: list[str] = field(default_factory=list)
     swaps: list[tuple[nn.Module, type[SwappedModule]]] = field(default_factory=list, repr=False)
 
     @property
@@ -107,11 +112,13 @@ def apply(
     bn_correct: bool = True,
     config: RebuildConfig = DEFAULT_CONFIG,
     replacing: Applied | None = None,
+    split_graphs: bool = False,
 ) -> Applied:
     """Change ``model`` in place: undo ``replacing`` (an earlier call's changes), checkpoint each run of links (one
     checkpoint per run), rebuild BatchNorm + ReLU outputs (and Conv2dNormActivation units' BatchNorm and activation
     outputs) in the links of ``rebuilt`` that are not checkpointed, and re-link outputs; return what was really
-    changed.
+    changed. With ``split_graphs``, where the checkpointed links lie in more than one container below the model (a
+    ResNet's stages), each such container begins a compiled graph of its own (:class:`.wrap.GraphSplit`).
 
     A run with a module already checkpointed, or wrapped by other code, is left alone, with one warning for each
     kind. If anything raises, the model is as it was before the call (classes and attributes) and the error passes.
@@ -122,6 +129,7 @@ def apply(
                 _take_off(module, (mixin,))
         swaps: list[tuple[nn.Module, type[SwappedModule]]] = []
         done = _checkpoint(runs, bn_correct, swaps)
+        splits = _split(model, runs, done, swaps) if split_graphs else []
         names = []
         for link in rebuilt:
             if link.stem:
@@ -134,7 +142,7 @@ def apply(
             if found:
                 names.append(link.name)
         link_outputs(model)
-        return Applied(runs=done, rebuilt=names, swaps=swaps)
+        return Applied(runs=done, rebuilt=names, splits=splits, swaps=swaps)
 
 
 def _checkpoint(
@@ -173,6 +181,30 @@ def _checkpoint(
             stacklevel=4,
         )
     return done
+
+
+def _split(
+    model: nn.Module,
+    runs: Sequence[Sequence[Link]],
+    done: list[list[str]],
+    swaps: list[tuple[nn.Module, type[SwappedModule]]],
+) -> list[str]:
+    """Make each container (below the model) of the checkpointed links begin a compiled graph of its own, where
+    there are at least two; return their names."""
+    checkpointed = {name for run in done for name in run}
+    containers = dict.fromkeys(
+        link.modules[0][0].rpartition(".")[0] for run in runs for link in run if link.name in checkpointed
+    )
+    containers.pop("", None)  # the model itself: the graph begins there anyway
+    # and one holding another (a wrapped ResNet, whose stem is its own): its graph begins with its first link's
+    containers = {c: None for c in containers if not any(other.startswith(c + ".") for other in containers)}
+    split = []
+    for name in containers if len(containers) > 1 else ():
+        module = model.get_submodule(name)
+        if not is_checkpointed(module) and not wrapped_by_someone_else(module):
+            _give(Swap(module, GraphSplit, {"memguard_split": name}), swaps)
+            split.append(name)
+    return split
 
 
 def _give(swap: Swap, swaps: list[tuple[nn.Module, type[SwappedModule]]]) -> None:

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_memguard import _compiler
+
 Units = str | set[type[nn.Module]] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
 
 
@@ -166,6 +168,22 @@ class CheckpointedMember(SwappedModule):
         if output is not None and output.holds(x) and not args and not kwargs:
             return x
         return super().forward(x, *args, **kwargs)
+
+
+class GraphSplit(SwappedModule):
+    """Mixin for a container of checkpointed blocks (a ResNet stage): under ``torch.compile`` it begins a compiled
+    graph of its own (a graph break before it, ``memguard_split`` names it), so its blocks' backward runs apart from
+    the rest of the model's. In one compiled backward of a whole ResNet, Inductor holds several blocks'
+    recomputation at once (ResNet50 with every block checkpointed, measured: 1.3 GB above eager mode's peak); split
+    by stage, the peak is eager mode's. Outside compile it changes nothing."""
+
+    memguard_prefix = "GraphSplit"
+    memguard_unit = False  # it checkpoints nothing itself
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if _compiling():
+            return _compiler.graph_break_before(self.__dict__["memguard_split"])(super().forward, *args, **kwargs)
+        return super().forward(*args, **kwargs)
 
 
 _SUBCLASSES: dict[tuple[type, type], type] = {}
