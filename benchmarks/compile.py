@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import environment, free_memory, make_trainer, median, sequential_forward, write_json  # noqa: E402
 
 from lightning_memguard import BatchSizeTuner, checkpoint_resnet  # noqa: E402
+from lightning_memguard.checkpointing import apply_plan, remove_checkpointing  # noqa: E402
 from lightning_memguard.testing import ImageClassifier, StepTimer  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -131,10 +132,20 @@ def train_steps(model: nn.Module, forward: Callable, cfg: Setup) -> dict[str, An
     }
 
 
-def frontier(cfg: Setup) -> dict[str, Any]:
+def _one_graph(model: nn.Module) -> None:
+    """Every block checkpointed, the whole model one compiled graph (no graph per stage)."""
+    plan = checkpoint_resnet(model)
+    remove_checkpointing(model)
+    apply_plan(model, plan.runs)
+
+
+def frontier(cfg: Setup, only: set[str] | None = None) -> dict[str, Any]:
+    """The table's rows (``only``: these and the eager and compiled baselines, which the ratios need)."""
     rows: list[dict[str, Any]] = []
 
     def row(name: str, compiled: bool, prepare: Callable[[nn.Module], Any] | None = None, **extra: Any) -> None:
+        if only is not None and name not in only | {"eager", "compile"}:
+            return
         torch._dynamo.reset()
         model = make_model(cfg)
         forward = prepare(model) if prepare is not None else None
@@ -159,7 +170,8 @@ def frontier(cfg: Setup) -> dict[str, Any]:
     row("compile", True)
     for budget in (0.8, 0.5, 0.4, 0.25):
         row(f"compile_activation_memory_budget_{budget}", True, activation_memory_budget=budget)
-    row("compile_every_block", True, lambda m: checkpoint_resnet(m) and None)
+    row("compile_every_block", True, lambda m: checkpoint_resnet(m) and None)  # a graph per stage
+    row("compile_every_block_one_graph", True, _one_graph)
     row("compile_rebuild_bn_relu", True, lambda m: checkpoint_resnet(m, rebuild_bn_relu=True) and None)
     eager = rows[0]
     for r in rows:
@@ -320,6 +332,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--part", choices=("frontier", "tuner", "budgets", "all"), default="all")
     parser.add_argument("--budgets", default="0.6,0.5,0.4,0.35", help="fractions for --part budgets")
+    parser.add_argument("--rows", default=None, help="--part frontier: only these settings (and the baselines)")
     parser.add_argument("--merge", nargs="+", default=None, help="JSON files of the parts to merge into --out")
     parser.add_argument("--out", default="benchmarks/results/compile.json")
     parser.add_argument("--smoke", action="store_true")
@@ -330,8 +343,12 @@ def main() -> None:
     cfg = Setup(args.smoke or not CUDA)
     data: dict[str, Any] = {"environment": environment(), "arch": cfg.arch, "backend": cfg.backend}
     if args.part in ("frontier", "all"):
-        data["frontier"] = frontier(cfg)
-        data["compile_frontier"] = data["frontier"].pop("compile_frontier")
+        if args.rows:  # some rows again, with their baselines: a table of their own beside the whole one
+            data["frontier_rerun"] = frontier(cfg, set(args.rows.split(",")))
+            data["frontier_rerun"].pop("compile_frontier")
+        else:
+            data["frontier"] = frontier(cfg)
+            data["compile_frontier"] = data["frontier"].pop("compile_frontier")
     if args.part in ("budgets", "all"):
         fractions = [float(b) for b in args.budgets.split(",")]
         data.update(budgets(cfg, fractions, lambda part: write_json(args.out, {**data, **part})))
