@@ -13,12 +13,13 @@
   needs and ``ctx.save_for_backward`` saves them through the saved-tensor hooks like any other saved tensor, but
   they have no autograd history (leaves that do not require grad, like the inputs and buffers eager ops save).
 - :func:`activation_memory_budget`: compile's own memory lever (``torch._functorch.config``), set for a block.
-- :func:`graph_break_before`: a Dynamo graph break, then a call, in a function of its own per name: a model split
-  into several compiled graphs, each with its own backward.
+- :func:`graph_apart` and :func:`not_traced`: a model split into several compiled graphs, each with its own
+  backward: a frame Dynamo does not trace calls a function of its own per part, which it compiles.
 - :func:`fresh_compiled`: a model compiled anew, so a measurement sees the settings of the moment;
   :func:`eager`: compiled code run eagerly; :func:`unwrapped`: the module a ``torch.compile`` result wraps.
 
-Nothing here imports ``torch._dynamo`` unless something has compiled already, or a model is compiled.
+Nothing here imports ``torch._dynamo`` unless something has compiled already, or a model is compiled, except
+:func:`not_traced` (``torch.compiler.disable``), used as a decorator; Lightning imports Dynamo anyway.
 """
 
 from __future__ import annotations
@@ -140,42 +141,45 @@ def activation_memory_budget(setting: float | None) -> Iterator[None]:
         yield
 
 
-def _break_then_call(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    torch._dynamo.graph_break()
+def _call(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return forward(*args, **kwargs)
 
 
-_BREAKS: dict[str, Callable[..., Any]] = {}  # this generation's functions, by name
-
-
-def forget_graph_breaks() -> None:
-    """New functions from now on for :func:`graph_break_before`, with empty Dynamo caches: the graphs after a
-    break compile again, under the settings of the moment (Dynamo's guards do not look at compile's settings)."""
-    _BREAKS.clear()
-    global _generation
-    _generation += 1
-
-
+_APART: dict[str, Callable[..., Any]] = {}  # this generation's functions, by name
 _generation = 0
 
 
-def graph_break_before(name: str) -> Callable[..., Any]:
-    """``f(forward, *args, **kwargs)``: a Dynamo graph break, then ``forward(*args, **kwargs)``, which Dynamo
-    compiles as a graph of its own (with its own backward).
+def forget_graphs_apart() -> None:
+    """New functions from now on for :func:`graph_apart`, with empty Dynamo caches: the graphs apart compile
+    again, under the settings of the moment (Dynamo's guards do not look at compile's settings)."""
+    global _generation
+    _APART.clear()
+    _generation += 1
+
+
+def graph_apart(name: str) -> Callable[..., Any]:
+    """``f(forward, *args, **kwargs)``, which calls ``forward(*args, **kwargs)``: called from a frame Dynamo does
+    not trace (:func:`not_traced`), ``f``'s frame compiles into a graph of its own, with its own backward.
 
     Each ``name`` gets a function of its own, named after it: Dynamo keeps what it learned about a function's input
     shapes by its file, line and name, so one function shared by modules of different shapes (a ResNet's stages)
     would make their graphs dynamic-shaped after the second; one function per name keeps each graph specialised to
     its own shapes, as one graph of the whole model is."""
-    function = _BREAKS.get(name)
+    function = _APART.get(name)
     if function is None:
         label = f"memguard_graph{_generation}_" + "".join(c if c.isalnum() else "_" for c in name)
-        code = _break_then_call.__code__.replace(co_name=label)
+        code = _call.__code__.replace(co_name=label)
         if hasattr(code, "co_qualname"):  # Python 3.11+
             code = code.replace(co_qualname=label)
-        function = types.FunctionType(code, _break_then_call.__globals__, label)
-        _BREAKS[name] = function
+        function = types.FunctionType(code, _call.__globals__, label)
+        _APART[name] = function
     return function
+
+
+def not_traced(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` run as Python by ``torch.compile`` (a graph break where compiled code calls it), while the
+    functions it calls are compiled (``torch.compiler.disable(recursive=False)``)."""
+    return torch.compiler.disable(function, recursive=False)  # type: ignore[no-any-return]
 
 
 def unwrapped(module: nn.Module) -> nn.Module:
@@ -211,7 +215,7 @@ def fresh_compiled(model: nn.Module, options: dict[str, Any] | None) -> Callable
     ``torch.compile`` result, or a LightningModule that ``fit`` unwrapped), or with the defaults.
     """
 
-    forget_graph_breaks()  # and the graphs after any graph break of ours compile anew too
+    forget_graphs_apart()  # and our graphs apart compile anew too
     step = types.FunctionType(_step.__code__.replace(), _step.__globals__, "memguard_step")
     if options is None:
         context = getattr(model, "dynamo_ctx", None)  # torch.compile(model)

@@ -592,7 +592,7 @@ def _plan_compiled(
     applied = surgery.apply(
         model, runs, bn_correct=bn_correct, replacing=applied, split_graphs=bool(pick["graph_splits"])
     )
-    _compiler.forget_graph_breaks()  # training compiles its split graphs anew, under its own settings
+    _compiler.forget_graphs_apart()  # training compiles its graphs apart anew, under its own settings
     return _finished(
         CheckpointPlan(
             blocks=_in_model_order(applied.checkpointed, links),
