@@ -12,30 +12,16 @@ from __future__ import annotations
 
 import pickle
 
-import pytest
 import torch
-import torchvision
 from conftest import trainer_kwargs
 from lightning.pytorch import Trainer
-from test_compile_checkpointing import Net
+from test_compile_checkpointing import Net, _fresh_dynamo, _resnet  # noqa: F401 - _fresh_dynamo: autouse
 
 from lightning_memguard import ActivationCheckpointing
 from lightning_memguard.checkpointing import apply_plan, checkpoint_resnet, remove_checkpointing
 from lightning_memguard.checkpointing.wrap import GraphSplit
 
 STAGES = ["layer1", "layer2", "layer3", "layer4"]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _resnet(seed=0):
-    torch.manual_seed(seed)
-    return torchvision.models.resnet18(num_classes=10)
 
 
 class _Graphs:
