@@ -19,7 +19,8 @@
   :func:`eager`: compiled code run eagerly; :func:`unwrapped`: the module a ``torch.compile`` result wraps.
 
 Nothing here imports ``torch._dynamo`` unless something has compiled already, or a model is compiled, except
-:func:`not_traced` (``torch.compiler.disable``), used as a decorator; Lightning imports Dynamo anyway.
+:func:`not_traced` (``torch.compiler.disable``), used as a decorator when the package is imported (the package
+imports Lightning, which imports Dynamo anyway).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def activation_memory_budget(setting: float | None) -> Iterator[None]:
         yield
 
 
-def _call(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _call(forward: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     return forward(*args, **kwargs)
 
 
@@ -150,11 +151,16 @@ _generation = 0
 
 
 def forget_graphs_apart() -> None:
-    """New functions from now on for :func:`graph_apart`, with empty Dynamo caches: the graphs apart compile
-    again, under the settings of the moment (Dynamo's guards do not look at compile's settings)."""
+    """Dynamo's caches emptied (``torch._dynamo.reset()``, where Dynamo is loaded) and new functions from now on
+    for :func:`graph_apart`: every graph compiles again, under the settings of the moment (Dynamo's guards do not
+    look at compile's settings). A model split into graphs compiles its stem and head in its own ``forward``'s
+    frames, which a fresh top-level function would not renew."""
     global _generation
     _APART.clear()
     _generation += 1
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
 
 
 def graph_apart(name: str) -> Callable[..., Any]:

@@ -421,7 +421,7 @@ def test_every_block_under_inductor_peaks_as_in_eager_mode_one_graph_per_stage()
         return torch.cuda.max_memory_allocated() - before
 
     model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
-    plan = checkpoint_resnet(model)
+    plan = checkpoint_resnet(model, compile=True)
     eager = peak(model, model)
     torch._dynamo.reset()
     split = peak(model, torch.compile(model))

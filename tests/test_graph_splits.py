@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
 import torch
+import torchvision
 from conftest import trainer_kwargs
 from lightning.pytorch import Trainer
 from test_compile_checkpointing import Net, _fresh_dynamo, _resnet  # noqa: F401 - _fresh_dynamo: autouse
@@ -53,7 +55,7 @@ def test_every_block_compiles_one_static_graph_per_stage_with_eager_gradients_an
     eager = _resnet()
     plain_grads = _step(eager, eager, x)
     model = _resnet()
-    plan = checkpoint_resnet(model)
+    plan = checkpoint_resnet(model, compile=True)  # it will be compiled
     assert plan.graph_splits == STAGES
     assert all(isinstance(getattr(model, s), GraphSplit) for s in STAGES)
     backend = _Graphs()
@@ -78,7 +80,7 @@ def test_in_eager_mode_a_split_changes_nothing_and_comes_off_with_the_checkpoint
     x = torch.randn(2, 3, 32, 32)
     plain = _resnet()
     model = _resnet()
-    checkpoint_resnet(model)
+    checkpoint_resnet(model, compile=True)
     torch.testing.assert_close(model(x), plain(x))
     copy = pickle.loads(pickle.dumps(model))  # a split pickles as its mixin and original class
     assert isinstance(copy.layer2, GraphSplit) and copy.layer2.memguard_split == "layer2"
@@ -132,7 +134,7 @@ def test_a_compiled_budget_that_keeps_its_split_applies_it_and_says_so(monkeypat
 def test_the_callback_keeps_the_split_for_a_resumed_run(tmp_path):
     trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=1, callbacks=[ActivationCheckpointing()]))
     module = Net()
-    trainer.fit(module)
+    trainer.fit(torch.compile(module, backend="aot_eager"))
     callback = next(c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing))
     assert callback.state_dict()["split_graphs"] is True
     assert [n for n, m in module.named_modules() if isinstance(m, GraphSplit)] == [f"net.{s}" for s in STAGES]
@@ -141,3 +143,24 @@ def test_the_callback_keeps_the_split_for_a_resumed_run(tmp_path):
     resumed = Net()
     fresh.policy.apply(resumed)
     assert [n for n, m in resumed.named_modules() if isinstance(m, GraphSplit)] == [f"net.{s}" for s in STAGES]
+
+
+def test_an_eager_model_is_not_split_so_fullgraph_compiles_and_export_work():
+    model = _resnet()
+    plan = checkpoint_resnet(model)  # not compiled, not said to be
+    assert plan.graph_splits == [] and not any(isinstance(m, GraphSplit) for m in model.modules())
+    x = torch.randn(2, 3, 32, 32)
+    torch.compile(model, backend="aot_eager", fullgraph=True)(x).sum().backward()
+
+
+def test_a_plan_applied_again_to_a_split_model_changes_nothing_and_splits_apply_twice_without_error():
+    model = _resnet()
+    runs = [["layer1.0", "layer1.1"], ["layer2.0"]]
+    apply_plan(model, runs, split_graphs=True)
+    with pytest.warns(UserWarning, match="already checkpointed"):
+        apply_plan(model, runs, split_graphs=True)  # a second fit with the same callback: the run is still joinable
+    apply_plan(model, [["layer3.0"], ["layer4.0"]], split_graphs=True)  # stages 1 and 2 split already
+    assert [n for n, m in model.named_modules() if isinstance(m, GraphSplit)] == STAGES
+    remove_checkpointing(model)
+    assert not any(isinstance(m, GraphSplit) for m in model.modules())
+

@@ -24,6 +24,7 @@ from lightning_memguard.checkpointing.wrap import (
     Units,
     find_units,
     is_checkpointed,
+    plain_sequential,
     preserved_state,
     stock_resnet,
 )
@@ -330,11 +331,7 @@ def _consecutive_in_sequential(modules: dict[str, nn.Module], a: str, b: str) ->
     parent_b, _, index_b = b.rpartition(".")
     parent = modules.get(parent_a)
     # a Sequential subclass with a forward of its own may not call its children one after another
-    if (
-        parent_a != parent_b
-        or not isinstance(parent, nn.Sequential)
-        or type(parent).forward is not nn.Sequential.forward
-    ):
+    if parent_a != parent_b or parent is None or not plain_sequential(parent):
         return False
     order = list(modules[parent_a]._modules)
     return order.index(index_b) == order.index(index_a) + 1
@@ -446,8 +443,8 @@ def checkpoint_blocks(
     if memory_budget is None and rebuild_bn_relu:
         applied = surgery.apply(model, rebuilt=links, config=config)
         return CheckpointPlan(blocks=[], candidates=len(links), rebuilt=applied.rebuilt)
-    if memory_budget is None:
-        applied = surgery.apply(model, [[link] for link in links], bn_correct=bn_correct, split_graphs=True)
+    if memory_budget is None:  # under compile, a graph per container of blocks
+        applied = surgery.apply(model, [[link] for link in links], bn_correct=bn_correct, split_graphs=bool(compile))
         return CheckpointPlan(
             blocks=applied.checkpointed, candidates=len(links), runs=applied.runs, graph_splits=applied.splits
         )

@@ -51,6 +51,7 @@ from lightning_memguard.checkpointing.wrap import (
     SwappedModule,
     _compiling,
     is_checkpointed,
+    plain_sequential,
     stock_resnet,
     swap_chain,
     wrapped_by_someone_else,
@@ -657,7 +658,7 @@ def _following(model: nn.Module) -> dict[int, nn.Module]:
     ``nn.Sequential``, and in a torchvision ResNet the next stage's first block after a stage's last."""
     after: dict[int, nn.Module] = {}
     for module in model.modules():
-        if type(module).forward is nn.Sequential.forward:
+        if plain_sequential(module):
             children = list(module.children())
             after.update((id(a), b) for a, b in zip(children, children[1:], strict=False))
         if stock_resnet(module):
@@ -708,7 +709,7 @@ def _taker(module: nn.Module | None) -> nn.Module | None:
     """The module to mark :class:`TakesRecipes` when ``module`` runs next on a rebuilt unit's output: the first
     element of a plain ``nn.Sequential``; none if it is a rebuilt unit or holds one (those take recipes already), is
     checkpointed or wrapped by other code (it keeps its input anyway), or keeps nothing of its input."""
-    while module is not None and type(module).forward is nn.Sequential.forward and len(module._modules):
+    while module is not None and plain_sequential(module) and len(module._modules):
         module = next(iter(module._modules.values()))
     if module is None or isinstance(module, RebuiltBatchNormReLU | nn.ModuleList):
         return None

@@ -201,7 +201,11 @@ def _split(
     split = []
     for name in containers if len(containers) > 1 else ():
         module = model.get_submodule(name)
-        if not is_checkpointed(module) and not wrapped_by_someone_else(module):
+        if isinstance(module, GraphSplit):  # split already (by an earlier change that was not replaced)
+            split.append(name)
+        elif isinstance(module, nn.ModuleList | nn.ModuleDict):  # never called: its parent calls the blocks
+            continue
+        elif not is_checkpointed(module) and not wrapped_by_someone_else(module):
             _give(Swap(module, GraphSplit, {"memguard_split": name}), swaps)
             split.append(name)
     return split

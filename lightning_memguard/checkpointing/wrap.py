@@ -182,7 +182,9 @@ class GraphSplit(SwappedModule):
 
     @_compiler.not_traced  # a graph break where compiled code calls it; the function it calls compiles apart
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return _compiler.graph_apart(self.__dict__["memguard_split"])(super().forward, *args, **kwargs)
+        # one function per module, not per name: two models in one process (a teacher and a student) share names
+        part = f"{self.__dict__['memguard_split']}_{id(self):x}"
+        return _compiler.graph_apart(part)(super().forward, *args, **kwargs)
 
 
 _SUBCLASSES: dict[tuple[type, type], type] = {}
@@ -211,6 +213,12 @@ def stock_resnet(module: nn.Module) -> bool:
         and type(module).forward is ResNet.forward
         and type(module)._forward_impl is ResNet._forward_impl
     )
+
+
+def plain_sequential(module: nn.Module) -> bool:
+    """``module`` runs its children one after another: an ``nn.Sequential`` whose class (under any of this library's
+    mixins, such as :class:`GraphSplit`) keeps ``nn.Sequential.forward``."""
+    return isinstance(module, nn.Sequential) and swap_chain(type(module))[1].forward is nn.Sequential.forward
 
 
 def is_checkpointed(module: nn.Module) -> bool:
