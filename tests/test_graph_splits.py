@@ -14,7 +14,6 @@ import pickle
 
 import pytest
 import torch
-import torchvision
 from conftest import trainer_kwargs
 from lightning.pytorch import Trainer
 from test_compile_checkpointing import Net, _fresh_dynamo, _resnet  # noqa: F401 - _fresh_dynamo: autouse
@@ -163,4 +162,3 @@ def test_a_plan_applied_again_to_a_split_model_changes_nothing_and_splits_apply_
     assert [n for n, m in model.named_modules() if isinstance(m, GraphSplit)] == STAGES
     remove_checkpointing(model)
     assert not any(isinstance(m, GraphSplit) for m in model.modules())
-
