@@ -400,6 +400,12 @@ def checkpoint_blocks(
     then be set while the model compiles (``with plan.compiling():``; the callback does it for the fit). The rebuild
     stands aside under compile, so ``rebuild_bn_relu`` is not planned on there.
 
+    Under compile (the model compiled, or ``compile=`` given, with or without a budget) each container of
+    checkpointed blocks (a ResNet's stages) is a compiled graph of its own (``plan.graph_splits``,
+    :class:`~.wrap.GraphSplit`): one compiled backward of the whole model keeps several blocks' recomputation alive
+    at once. A budget's search measures with the split, then its pick once more as one graph, kept instead where it
+    fits and is faster. The split is a graph break, so ``fullgraph=True`` and ``torch.export`` do not take it.
+
     Args:
         model: the model, changed in place.
         units: ``"auto"`` (found by structure, see :func:`~.wrap.find_units`), module classes, or a predicate
