@@ -100,30 +100,38 @@ def test_blocks_in_one_container_are_not_split_and_apply_plan_splits_only_when_a
     assert [n for n, m in model.named_modules() if isinstance(m, GraphSplit)] == ["layer1", "layer3"]
 
 
-def test_a_compiled_budget_measures_its_pick_split_and_in_one_graph(monkeypatch):
+def _compiled_plan(monkeypatch, step_seconds):
+    """A compiled budget plan whose pick is the first candidate (split) and whose step times are ``step_seconds``,
+    in the order measured: compile's default, 0.8, 0.5, then the pick as one graph."""
     from lightning_memguard.checkpointing import plan as plan_module
 
-    picks = iter([0, 3])  # the first search's candidate (split), then its twin in one graph
-
-    monkeypatch.setattr(plan_module, "fastest_within", lambda candidates, budget: next(picks))
+    monkeypatch.setattr(plan_module, "fastest_within", lambda candidates, budget: 0)
+    times = iter(step_seconds)
+    monkeypatch.setattr(plan_module._StepMeter, "seconds", lambda self, steps=3: next(times))
     model = _resnet()
     x = torch.randn(4, 3, 64, 64)
-    plan = checkpoint_resnet(model, memory_budget=0.2, example_input=x, compile={"backend": "aot_eager"})
+    return model, checkpoint_resnet(model, memory_budget=0.2, example_input=x, compile={"backend": "aot_eager"})
+
+
+def test_a_compiled_budget_keeps_one_graph_where_it_fits_and_is_faster(monkeypatch):
+    model, plan = _compiled_plan(monkeypatch, [0.100, 0.2, 0.3, 0.090])
     first, twin = plan.compile_candidates[0], plan.compile_candidates[3]
     assert first["graph_splits"] and len({r[0].split(".")[0] for r in first["runs"]}) > 1
     assert twin["runs"] == first["runs"] and twin["graph_splits"] == []
     assert twin["activation_memory_budget"] == first["activation_memory_budget"]
+    assert twin["peak_bytes"] <= plan.budget_bytes  # it fits (on the CPU one graph saves fewer bytes)
     assert plan.graph_splits == [] and not any(isinstance(m, GraphSplit) for m in model.modules())
     assert "a graph per container" not in plan.summary()
 
 
-def test_a_compiled_budget_that_keeps_its_split_applies_it_and_says_so(monkeypatch):
-    from lightning_memguard.checkpointing import plan as plan_module
+def test_one_graph_that_is_faster_only_within_the_noise_is_not_taken(monkeypatch):
+    model, plan = _compiled_plan(monkeypatch, [0.100, 0.2, 0.3, 0.099])  # 1 % faster: within ONE_GRAPH_MARGIN
+    assert plan.graph_splits == plan.compile_candidates[0]["graph_splits"] != []
+    assert [n for n, m in model.named_modules() if isinstance(m, GraphSplit)] == plan.graph_splits
 
-    monkeypatch.setattr(plan_module, "fastest_within", lambda candidates, budget: 0)
-    model = _resnet()
-    x = torch.randn(4, 3, 64, 64)
-    plan = checkpoint_resnet(model, memory_budget=0.2, example_input=x, compile={"backend": "aot_eager"})
+
+def test_a_compiled_budget_that_keeps_its_split_applies_it_and_says_so(monkeypatch):
+    model, plan = _compiled_plan(monkeypatch, [0.100, 0.2, 0.3, 0.150])  # one graph slower
     assert len(plan.compile_candidates) == 4  # three settings, and the pick's twin in one graph
     assert plan.graph_splits == plan.compile_candidates[0]["graph_splits"] != []
     assert [n for n, m in model.named_modules() if isinstance(m, GraphSplit)] == plan.graph_splits

@@ -532,6 +532,11 @@ def _in_model_order(names: Sequence[str], links: list[Link]) -> list[str]:
     return sorted(names, key=order.__getitem__)
 
 
+ONE_GRAPH_MARGIN = 0.02
+"""How much faster (a fraction of the step time) the compiled plan's pick must be as one graph than with a graph per
+container to be kept so: one measurement's timing differs by about that much from the next."""
+
+
 def _candidate(setting: float | None, applied: surgery.Applied, peak: int, meter: _StepMeter) -> dict[str, Any]:
     return {
         "activation_memory_budget": setting,
@@ -589,8 +594,11 @@ def _plan_compiled(
             with _compiler.activation_memory_budget(pick["activation_memory_budget"]):
                 meter = _StepMeter(measured, example_input, loss_fn, _compiler.fresh_compiled(measured, options))
                 applied = surgery.apply(model, runs, bn_correct=bn_correct, replacing=applied)
-                candidates.append(_candidate(pick["activation_memory_budget"], applied, meter.peak(), meter))
-            pick = candidates[fastest_within([(c["peak_bytes"], c["step_ms"]) for c in candidates], budget)]  # type: ignore[arg-type]
+                twin = _candidate(pick["activation_memory_budget"], applied, meter.peak(), meter)
+            candidates.append(twin)
+            # one graph peaks higher at about the same speed (ResNet50: 0.3 %): it must be faster beyond the noise
+            if twin["peak_bytes"] <= budget and twin["step_ms"] < pick["step_ms"] * (1 - ONE_GRAPH_MARGIN):
+                pick = twin
     runs = _runs_named(links, joinable, pick["runs"])
     applied = surgery.apply(
         model, runs, bn_correct=bn_correct, replacing=applied, split_graphs=bool(pick["graph_splits"])
