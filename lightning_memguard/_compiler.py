@@ -214,14 +214,16 @@ def _step(model: Any, args: tuple[Any, ...]) -> Any:
 
 
 def fresh_compiled(model: nn.Module, options: dict[str, Any] | None) -> Callable[..., Any]:
-    """``model(*args)`` compiled anew: a function of its own code object, so Dynamo's cache has no graph for it yet
-    and the current settings (``activation_memory_budget``) apply to its first call.
+    """``model(*args)`` compiled anew: a function of its own code object, with Dynamo's caches emptied first
+    (:func:`forget_graphs_apart`), so no graph of the model is cached and the current settings
+    (``activation_memory_budget``) apply to its first call. Other compiled functions in the process compile again
+    on their next call.
 
     ``options``: ``torch.compile`` keyword arguments; None: compiled the way ``model`` already is (a
     ``torch.compile`` result, or a LightningModule that ``fit`` unwrapped), or with the defaults.
     """
 
-    forget_graphs_apart()  # and our graphs apart compile anew too
+    forget_graphs_apart()
     step = types.FunctionType(_step.__code__.replace(), _step.__globals__, "memguard_step")
     if options is None:
         context = getattr(model, "dynamo_ctx", None)  # torch.compile(model)
