@@ -198,8 +198,10 @@ def _split(
     containers.pop("", None)  # the model itself: the graph begins there anyway
     # and one holding another (a wrapped ResNet, whose stem is its own): its graph begins with its first link's
     containers = {c: None for c in containers if not any(other.startswith(c + ".") for other in containers)}
+    if len(containers) < 2:  # one container: one graph is enough
+        return []
     split = []
-    for name in containers if len(containers) > 1 else ():
+    for name in containers:
         module = model.get_submodule(name)
         if isinstance(module, GraphSplit):  # split already (by an earlier change that was not replaced)
             split.append(name)
