@@ -73,6 +73,8 @@ def main() -> None:
         "step": trainer.global_step,
         "compiled_plan": strategy.checkpointing.plan.compiled if strategy.checkpointing.plan is not None else None,
         "compile_setting": strategy.checkpointing.compile_setting,
+        "split_graphs": strategy.checkpointing.split_graphs,
+        "split": sorted(n for n, m in checked.net.named_modules() if type(m).__name__.startswith("GraphSplit")),
         "step_settings": setting.steps,
     }
     with open(os.path.join(out, f"strategy{trainer.global_rank}.json"), "w", encoding="utf-8") as f:

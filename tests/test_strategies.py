@@ -80,6 +80,9 @@ def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(tmp_path, mode):
     ranks = [json.loads((tmp_path / f"strategy{r}.json").read_text(encoding="utf-8")) for r in (0, 1)]
     assert ranks[0]["runs"] and ranks[0]["runs"] == ranks[1]["runs"]
     assert ranks[0]["swapped"] == ranks[1]["swapped"]
+    # rank zero's choice of a graph per stage (or one graph), made by timing, is every rank's
+    assert ranks[0]["split_graphs"] == ranks[1]["split_graphs"] and ranks[0]["split"] == ranks[1]["split"]
+    assert bool(ranks[1]["split"]) is ranks[1]["split_graphs"] and (mode == "compiled" or not ranks[0]["split"])
     assert ranks[0]["compile_setting"] == ranks[1]["compile_setting"] == (0.5 if mode == "compiled" else None)
     if mode == "compiled":  # and both ranks trained under it
         assert ranks[0]["step_settings"] == ranks[1]["step_settings"] == [0.5, 0.5, 0.5]
