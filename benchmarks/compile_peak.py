@@ -92,14 +92,23 @@ def peak_breakdown(trace: list[dict[str, Any]], backward_from: int, top: int = 1
     }
 
 
-def one_step(model: nn.Module, forward: Callable, x: torch.Tensor, y: torch.Tensor, out: str) -> dict[str, Any]:
+def one_step(
+    model: nn.Module, forward: Callable, x: torch.Tensor, y: torch.Tensor, out: str, train: bool = False
+) -> dict[str, Any]:
     """Three untimed steps (compiling), ten timed forward and backward passes (CUDA events, median), then one
-    recorded forward and backward."""
+    recorded forward and backward. ``train``: each step ends with an SGD step with momentum, as training does,
+    and the measured and recorded steps include it."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) if train else None
+
+    def update() -> None:
+        if opt is not None:
+            opt.step()
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
         with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=CUDA):
             nn.functional.cross_entropy(forward(x), y).backward()
+        update()
 
     for _ in range(3):
         step()
@@ -129,9 +138,10 @@ def one_step(model: nn.Module, forward: Callable, x: torch.Tensor, y: torch.Tens
         "forward_peak_bytes": torch.cuda.max_memory_allocated() - before,
     }
     loss.backward()
+    update()
     torch.cuda.synchronize()
     result["step_peak_bytes"] = torch.cuda.max_memory_allocated() - before
-    result["img_s_forward_backward"] = img_s  # no optimizer step: for comparing the configurations only
+    result["img_s_forward_backward"] = img_s  # with the optimizer step where ``train``; for comparisons only
     del loss
     model.zero_grad(set_to_none=True)
     free_memory()
@@ -144,6 +154,7 @@ def one_step(model: nn.Module, forward: Callable, x: torch.Tensor, y: torch.Tens
         torch.cuda.synchronize()
         backward_from = len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
         loss.backward()
+        update()
         torch.cuda.synchronize()
         trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
     finally:
@@ -175,9 +186,30 @@ def _every_block_breaking(per: str) -> Callable[[nn.Module], Any]:
     return checkpoint
 
 
+def _split_per_block(stages: tuple[str, ...]) -> Callable[[nn.Module], Any]:
+    """This library's graph per stage, but each block of ``stages`` a graph of its own (GraphSplit moved from the
+    stage to its blocks; made with surgery's own helpers, private to the library and used only here)."""
+    from lightning_memguard.checkpointing import surgery
+    from lightning_memguard.checkpointing.wrap import GraphSplit, Swap
+
+    def checkpoint(model: nn.Module) -> None:
+        checkpoint_resnet(model, compile=True)
+        swaps: list[Any] = []
+        for stage in stages:
+            surgery._take_off(getattr(model, stage), (GraphSplit,))
+            for name in _blocks(model, stage):
+                surgery._give(Swap(model.get_submodule(name), GraphSplit, {"memguard_split": name}), swaps)
+
+    return checkpoint
+
+
 CONFIGURATIONS: list[tuple[str, bool, Callable[[nn.Module], Any]]] = [
     ("eager_every_block", False, checkpoint_resnet),  # every block and the stem, each its own checkpoint
     ("compiled_every_block", True, checkpoint_resnet),
+    # this library's split under compile: a graph per stage through wrap.GraphSplit
+    ("compiled_every_block_split", True, lambda m: checkpoint_resnet(m, compile=True)),
+    ("compiled_every_block_split_layer1_per_block", True, _split_per_block(("layer1",))),
+    ("compiled_every_block_split_per_block", True, _split_per_block(STAGES)),
     ("compiled_every_block_graph_break_per_stage", True, _every_block_breaking("stage")),
     ("compiled_every_block_graph_break_per_block", True, _every_block_breaking("block")),
     # the budgets' plans under compile left the stem out: each residual block its own checkpoint
@@ -187,9 +219,9 @@ CONFIGURATIONS: list[tuple[str, bool, Callable[[nn.Module], Any]]] = [
 ]
 
 
-def _run_one(name: str, smoke: bool, out: str) -> dict[str, Any]:
+def _run_one(name: str, smoke: bool, out: str, batch: int, train: bool) -> dict[str, Any]:
     compiled, checkpoint = next((c, f) for n, c, f in CONFIGURATIONS if n == name)
-    arch, image, batch = ("resnet18", 32, 4) if smoke else ("resnet50", 224, 256)
+    arch, image, batch = ("resnet18", 32, 4) if smoke else ("resnet50", 224, batch)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(batch, 3, image, image, device=DEVICE, generator=gen).to(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (batch,), device=DEVICE, generator=gen)
@@ -197,25 +229,34 @@ def _run_one(name: str, smoke: bool, out: str) -> dict[str, Any]:
     model = getattr(torchvision.models, arch)(num_classes=1000).to(DEVICE).to(memory_format=torch.channels_last)
     checkpoint(model)
     forward = torch.compile(model, backend="aot_eager" if smoke else "inductor") if compiled else model
-    return one_step(model, forward, x, y, out)
+    return one_step(model, forward, x, y, out, train=train)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/compile_peak.json")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--train", action="store_true", help="each step with an SGD step, as in training")
+    parser.add_argument("--configurations", help="comma-separated names (default: all)")
     parser.add_argument("--only", help="one configuration, in this process (the default runs each in its own)")
     args = parser.parse_args()
     smoke = args.smoke or not CUDA
     if args.only:
-        write_json(args.out, _run_one(args.only, smoke, args.out))
+        write_json(args.out, _run_one(args.only, smoke, args.out, args.batch, args.train))
         return
+    names = [n for n, _, _ in CONFIGURATIONS]
+    chosen = args.configurations.split(",") if args.configurations else names
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; known: {names}")
     # each configuration in a process of its own: a fresh allocator and Dynamo, and one failing costs only itself
     rows: dict[str, Any] = {}
-    for name, _, _ in CONFIGURATIONS:
+    for name in chosen:
         with tempfile.TemporaryDirectory() as tmp:
             row_file = os.path.join(tmp, "row.json")
             command = [sys.executable, os.path.abspath(__file__), "--only", name, "--out", row_file]
+            command += ["--batch", str(args.batch)] + (["--train"] if args.train else [])
             done = subprocess.run(command + (["--smoke"] if smoke else []), capture_output=True, text=True)
             rows[name] = {}
             if os.path.exists(row_file):
@@ -226,7 +267,10 @@ def main() -> None:
         print(name, {k: v for k, v in rows[name].items() if k != "alive_at_peak_by_line"}, flush=True)
         for line in rows[name].get("alive_at_peak_by_line", [])[:8]:
             print(f"    {line['bytes'] / 1e9:6.2f} GB  {line['where']}", flush=True)
-        write_json(args.out, {"environment": environment(), "batch": 4 if smoke else 256, "rows": rows})
+        write_json(
+            args.out,
+            {"environment": environment(), "batch": 4 if smoke else args.batch, "train": args.train, "rows": rows},
+        )
 
 
 if __name__ == "__main__":

@@ -15,12 +15,16 @@
 - :func:`activation_memory_budget`: compile's own memory lever (``torch._functorch.config``), set for a block.
 - :func:`graph_apart` and :func:`not_traced`: a model split into several compiled graphs, each with its own
   backward: a frame Dynamo does not trace calls a function of its own per part, which it compiles.
+- :func:`compiling`: whether Dynamo is tracing the code now running.
+- :func:`gradient_realized`: where a compiled graph chains residual blocks, the gradient flowing into a block is
+  one buffer, as in eager mode, not the sum of its two paths fused into every consumer.
 - :func:`fresh_compiled`: a model compiled anew, so a measurement sees the settings of the moment;
   :func:`eager`: compiled code run eagerly; :func:`unwrapped`: the module a ``torch.compile`` result wraps.
 
 Nothing here imports ``torch._dynamo`` unless something has compiled already, or a model is compiled, except
 :func:`not_traced` (``torch.compiler.disable``), used as a decorator when the package is imported (the package
-imports Lightning, which imports Dynamo anyway).
+imports Lightning, which imports Dynamo anyway). Importing this module defines one custom op,
+``torch.ops.lightning_memguard.realize_`` (:func:`gradient_realized`).
 """
 
 from __future__ import annotations
@@ -140,6 +144,61 @@ def activation_memory_budget(setting: float | None) -> Iterator[None]:
 
     with torch._functorch.config.patch(activation_memory_budget=setting):
         yield
+
+
+def compiling() -> bool:
+    """Whether Dynamo is tracing the code now running (``torch.compiler.is_compiling``; False where it is missing)."""
+    is_compiling = getattr(torch.compiler, "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
+
+
+def _define_realize() -> Any:
+    """The custom op behind :func:`gradient_realized`, defined once per process (None before torch 2.4)."""
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None:
+        return None
+    name = "lightning_memguard::realize_"
+    try:
+
+        @custom_op(name, mutates_args=("tensor",))
+        def realize_(tensor: torch.Tensor) -> None:
+            """Nothing. Declared to write ``tensor``, so Inductor must hold it in a buffer of its own."""
+
+    except RuntimeError:  # defined already in this process (this module imported twice)
+        return torch.ops.lightning_memguard.realize_
+    return realize_
+
+
+_REALIZE = _define_realize()  # at import: an op cannot be defined while Dynamo traces
+
+
+class _RealizedGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _REALIZE(grad)
+        return grad
+
+
+def gradient_realized(x: Any) -> Any:
+    """``x`` itself, but under ``torch.compile`` the gradient flowing back into it is held in one buffer.
+
+    A residual block's input gets its gradient along two paths, the block's layers and the identity. In eager mode
+    autograd adds them into one tensor. In a compiled graph Inductor fuses that sum into each of its consumers in the
+    next block's backward, so both paths' buffers (one of them in float32 under bf16 autocast) stay alive through
+    that block's backward. With several checkpointed blocks in one graph, this is where its backward peaked above
+    eager mode's. Here the sum goes through an opaque custom op that declares it writes its input and does nothing,
+    so Inductor computes the sum into a buffer of its own, in place and without a copy, and frees the two paths.
+
+    Outside Dynamo's tracing, for a tensor that needs no gradient, or where torch has no ``torch.library.custom_op``
+    (before 2.4), ``x`` is returned as it is.
+    """
+    if not isinstance(x, torch.Tensor) or not x.requires_grad or _REALIZE is None or not compiling():
+        return x
+    return _RealizedGradient.apply(x)
 
 
 def _call(forward: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:

@@ -45,11 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_memguard import _compiler
 from lightning_memguard.checkpointing import _fused
 from lightning_memguard.checkpointing.wrap import (
     Swap,
     SwappedModule,
-    _compiling,
     is_checkpointed,
     plain_sequential,
     stock_resnet,
@@ -249,7 +249,7 @@ class _Passed:
 def _may_rebuild(module: nn.Module) -> tuple[bool, _Outer]:
     """Whether a forward of ``module`` may save recipes (training with gradients, not compiling, not inside a
     checkpoint, which frees everything already), and the saved-tensor hooks around it."""
-    if not torch.is_grad_enabled() or not module.training or _compiling():
+    if not torch.is_grad_enabled() or not module.training or _compiler.compiling():
         return False, None
     outer = _outer_hooks()
     return outer is None or not _checkpoint_internal(outer[0]), outer

@@ -55,11 +55,6 @@ class _FrozenBatchNormStats:
         self._real = []
 
 
-def _compiling() -> bool:
-    is_compiling = getattr(torch.compiler, "is_compiling", None)
-    return bool(is_compiling()) if is_compiling is not None else False
-
-
 class SwappedModule(nn.Module):
     """Base of every mixin that :func:`swapped_class` puts in front of a module's class.
 
@@ -132,9 +127,13 @@ class CheckpointedUnit(SwappedModule):
         run = self.__dict__.get("memguard_run", ())
         if not torch.is_grad_enabled():
             out = self._memguard_forward(*args, **kwargs)
-        elif self.memguard_bn_correct and not _compiling():
-            # under torch.compile the compiled backward recomputes without applying buffer updates again, and
-            # the compiler does not take a context_fn
+        elif _compiler.compiling():
+            # the compiler does not take a context_fn, and its backward recomputes without applying buffer updates
+            # again; the gradient into the block is one buffer, as in eager mode (see gradient_realized)
+            if args:
+                args = (_compiler.gradient_realized(args[0]), *args[1:])
+            out = checkpoint(self._memguard_forward, *args, use_reentrant=False, **kwargs)
+        elif self.memguard_bn_correct:
             units = [self, *run]
             out = checkpoint(
                 self._memguard_forward,
