@@ -16,8 +16,12 @@ buffer and its kernel). The history keeps Python stacks only: allocations made b
 eager backward have none, and are grouped as "(no Python frame)"; a compiled backward runs Inductor's Python, whose
 lines are named.
 
-ResNet50, batch 256, bf16 autocast, channels_last, as ``benchmarks/compile.py``. ``--smoke`` checks the script on
-the CPU (no allocator history there: it only runs the steps).
+ResNet50, batch 256 (``--batch``), bf16 autocast, channels_last, as ``benchmarks/compile.py``; ``--train`` ends each
+step with an SGD step with momentum, as training does, and the measured and recorded steps include it;
+``--configurations a,b`` runs only those. Besides the hand-made graph breaks, the configurations include this
+library's own graph per stage (``checkpoint_resnet(model, compile=True)``) and that split moved from the stages to
+their blocks (in the first stage, or in all). ``--smoke`` checks the script on the CPU (no allocator history there:
+it only runs the steps).
 """
 
 from __future__ import annotations

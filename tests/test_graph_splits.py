@@ -11,6 +11,7 @@ statistics as eager mode, that the plan measures both forms and re-applies its c
 from __future__ import annotations
 
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from lightning.pytorch import Trainer
 from test_compile_checkpointing import Net, _fresh_dynamo, _resnet  # noqa: F401 - _fresh_dynamo: autouse
 
 from lightning_memguard import ActivationCheckpointing
-from lightning_memguard.checkpointing import apply_plan, checkpoint_resnet, remove_checkpointing
+from lightning_memguard.checkpointing import apply_plan, checkpoint_blocks, checkpoint_resnet, remove_checkpointing
 from lightning_memguard.checkpointing.wrap import GraphSplit
 
 STAGES = ["layer1", "layer2", "layer3", "layer4"]
@@ -233,3 +234,27 @@ def test_outside_compile_a_gradient_passes_as_it_is():
         names.add(type(node).__name__)
         todo += [n for n, _ in node.next_functions if n is not None]
     assert not any("Realized" in name for name in names)
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("cl") is None, reason="Inductor on the CPU needs a C++ compiler"
+)
+def test_under_inductor_the_realized_gradients_are_eager_modes():
+    """Inductor itself (on the CPU, float64 so that any difference is a wrong gradient, not rounding), where the
+    realizing op is reinplaced into the buffer that holds each block's gradient sum."""
+    from torchvision.models.resnet import BasicBlock
+
+    def stages(seed=0):
+        torch.manual_seed(seed)
+        stage = lambda: torch.nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 8))  # noqa: E731
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), stage(), stage()).double()
+
+    x = torch.randn(4, 3, 12, 12, dtype=torch.float64)
+    eager = stages()
+    plain_grads = _step(eager, eager, x)
+    model = stages()
+    plan = checkpoint_blocks(model, "auto", compile=True)
+    assert plan.graph_splits == ["1", "2"] and len(plan.blocks) == 4
+    grads = _step(torch.compile(model, backend="inductor"), model, x)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-9, atol=1e-12, msg=name)
