@@ -18,7 +18,13 @@ from torch import nn
 
 from lightning_memguard import _compiler
 from lightning_memguard.checkpointing import surgery
-from lightning_memguard.checkpointing.rebuild import DEFAULT_CONFIG, RebuildConfig, rebuildable, stem_rebuildable
+from lightning_memguard.checkpointing.rebuild import (
+    DEFAULT_CONFIG,
+    RebuildConfig,
+    check_config,
+    rebuildable,
+    stem_rebuildable,
+)
 from lightning_memguard.checkpointing.wrap import (
     Link,
     Units,
@@ -435,7 +441,7 @@ def checkpoint_blocks(
         (['stem', 'layer1.0', 'layer1.1'], 9)
     """
     memory_budget = check_memory_budget(memory_budget)  # the callback's rule: a float is a fraction, else bytes
-    config = _check_config(rebuild_config)
+    config = check_config(rebuild_config)
     options = _check_compile(compile, compile_settings)
     measured, model = model, _compiler.unwrapped(model)  # the modules of a torch.compile result are its original's
     if compile is None:
@@ -671,14 +677,6 @@ def _plan(
     )
 
 
-def _check_config(config: Any) -> RebuildConfig:
-    if config is None:
-        return DEFAULT_CONFIG
-    if not isinstance(config, RebuildConfig):
-        raise TypeError(f"`rebuild_config` must be a RebuildConfig or None, got {config!r}")
-    return config
-
-
 def apply_plan(
     model: nn.Module,
     runs: list[list[str]],
@@ -697,7 +695,7 @@ def apply_plan(
         ValueError: a block the model does not have, or a run of blocks that may not share one checkpoint.
         TypeError: ``rebuild_config`` not a ``RebuildConfig``.
     """
-    config = _check_config(rebuild_config)
+    config = check_config(rebuild_config)
     links, joinable = model_chain(model, find_units(model, units))
     named = _runs_named(links, joinable, runs)
     rebuilt = links if rebuild_bn_relu else ()

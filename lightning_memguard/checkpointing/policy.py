@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_memguard import _compiler
 from lightning_memguard.checkpointing.plan import CheckpointPlan, apply_plan, checkpoint_blocks
-from lightning_memguard.checkpointing.rebuild import RebuildConfig
+from lightning_memguard.checkpointing.rebuild import RebuildConfig, check_config
 from lightning_memguard.checkpointing.wrap import Units, check_units
 from lightning_memguard.core.checks import check_memory_budget
 
@@ -62,8 +62,7 @@ class CheckpointingPolicy:
                 raise TypeError(f"`{name}` must be a bool, got {flag!r}")
         self.bn_correct = bn_correct
         self.rebuild_bn_relu = rebuild_bn_relu
-        if rebuild_config is not None and not isinstance(rebuild_config, RebuildConfig):
-            raise TypeError(f"`rebuild_config` must be a RebuildConfig or None, got {rebuild_config!r}")
+        check_config(rebuild_config)
         self.rebuild_config = rebuild_config
         self.plan: CheckpointPlan | None = None  # this process's plan, where it made one
         self.runs: list[list[str]] | None = None  # the chosen runs of blocks: learned state

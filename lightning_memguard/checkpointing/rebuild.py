@@ -95,6 +95,15 @@ class RebuildConfig:
 DEFAULT_CONFIG = RebuildConfig()
 
 
+def check_config(config: Any) -> RebuildConfig:
+    """``rebuild_config`` as the public functions take it: a :class:`RebuildConfig`, or None for the default."""
+    if config is None:
+        return DEFAULT_CONFIG
+    if not isinstance(config, RebuildConfig):
+        raise TypeError(f"`rebuild_config` must be a RebuildConfig or None, got {config!r}")
+    return config
+
+
 class _Recipe:
     """How to rebuild one tensor: ``batch_norm(source)`` with the batch's own statistics, plus ``identity`` (a
     tensor, or another recipe) where there is one, then a ReLU.
