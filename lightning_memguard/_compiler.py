@@ -15,6 +15,7 @@
 - :func:`activation_memory_budget`: compile's own memory lever (``torch._functorch.config``), set for a block.
 - :func:`graph_apart` and :func:`not_traced`: a model split into several compiled graphs, each with its own
   backward: a frame Dynamo does not trace calls a function of its own per part, which it compiles.
+- :func:`backends` and :func:`inductor_missing`: the backends ``torch.compile`` knows, and what Inductor lacks here.
 - :func:`compiling`: whether Dynamo is tracing the code now running.
 - :func:`gradient_realized`: where a compiled graph chains residual blocks, the gradient flowing into a block is
   one buffer, as in eager mode, not the sum of its two paths fused into every consumer.
@@ -29,7 +30,9 @@ imports Lightning, which imports Dynamo anyway). Importing this module defines o
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -144,6 +147,22 @@ def activation_memory_budget(setting: float | None) -> Iterator[None]:
 
     with torch._functorch.config.patch(activation_memory_budget=setting):
         yield
+
+
+def backends() -> list[str]:
+    """The backend names ``torch.compile`` knows (Dynamo's registry, debugging backends included)."""
+    import torch._dynamo
+
+    return list(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def inductor_missing(cuda: bool) -> str | None:
+    """What Inductor lacks here to compile for CUDA (``"triton"``) or for the CPU (``"c++"``: no C++ compiler,
+    ``$CXX``, g++, clang++ or c++, or cl on Windows), else None."""
+    if cuda:
+        return "triton" if importlib.util.find_spec("triton") is None else None
+    names = [os.environ.get("CXX", ""), *(["cl"] if sys.platform == "win32" else ["g++", "clang++", "c++"])]
+    return None if any(name and shutil.which(name) for name in names) else "c++"
 
 
 def compiling() -> bool:

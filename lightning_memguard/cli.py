@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import logging
 import os
-import shutil
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
@@ -192,25 +190,25 @@ def _compile_backend(compile_: bool, backend: str | None, device: str) -> str | 
             raise UsageError("--compile-backend needs --compile")
         return None
     import torch
-    import torch._dynamo
+
+    from lightning_memguard import _compiler
 
     backend = backend or "inductor"
-    known = torch._dynamo.list_backends(exclude_tags=())
+    known = _compiler.backends()
     if backend not in known:
         raise UsageError(f"unknown --compile-backend {backend!r}: use one of {', '.join(known)}")
     cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
-    if backend == "inductor" and cuda and importlib.util.find_spec("triton") is None:
+    missing = _compiler.inductor_missing(cuda) if backend == "inductor" else None
+    if missing == "triton":
         raise UsageError(
             "--compile with inductor on CUDA needs Triton, which this PyTorch lacks (on Windows: pip install "
             "triton-windows); or use --compile-backend aot_eager"
         )
-    if backend == "inductor" and not cuda:
-        names = [os.environ.get("CXX", ""), *(["cl"] if sys.platform == "win32" else ["g++", "clang++", "c++"])]
-        if not any(name and shutil.which(name) for name in names):
-            raise UsageError(
-                "--compile with inductor on the CPU needs a C++ compiler (g++ or clang++, or cl on Windows, or $CXX), "
-                "and none was found; install one, or use --compile-backend aot_eager"
-            )
+    if missing == "c++":
+        raise UsageError(
+            "--compile with inductor on the CPU needs a C++ compiler (g++ or clang++, or cl on Windows, or $CXX), "
+            "and none was found; install one, or use --compile-backend aot_eager"
+        )
     return backend
 
 

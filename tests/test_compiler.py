@@ -120,3 +120,19 @@ def test_a_compile_watch_says_whether_dynamo_compiled_since_its_last_look():
     torch.compile(lambda x: x * 2, backend="eager")(torch.ones(3))
     assert watch.moved() and not watch.moved()  # once per compile
     torch._dynamo.reset()
+
+
+def test_inductor_missing_names_what_inductor_lacks_here(monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find_spec(name)
+    )
+    assert _compiler.inductor_missing(cuda=True) == "triton"
+    monkeypatch.setenv("CXX", "my-c++")
+    monkeypatch.setattr("shutil.which", lambda name: "/opt/bin/my-c++" if name == "my-c++" else None)
+    assert _compiler.inductor_missing(cuda=False) is None  # $CXX is honoured
+    monkeypatch.delenv("CXX")
+    assert _compiler.inductor_missing(cuda=False) == "c++"
+    assert "aot_eager" in _compiler.backends() and "inductor" in _compiler.backends()

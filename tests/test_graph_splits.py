@@ -11,7 +11,6 @@ statistics as eager mode, that the plan measures both forms and re-applies its c
 from __future__ import annotations
 
 import pickle
-import shutil
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from conftest import trainer_kwargs
 from lightning.pytorch import Trainer
 from test_compile_checkpointing import Net, _fresh_dynamo, _resnet  # noqa: F401 - _fresh_dynamo: autouse
 
-from lightning_memguard import ActivationCheckpointing
+from lightning_memguard import ActivationCheckpointing, _compiler
 from lightning_memguard.checkpointing import apply_plan, checkpoint_blocks, checkpoint_resnet, remove_checkpointing
 from lightning_memguard.checkpointing.wrap import GraphSplit
 
@@ -220,8 +219,6 @@ def test_each_checkpointed_block_takes_its_gradient_as_one_buffer_in_the_compile
 
 
 def test_outside_compile_a_gradient_passes_as_it_is():
-    from lightning_memguard import _compiler
-
     x = torch.randn(3, requires_grad=True)
     assert _compiler.gradient_realized(x) is x  # eager mode: autograd adds the paths into one tensor already
     model = _resnet()
@@ -237,7 +234,7 @@ def test_outside_compile_a_gradient_passes_as_it_is():
 
 
 @pytest.mark.skipif(
-    shutil.which("g++") is None and shutil.which("cl") is None, reason="Inductor on the CPU needs a C++ compiler"
+    _compiler.inductor_missing(cuda=False) is not None, reason="Inductor on the CPU needs a C++ compiler"
 )
 def test_under_inductor_the_realized_gradients_are_eager_modes():
     """Inductor itself (on the CPU, float64 so that any difference is a wrong gradient, not rounding), where the
