@@ -183,7 +183,7 @@ def _define_realize() -> Any:
         def realize_(tensor: torch.Tensor) -> None:
             """Nothing. Declared to write ``tensor``, so Inductor must hold it in a buffer of its own."""
 
-    except RuntimeError:  # defined already in this process (this module imported twice)
+    except RuntimeError:  # a torch that refuses a second definition (this module imported again)
         return torch.ops.lightning_memguard.realize_
     return realize_
 
@@ -212,10 +212,12 @@ def gradient_realized(x: Any) -> Any:
     eager mode's. Here the sum goes through an opaque custom op that declares it writes its input and does nothing,
     so Inductor computes the sum into a buffer of its own, in place and without a copy, and frees the two paths.
 
-    Outside Dynamo's tracing, for a tensor that needs no gradient, or where torch has no ``torch.library.custom_op``
-    (before 2.4), ``x`` is returned as it is.
+    Outside Dynamo's tracing, for a tensor that needs no gradient, for a tensor subclass (a DTensor, a nested
+    tensor: the op has no rule for them), or where torch has no ``torch.library.custom_op`` (before 2.4), ``x`` is
+    returned as it is.
     """
-    if not isinstance(x, torch.Tensor) or not x.requires_grad or _REALIZE is None or not compiling():
+    plain = type(x) in (torch.Tensor, nn.Parameter)
+    if not plain or not x.requires_grad or _REALIZE is None or not compiling():
         return x
     return _RealizedGradient.apply(x)
 

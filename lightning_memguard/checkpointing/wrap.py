@@ -172,9 +172,10 @@ class CheckpointedMember(SwappedModule):
 class GraphSplit(SwappedModule):
     """Mixin for a container of checkpointed blocks (a ResNet stage): under ``torch.compile`` it is a compiled
     graph of its own (``memguard_split`` names it), so its blocks' backward runs apart from the rest of the model's.
-    In one compiled backward of a whole ResNet, Inductor holds several blocks' recomputation at once (ResNet50 with
-    every block checkpointed, measured: 1.3 GB above eager mode's peak); split by stage, the peak is eager mode's.
-    In eager mode it changes nothing: the forward is the container's own, one call further down."""
+    In one compiled backward of a whole ResNet, Inductor holds several blocks' buffers at once; ResNet50 with every
+    block checkpointed, trained on the H200 with each block's input gradient realized: 4.78 GB as one graph, 4.08
+    GB split by stage, at the same throughput (eager mode: 3.84 GB). In eager mode it changes nothing: the forward
+    is the container's own, one call further down."""
 
     memguard_prefix = "GraphSplit"
     memguard_unit = False  # it checkpoints nothing itself
