@@ -125,15 +125,10 @@ class CheckpointedUnit(SwappedModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         run = self.__dict__.get("memguard_run", ())
+        compiling = _compiler.compiling()
         if not torch.is_grad_enabled():
             out = self._memguard_forward(*args, **kwargs)
-        elif _compiler.compiling():
-            # the compiler does not take a context_fn, and its backward recomputes without applying buffer updates
-            # again; the gradient into the block is one buffer, as in eager mode (see gradient_realized)
-            if args:
-                args = (_compiler.gradient_realized(args[0]), *args[1:])
-            out = checkpoint(self._memguard_forward, *args, use_reentrant=False, **kwargs)
-        elif self.memguard_bn_correct:
+        elif self.memguard_bn_correct and not compiling:
             units = [self, *run]
             out = checkpoint(
                 self._memguard_forward,
@@ -143,6 +138,10 @@ class CheckpointedUnit(SwappedModule):
                 **kwargs,
             )
         else:
+            # under compile: the compiler does not take a context_fn, and its backward recomputes without applying
+            # buffer updates again; the gradient into the block is one buffer, as in eager mode (gradient_realized)
+            if compiling and args:
+                args = (_compiler.gradient_realized(args[0]), *args[1:])
             out = checkpoint(self._memguard_forward, *args, use_reentrant=False, **kwargs)
         if run:
             if not isinstance(out, torch.Tensor):
