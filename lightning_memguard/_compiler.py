@@ -149,6 +149,13 @@ def activation_memory_budget(setting: float | None) -> Iterator[None]:
         yield
 
 
+def activation_memory_budget_now() -> float:
+    """Compile's ``activation_memory_budget`` in force (1.0, keep everything, unless the user set it)."""
+    import torch._functorch.config
+
+    return float(torch._functorch.config.activation_memory_budget)
+
+
 def backends() -> list[str]:
     """The backend names ``torch.compile`` knows (Dynamo's registry, debugging backends included)."""
     import torch._dynamo

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torchvision
-from conftest import trainer_kwargs
+from conftest import planner_step_times, trainer_kwargs
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_memguard import ActivationCheckpointing
 from lightning_memguard.checkpointing import checkpoint_resnet, remove_checkpointing
-from lightning_memguard.core.checkpoint_plan import BudgetSearch, fastest_within
+from lightning_memguard.core.checkpoint_plan import BudgetSearch, CompileBudgetSearch, fastest_within
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +61,63 @@ def test_fastest_within_the_budget_else_the_lowest_peak():
         fastest_within([], budget=1)
 
 
+def _searched(measurements, budget, levels=(1.0, 0.8, 0.5), first=frozenset({0})):
+    """Run a CompileBudgetSearch on a table ``{(setting, links): (peak, seconds)}``: what it measured, and its pick."""
+    search = CompileBudgetSearch(levels, lambda peak, budget: set(first), [3.0, 2.0, 1.0], [30, 20, 10], budget)
+    while (step := search.propose()) is not None:
+        search.observe(*measurements[(step[0], tuple(sorted(step[1])))])
+    tried = [(c.setting, tuple(sorted(c.links))) for c in search.tried]
+    return tried, tried[search.result]
+
+
+ALONE = {(0, ()): (100, 1.0), (1, ()): (70, 1.2), (2, ()): (60, 1.5)}
+
+
+def test_the_compiled_search_measures_each_setting_alone_then_adds_links_to_the_fastest_first():
+    table = {**ALONE, (0, (0, 1)): (55, 1.25), (1, (0, 1)): (50, 1.3)}
+    tried, pick = _searched(table, budget=65, first={0, 1})
+    # compile's default fits with two links (1.25 s); 0.8 alone is faster than that, but it needs links to fit, and
+    # the same links under a lower setting cannot be faster than the fit: not measured
+    assert tried == [(0, ()), (1, ()), (2, ()), (0, (0, 1))]
+    assert pick == (0, (0, 1))
+    table[(0, (0,))] = (72, 1.1)  # one link predicted: the default needs two after all, and 0.8 with one is tried
+    tried, pick = _searched({**table, (1, (0,)): (60, 1.22)}, budget=65)
+    assert tried == [(0, ()), (1, ()), (2, ()), (0, (0,)), (0, (0, 1)), (1, (0,))]
+    assert pick == (1, (0,))
+
+
+def test_the_compiled_search_leaves_a_setting_no_faster_alone_than_a_fit():
+    table = {**ALONE, (1, ()): (70, 1.6), (0, (0,)): (60, 1.4)}
+    tried, pick = _searched(table, budget=65)
+    assert tried == [(0, ()), (1, ()), (2, ()), (0, (0,))]  # 0.8 alone (1.6 s) is slower than default + link 0
+    assert pick == (0, (0,))
+
+
+def test_the_compiled_search_stops_adding_links_once_a_setting_is_slower_than_a_fit():
+    table = {**ALONE, (0, (0,)): (80, 1.6), (1, (0,)): (62, 1.3)}
+    tried, pick = _searched(table, budget=65)
+    # 0.5 alone fits at 1.5 s; default + link 0 does not fit and is already slower: no second link for it
+    assert tried == [(0, ()), (1, ()), (2, ()), (0, (0,)), (1, (0,))]
+    assert pick == (1, (0,))
+
+
+def test_the_compiled_search_keeps_the_lowest_peak_when_nothing_fits_and_measures_no_set_twice():
+    table = {**ALONE, (2, ()): (65, 1.5), (0, (0,)): (90, 1.1), (0, (0, 1)): (85, 1.2), (0, (0, 1, 2)): (80, 1.3)}
+    table.update({(1, (0,)): (66, 1.3), (1, (0, 1)): (64, 1.4), (1, (0, 1, 2)): (63, 1.5)})
+    table.update({(2, (0,)): (62, 1.6), (2, (0, 1)): (61, 1.7), (2, (0, 1, 2)): (61, 1.8)})
+    search = CompileBudgetSearch([1.0, 0.8, 0.5], lambda p, b: {0}, [3.0, 2.0, 1.0], [1, 1, 1], budget=lambda b: 40)
+    while (step := search.propose()) is not None:
+        search.observe(*table[(step[0], tuple(sorted(step[1])))])
+    tried = [(c.setting, tuple(sorted(c.links))) for c in search.tried]
+    # each setting gets links while none fits, as many at once as the gap needs; no set is measured twice (at the
+    # end the search would propose a setting's lowest set again)
+    assert search.budget == 40
+    assert tried == [(0, ()), (1, ()), (2, ()), *[(s, links) for s in range(3) for links in ((0,), (0, 1, 2))]]
+    assert tried[search.result] == (2, (0, 1, 2))  # the lowest peak
+    with pytest.raises(RuntimeError, match="after the search ended"):
+        search.observe(1, 1.0)
+
+
 @pytest.mark.parametrize(("form", "budget"), [("compiled model", 0.6), ("compile=True", 0.6), ("compile=True", 0.3)])
 def test_a_budget_is_measured_and_held_under_compile(form, budget):
     model = _resnet()
@@ -76,11 +133,15 @@ def test_a_budget_is_measured_and_held_under_compile(form, budget):
         plan = checkpoint_resnet(model, memory_budget=budget, example_input=x, compile={"backend": "aot_eager"})
     assert plan.compiled and plan.baseline_bytes == compiled_plain  # the budget is of the compiled model's peak
     assert plan.budget_bytes == int(budget * compiled_plain) and plan.held
-    # compile's own settings alone save about half here: 0.6 is met by them alone, 0.3 needs blocks with each
-    alone = [c["activation_memory_budget"] for c in plan.compile_candidates if not c["runs"]]
-    assert alone == ([0.8, 0.5] if budget == 0.6 else [])
-    assert all(c["peak_bytes"] <= plan.budget_bytes for c in plan.compile_candidates)
-    assert [c["activation_memory_budget"] for c in plan.compile_candidates] == [None, 0.8, 0.5]
+    # each setting measured alone first; compile's own settings save about half here: 0.6 is met by them alone,
+    # 0.3 needs blocks
+    candidates = plan.compile_candidates
+    assert [(c["activation_memory_budget"], c["runs"]) for c in candidates[:3]] == [(None, []), (0.8, []), (0.5, [])]
+    fit = [c for c in candidates if c["peak_bytes"] <= plan.budget_bytes]
+    assert [c["activation_memory_budget"] for c in fit if not c["runs"]] == ([0.8, 0.5] if budget == 0.6 else [])
+    assert fit and plan.measured_bytes in [c["peak_bytes"] for c in fit]
+    fastest = min(c["step_ms"] for c in fit)  # the pick: the fastest that fits (or its twin in one graph)
+    assert any(c["step_ms"] == fastest and c["activation_memory_budget"] == plan.activation_memory_budget for c in fit)
     assert torch._functorch.config.activation_memory_budget == setting_before  # restored after planning
     assert all(torch.equal(v, buffers[k]) for k, v in model.state_dict().items())  # planning changed no state
     # trained the way the plan says, compiled afresh: the budget holds
@@ -150,10 +211,8 @@ class _Saved(Callback):
 
 
 def _choose_compiles_half_setting(monkeypatch):
-    """Timing on this CPU decides nothing: the plan takes the candidate of compile's setting 0.5 (the third)."""
-    from lightning_memguard.checkpointing import plan
-
-    monkeypatch.setattr(plan, "fastest_within", lambda candidates, budget: 2)
+    """Timing on this CPU decides nothing: compile's setting 0.5 is the fastest, alone and with blocks."""
+    planner_step_times(monkeypatch, lambda setting, blocks, split: (0.05 if setting == 0.5 else 0.2) + blocks * 1e-3)
 
 
 def test_the_callback_holds_its_budget_on_a_compiled_module(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import trainer_kwargs
+from conftest import planner_step_times, trainer_kwargs
 from lightning.pytorch import Trainer
 from test_compile_checkpointing import Net, _fresh_dynamo, _resnet  # noqa: F401 - _fresh_dynamo: autouse
 
@@ -100,24 +100,23 @@ def test_blocks_in_one_container_are_not_split_and_apply_plan_splits_only_when_a
     assert [n for n, m in model.named_modules() if isinstance(m, GraphSplit)] == ["layer1", "layer3"]
 
 
-def _compiled_plan(monkeypatch, step_seconds):
-    """A compiled budget plan whose pick is the first candidate (split) and whose step times are ``step_seconds``,
-    in the order measured: compile's default, 0.8, 0.5, then the pick as one graph."""
-    from lightning_memguard.checkpointing import plan as plan_module
-
-    monkeypatch.setattr(plan_module, "fastest_within", lambda candidates, budget: 0)
-    times = iter(step_seconds)
-    monkeypatch.setattr(plan_module._StepMeter, "seconds", lambda self, steps=3: next(times))
+def _compiled_plan(monkeypatch, one_graph_s):
+    """A compiled budget plan in which compile's default with blocks and a graph per stage is the fastest that fits
+    (0.1 s a step, other settings 0.2 s), and its blocks as one graph take ``one_graph_s``."""
+    planner_step_times(monkeypatch, lambda setting, blocks, split: one_graph_s if blocks and not split else
+                       0.1 if setting == 1.0 else 0.2)  # fmt: skip
     model = _resnet()
     x = torch.randn(4, 3, 64, 64)
-    return model, checkpoint_resnet(model, memory_budget=0.2, example_input=x, compile={"backend": "aot_eager"})
+    plan = checkpoint_resnet(model, memory_budget=0.2, example_input=x, compile={"backend": "aot_eager"})
+    split = [c for c in plan.compile_candidates if c["graph_splits"]]
+    assert len(split) == 1 and split[0]["activation_memory_budget"] is None  # 0.8 and 0.5: slower alone
+    assert plan.compile_candidates[-1]["runs"] == split[0]["runs"] and not plan.compile_candidates[-1]["graph_splits"]
+    return model, plan, split[0], plan.compile_candidates[-1]
 
 
 def test_a_compiled_budget_keeps_one_graph_where_it_fits_and_is_faster(monkeypatch):
-    model, plan = _compiled_plan(monkeypatch, [0.100, 0.2, 0.3, 0.090])
-    first, twin = plan.compile_candidates[0], plan.compile_candidates[3]
-    assert first["graph_splits"] and len({r[0].split(".")[0] for r in first["runs"]}) > 1
-    assert twin["runs"] == first["runs"] and twin["graph_splits"] == []
+    model, plan, first, twin = _compiled_plan(monkeypatch, 0.090)
+    assert len({r[0].split(".")[0] for r in first["runs"]}) > 1
     assert twin["activation_memory_budget"] == first["activation_memory_budget"]
     assert twin["peak_bytes"] <= plan.budget_bytes  # it fits (on the CPU one graph saves fewer bytes)
     assert plan.graph_splits == [] and not any(isinstance(m, GraphSplit) for m in model.modules())
@@ -125,15 +124,14 @@ def test_a_compiled_budget_keeps_one_graph_where_it_fits_and_is_faster(monkeypat
 
 
 def test_one_graph_that_is_faster_only_within_the_noise_is_not_taken(monkeypatch):
-    model, plan = _compiled_plan(monkeypatch, [0.100, 0.2, 0.3, 0.099])  # 1 % faster: within ONE_GRAPH_MARGIN
-    assert plan.graph_splits == plan.compile_candidates[0]["graph_splits"] != []
+    model, plan, first, _ = _compiled_plan(monkeypatch, 0.099)  # 1 % faster: within ONE_GRAPH_MARGIN
+    assert plan.graph_splits == first["graph_splits"] != []
     assert [n for n, m in model.named_modules() if isinstance(m, GraphSplit)] == plan.graph_splits
 
 
 def test_a_compiled_budget_that_keeps_its_split_applies_it_and_says_so(monkeypatch):
-    model, plan = _compiled_plan(monkeypatch, [0.100, 0.2, 0.3, 0.150])  # one graph slower
-    assert len(plan.compile_candidates) == 4  # three settings, and the pick's twin in one graph
-    assert plan.graph_splits == plan.compile_candidates[0]["graph_splits"] != []
+    model, plan, first, _ = _compiled_plan(monkeypatch, 0.150)  # one graph slower
+    assert plan.graph_splits == first["graph_splits"] != []
     assert [n for n, m in model.named_modules() if isinstance(m, GraphSplit)] == plan.graph_splits
     assert "a graph per container" in plan.summary()
 

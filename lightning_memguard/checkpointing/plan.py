@@ -37,9 +37,9 @@ from lightning_memguard.checkpointing.wrap import (
 from lightning_memguard.core.checkpoint_plan import (
     BlockProfile,
     BudgetSearch,
+    CompileBudgetSearch,
     best_runs,
     choose_blocks,
-    fastest_within,
     predict_peak,
     value,
 )
@@ -543,13 +543,13 @@ ONE_GRAPH_MARGIN = 0.02
 container to be kept so: one measurement's timing differs by about that much from the next."""
 
 
-def _candidate(setting: float | None, applied: surgery.Applied, peak: int, meter: _StepMeter) -> dict[str, Any]:
+def _candidate(setting: float | None, applied: surgery.Applied, peak: int, seconds: float) -> dict[str, Any]:
     return {
         "activation_memory_budget": setting,
         "runs": applied.runs,
         "graph_splits": applied.splits,
         "peak_bytes": peak,
-        "step_ms": round(meter.seconds() * 1e3, 3),
+        "step_ms": round(seconds * 1e3, 3),
     }
 
 
@@ -565,47 +565,47 @@ def _plan_compiled(
     options: dict[str, Any] | None,
     settings: tuple[float, ...],
 ) -> CheckpointPlan:
-    """The budget under compile: each of compile's settings alone, else with the fewest most valuable blocks that
-    fit, measured compiled, the blocks' containers each a graph of its own; the fastest that fits is applied, in
-    one graph where that fits and is faster (see :func:`checkpoint_blocks`)."""
+    """The budget under compile: each of compile's settings alone, then with the fewest most valuable blocks that
+    fit where it may still be the fastest (:class:`~lightning_memguard.core.checkpoint_plan.CompileBudgetSearch`),
+    measured compiled, the blocks' containers each a graph of its own; the fastest that fits is applied, in one
+    graph where that fits and is faster (see :func:`checkpoint_blocks`)."""
     loss_fn = loss_fn or _default_loss
     with _compiler.eager():  # each link's own bytes and time, to rank them: in eager mode, hooks and all
         profiles = _StepMeter(model, example_input, loss_fn).profile(links)
-    values = [value(p) for p in profiles]
-    savings = [p.saving for p in profiles]
-    budget = None
-    baseline = 0
+    gradients = any(t.is_cuda for t in _tensors(example_input))
+    levels = (None, *dict.fromkeys(settings))
+    search = CompileBudgetSearch(
+        [_compiler.activation_memory_budget_now() if s is None else s for s in levels],
+        lambda peak, budget: choose_blocks(profiles, peak, budget, joinable, gradients)[0],
+        [value(p) for p in profiles],
+        [p.saving for p in profiles],
+        lambda baseline: _budget_bytes(baseline, memory_budget),  # of compile's default peak alone
+    )
     candidates: list[dict[str, Any]] = []
     applied = surgery.Applied()
 
-    def compiled_meter() -> _StepMeter:  # each measurement compiles anew, under the setting of the moment
-        return _StepMeter(measured, example_input, loss_fn, _compiler.fresh_compiled(measured, options))
+    def measure(setting: float | None, runs: list[list[Link]], split_graphs: bool) -> dict[str, Any]:
+        nonlocal applied
+        with _compiler.activation_memory_budget(setting):  # each measurement compiles anew, under its setting
+            meter = _StepMeter(measured, example_input, loss_fn, _compiler.fresh_compiled(measured, options))
+            applied = surgery.apply(model, runs, bn_correct=bn_correct, replacing=applied, split_graphs=split_graphs)
+            candidate = _candidate(setting, applied, meter.peak(), meter.seconds())
+        candidates.append(candidate)
+        return candidate
 
     with _warnings_once():
-        for setting in (None, *dict.fromkeys(settings)):  # compile's default first: the budget's baseline
-            with _compiler.activation_memory_budget(setting):
-                meter = compiled_meter()
-                applied = surgery.apply(model, [], replacing=applied)
-                peak = meter.peak()
-                if budget is None:
-                    baseline, budget = peak, _budget_bytes(peak, memory_budget)
-                if peak > budget:
-                    first, _, _ = choose_blocks(profiles, peak, budget, joinable, meter.cuda)
-                    # each measurement compiles: no giving back, and links added as many at a time as the gap needs
-                    search = BudgetSearch(first, values, budget, give_back=False, savings=savings)
-                    _, peak, applied = _search(
-                        search, meter.peak, model, links, joinable, profiles, peak, applied, meter.cuda,
-                        bn_correct=bn_correct, split_graphs=True,
-                    )  # fmt: skip
-                candidates.append(_candidate(setting, applied, peak, meter))
-        pick = candidates[fastest_within([(c["peak_bytes"], c["step_ms"]) for c in candidates], budget)]  # type: ignore[arg-type]
+        while (step := search.propose()) is not None:
+            index, chosen = step
+            alone = next((c.peak for c in search.tried if c.setting == index and not c.links), 0)
+            runs = [[links[i] for i in run] for run in best_runs(chosen, profiles, alone, joinable, gradients)]
+            tried = measure(levels[index], runs, split_graphs=True)
+            search.observe(tried["peak_bytes"], tried["step_ms"] / 1e3)
+        budget = search.budget
+        assert budget is not None and search.result is not None
+        pick = candidates[search.result]
         runs = _runs_named(links, joinable, pick["runs"])  # the twin below has the same runs
         if pick["graph_splits"]:  # the same blocks in one graph: chosen instead where it fits and is faster
-            with _compiler.activation_memory_budget(pick["activation_memory_budget"]):
-                meter = compiled_meter()
-                applied = surgery.apply(model, runs, bn_correct=bn_correct, replacing=applied)
-                twin = _candidate(pick["activation_memory_budget"], applied, meter.peak(), meter)
-            candidates.append(twin)
+            twin = measure(pick["activation_memory_budget"], runs, split_graphs=False)
             # one graph peaks higher at about the same speed (ResNet50: 0.3 %): it must be faster beyond the noise
             if twin["peak_bytes"] <= budget and twin["step_ms"] < pick["step_ms"] * (1 - ONE_GRAPH_MARGIN):
                 pick = twin
@@ -618,7 +618,7 @@ def _plan_compiled(
             blocks=_in_model_order(applied.checkpointed, links),
             candidates=len(links),
             runs=applied.runs,
-            baseline_bytes=baseline,
+            baseline_bytes=search.tried[0].peak,
             budget_bytes=budget,
             measured_bytes=pick["peak_bytes"],
             profiles=profiles,

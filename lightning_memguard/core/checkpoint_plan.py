@@ -7,7 +7,7 @@ recomputation, but the whole run's activations come back at once when it is reco
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -301,6 +301,131 @@ class BudgetSearch:
     def _finish(self) -> None:
         self._phase = "final"
         self._pending = set(self._chosen)
+
+
+@dataclass(frozen=True)
+class Combination:
+    """One combination measured by :class:`CompileBudgetSearch`: compile's setting (an index into its settings),
+    the links checkpointed, the peak in bytes and the seconds per step."""
+
+    setting: int
+    links: frozenset[int]
+    peak: int
+    seconds: float
+
+
+class CompileBudgetSearch:
+    """Which of compile's settings, with which links checkpointed, is the fastest combination within a budget, as a
+    step object: :meth:`propose` names ``(setting index, links)`` to apply and measure compiled, :meth:`observe` takes
+    its peak and step time, :attr:`result` is the pick.
+
+    Every setting is measured alone first (the first of them, compile's default, sets the budget where ``budget``
+    is a function of its peak). Then each setting that does not fit alone, fastest alone first, gets links added
+    (:class:`BudgetSearch` without giving back, as many links at once as the gap needs) until it fits. It rests on
+    one assumption, which the measurements bear out: checkpointing more links, or a lower setting, only adds
+    recomputation, never speed. So a setting is left as soon as it is no faster than a fit already found (alone, or
+    with links that still do not fit), or when its next set holds all the links of a fit under a setting no lower
+    than its own: such a combination cannot be the fastest, and each measurement under compile costs a compile.
+
+    Args:
+        levels: each setting's ``activation_memory_budget``, compile's default first (its value in force).
+        first: the links predicted to bring a setting's peak alone within the budget: ``first(peak, budget)``.
+        values: each link's value (bytes freed per millisecond of recomputation), by index.
+        savings: each link's predicted bytes freed, by index.
+        budget: the peak to stay under, in bytes, or a function of compile's default peak alone.
+
+    Example:
+        >>> peaks = {(0, ()): 100, (1, ()): 70, (0, (0,)): 60}
+        >>> times = {(0, ()): 1.0, (1, ()): 1.3, (0, (0,)): 1.2}
+        >>> search = CompileBudgetSearch([1.0, 0.5], lambda peak, budget: {0}, [3.0, 2.0], [40, 20], budget=75)
+        >>> while (step := search.propose()) is not None:
+        ...     key = (step[0], tuple(sorted(step[1])))
+        ...     search.observe(peaks[key], times[key])
+        >>> [(c.setting, sorted(c.links), c.peak) for c in search.tried], search.budget
+        ([(0, [], 100), (1, [], 70), (0, [0], 60)], 75)
+        >>> pick = search.tried[search.result]
+        >>> pick.setting, sorted(pick.links)
+        (0, [0])
+    """
+
+    def __init__(
+        self,
+        levels: Sequence[float],
+        first: Callable[[int, int], set[int]],
+        values: Sequence[float],
+        savings: Sequence[int],
+        budget: int | Callable[[int], int],
+    ) -> None:
+        if not levels:
+            raise ValueError("no settings to search")
+        self._levels, self._first, self._values, self._savings = list(levels), first, list(values), list(savings)
+        self._budget = budget
+        self.budget: int | None = budget if isinstance(budget, int) else None
+        self.tried: list[Combination] = []
+        self._queue: list[int] = []  # settings still to search with links, fastest alone first
+        self._inner: BudgetSearch | None = None
+        self._setting = 0
+        self._pending: tuple[int, frozenset[int]] | None = (0, frozenset())
+
+    def propose(self) -> tuple[int, set[int]] | None:
+        """The setting and links to apply and measure next, or None when the search is over."""
+        return None if self._pending is None else (self._pending[0], set(self._pending[1]))
+
+    def observe(self, peak: int, seconds: float) -> None:
+        """The measured peak (bytes) and step time (seconds) of the last proposal."""
+        if self._pending is None:
+            raise RuntimeError("CompileBudgetSearch.observe() called after the search ended")
+        setting, links = self._pending
+        self.tried.append(Combination(setting, links, peak, seconds))
+        if self.budget is None:
+            self.budget = self._budget(peak)  # type: ignore[operator]
+        if self._inner is None and setting + 1 < len(self._levels):  # the settings alone, in turn
+            self._pending = (setting + 1, frozenset())
+            return
+        if self._inner is None:  # all measured alone: search those that do not fit, fastest first
+            alone = [c for c in self.tried if not c.links and c.peak > self.budget]
+            self._queue = [c.setting for c in sorted(alone, key=lambda c: c.seconds)]
+        elif peak <= self.budget or seconds >= self._fastest():
+            self._inner = None  # it fits, or it is already too slow to win with more links
+        else:
+            self._inner.observe(peak)
+        self._pending = self._next()
+
+    @property
+    def result(self) -> int | None:
+        """The index in :attr:`tried` of the fastest combination within the budget (else of the lowest peak), once
+        :meth:`propose` returns None."""
+        if self._pending is not None:
+            return None
+        return fastest_within([(c.peak, c.seconds) for c in self.tried], self.budget)  # type: ignore[arg-type]
+
+    def _fastest(self) -> float:
+        return min((c.seconds for c in self.tried if c.peak <= self.budget), default=float("inf"))  # type: ignore[operator]
+
+    def _next(self) -> tuple[int, frozenset[int]] | None:
+        while True:
+            if self._inner is None:
+                if not self._queue:
+                    return None
+                self._setting = self._queue.pop(0)
+                alone = next(c for c in self.tried if c.setting == self._setting and not c.links)
+                if alone.seconds >= self._fastest():
+                    continue  # links would only slow it down
+                first = self._first(alone.peak, self.budget)  # type: ignore[arg-type]
+                self._inner = BudgetSearch(first, self._values, self.budget, give_back=False, savings=self._savings)  # type: ignore[arg-type]
+            links = self._inner.propose()
+            measured = [c for c in self.tried if c.setting == self._setting and c.links == frozenset(links or ())]
+            if links is None or measured or self._dominated(frozenset(links)):
+                self._inner = None  # over (or only the lowest set again, measured before), or cannot win
+                continue
+            return (self._setting, frozenset(links))
+
+    def _dominated(self, links: frozenset[int]) -> bool:
+        level = self._levels[self._setting]
+        return any(
+            c.peak <= self.budget and self._levels[c.setting] >= level and c.links <= links  # type: ignore[operator]
+            for c in self.tried
+        )
 
 
 def fastest_within(candidates: Sequence[tuple[int, float]], budget: int) -> int:
