@@ -202,13 +202,17 @@ def one_pass_peak(model: nn.Module, forward: Callable, x: torch.Tensor) -> int |
     return int(torch.cuda.max_memory_allocated() - before)
 
 
+def _example(cfg: Setup) -> torch.Tensor:
+    """The batch a plan is measured on (the same one each call)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    x = torch.randn(cfg.batch, 3, cfg.image, cfg.image, device=DEVICE, generator=gen)
+    return x.to(memory_format=torch.channels_last)
+
+
 def budgets(cfg: Setup, fractions: list[float], checkpoint: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Ours under compile: plan with ``compile=True`` at each budget, then train compiled under the plan's setting.
     ``checkpoint`` gets the rows so far after each budget (a long run cut short keeps what it measured)."""
     rows: list[dict[str, Any]] = []
-    gen = torch.Generator(device=DEVICE).manual_seed(1)
-    x = torch.randn(cfg.batch, 3, cfg.image, cfg.image, device=DEVICE, generator=gen)
-    x = x.to(memory_format=torch.channels_last)
     options = {"backend": cfg.backend}
     for fraction in fractions:
         torch._dynamo.reset()
@@ -216,13 +220,13 @@ def budgets(cfg: Setup, fractions: list[float], checkpoint: Callable[[dict[str, 
         model = make_model(cfg)
         started = time.perf_counter()
         with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=CUDA):
-            plan = checkpoint_resnet(model, memory_budget=fraction, example_input=x, compile=options)
+            plan = checkpoint_resnet(model, memory_budget=fraction, example_input=_example(cfg), compile=options)
         plan_s = time.perf_counter() - started
         torch._dynamo.reset()
-        with plan.compiling():
+        with plan.compiling():  # no planning batch alive: the train peak counts what frontier's rows count
             forward = torch.compile(model, **options)
             trained = train_steps(model, forward, cfg)
-            peak = one_pass_peak(model, forward, x)
+            peak = one_pass_peak(model, forward, _example(cfg))
         rows.append(
             {
                 "fraction": fraction,
