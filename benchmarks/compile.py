@@ -317,6 +317,40 @@ def tuner(cfg: Setup, root: str) -> dict[str, Any]:
     }
 
 
+def savings_goal(
+    frontier_rows: list[dict[str, Any]], budget_rows: list[dict[str, Any]], low: float = 0.40, high: float = 0.57
+) -> dict[str, Any]:
+    """Issue 14's goal, checked exactly: at every saving ``s`` of eager mode's train peak in [low, high], the fastest
+    of our budget plans (trained) that saves at least ``s`` is at least as fast as the fastest of compile's own
+    settings (compile alone, or with an ``activation_memory_budget``) that saves at least ``s``, where there is one.
+    Between two rows' savings neither side changes, so the savings checked are the ends and each row's own saving
+    and the one just past it. ``shortfalls`` lists each saving checked where ours is slower."""
+    eager = next(r["peak_bytes"] for r in frontier_rows if r["setting"] == "eager")
+    theirs = [
+        (1 - r["peak_bytes"] / eager, r["img_s"], r["setting"])
+        for r in frontier_rows
+        if r["setting"] == "compile" or r["setting"].startswith("compile_activation_memory_budget")
+    ]
+    ours = [(1 - r["train_peak_bytes"] / eager, r["img_s"], r["fraction"]) for r in budget_rows]
+
+    def fastest(rows: list[tuple[float, float, Any]], saving: float) -> tuple[float, float, Any] | None:
+        return max((r for r in rows if r[0] >= saving), key=lambda r: r[1], default=None)
+
+    savings = {low, high, *(x for r in theirs + ours for x in (r[0], r[0] + 1e-9) if low <= x <= high)}
+    points, shortfalls = [], []
+    for saving in sorted(savings):
+        best, mine = fastest(theirs, saving), fastest(ours, saving)
+        point = {
+            "saving": round(saving, 5),
+            "compile": None if best is None else {"setting": best[2], "img_s": best[1]},
+            "ours": None if mine is None else {"fraction": mine[2], "img_s": mine[1]},
+        }
+        points.append(point)
+        if best is not None and (mine is None or mine[1] < best[1]):
+            shortfalls.append(point)
+    return {"range": [low, high], "eager_peak_bytes": eager, "points": points, "shortfalls": shortfalls}
+
+
 def merge(paths: list[str]) -> dict[str, Any]:
     """The parts in one file; budgets measured over several calls are kept together, by fraction (a later
     measurement of the same fraction replaces an earlier one)."""
@@ -329,6 +363,8 @@ def merge(paths: list[str]) -> dict[str, Any]:
         merged.update(part)
     if rows:
         merged["budgets"] = [rows[f] for f in sorted(rows, reverse=True)]
+        if isinstance(merged.get("frontier"), dict):
+            merged["savings_goal"] = savings_goal(merged["frontier"]["rows"], merged["budgets"])
     return merged
 
 

@@ -77,3 +77,25 @@ def test_multigpu_summary_compares_every_rank():
     strategy = summary["strategy"]
     assert strategy["peak_bytes_per_rank"] == [95, 101] and strategy["held_on_every_rank"] is False  # rank 1: 101
     assert summary["oom"]["same_choice_on_every_rank"] and "tuning" not in summary
+
+
+def test_the_savings_goal_finds_where_ours_is_slower_than_compiles_own_setting_at_that_memory():
+    frontier = [
+        {"setting": "eager", "peak_bytes": 1000},
+        {"setting": "compile", "peak_bytes": 950, "img_s": 10.0},
+        {"setting": "compile_activation_memory_budget_0.8", "peak_bytes": 600, "img_s": 8.0},  # saves 40 %
+        {"setting": "compile_activation_memory_budget_0.5", "peak_bytes": 550, "img_s": 7.0},  # 45 %
+        {"setting": "compile_every_block", "peak_bytes": 300, "img_s": 6.0},  # ours, not compile's own setting
+    ]
+    budgets = [
+        {"fraction": 0.65, "train_peak_bytes": 601, "img_s": 8.1},  # 39.9 %: just short of the 0.8's 40 %
+        {"fraction": 0.5, "train_peak_bytes": 500, "img_s": 7.5},  # 50 %
+    ]
+    goal = _benchmark("compile").savings_goal(frontier, budgets)
+    # from 39.9 % to 40 % saved the fastest of ours is the 0.5 plan (7.5) against compile's 0.8 (8.0)
+    assert [p["saving"] for p in goal["shortfalls"]] == [0.4]
+    assert goal["shortfalls"][0]["ours"] == {"fraction": 0.5, "img_s": 7.5}
+    assert goal["shortfalls"][0]["compile"]["setting"] == "compile_activation_memory_budget_0.8"
+    assert goal["points"][-1] == {"saving": 0.57, "compile": None, "ours": None}  # neither saves 57 %
+    budgets[0]["train_peak_bytes"] = 600  # the same memory as compile's 0.8, and faster: met everywhere
+    assert _benchmark("compile").savings_goal(frontier, budgets)["shortfalls"] == []
