@@ -27,7 +27,7 @@ want tuners && run timeout 330 python3 benchmarks/tuners.py --out "$out/tuners.j
 want zoo && TAIL=12 run timeout 300 python3 benchmarks/checkpointing_zoo.py ${ZOO_ARGS:-} --out "$out/checkpointing_zoo.json"
 want compile_frontier && TAIL=14 run timeout 540 python3 benchmarks/compile.py --part frontier --out "$out/compile_frontier.json"
 want compile_tuner && TAIL=10 run timeout 540 python3 benchmarks/compile.py --part tuner --out "$out/compile_tuner.json"
-want compile_budgets && TAIL=8 run timeout 540 python3 benchmarks/compile.py --part budgets --budgets "${BUDGETS:-0.6,0.5,0.4,0.35}" --out "$out/compile_budgets.json"
+want compile_budgets && TAIL=8 run timeout 540 python3 benchmarks/compile.py --part budgets --budgets "${BUDGETS:-0.65,0.6,0.56,0.5,0.4,0.35}" --out "$out/compile_budgets.json"
 want compile_rerun && TAIL=8 run timeout 420 python3 benchmarks/compile.py --part frontier --rows "${ROWS:-compile_every_block,compile_every_block_one_graph}" --out "$out/compile_rerun.json"
 want compile_peak && TAIL=80 run timeout 555 python3 benchmarks/compile_peak.py --out "$out/compile_peak.json"
 if want sweeps; then

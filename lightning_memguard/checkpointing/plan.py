@@ -1,6 +1,7 @@
 """Measuring a model's links on a real batch and checkpointing the ones that buy the most memory per millisecond.
 
-This module measures and decides (with :class:`~lightning_memguard.core.checkpoint_plan.BudgetSearch`); every change
+This module measures and decides (with :class:`~lightning_memguard.core.checkpoint_plan.BudgetSearch`, and under
+compile :class:`~lightning_memguard.core.checkpoint_plan.CompileBudgetSearch`); every change
 to the model is made by :func:`.surgery.apply`."""
 
 from __future__ import annotations
@@ -401,10 +402,13 @@ def checkpoint_blocks(
     ``fit`` unwrapped) or will be (``compile=True``, or ``compile={...}``: ``torch.compile``'s keyword arguments),
     the peaks are measured compiled (each measurement compiles anew), and the budget is a fraction of the compiled
     model's own peak. Compile's ``activation_memory_budget`` is one more lever: compile's default and each of
-    ``compile_settings`` is measured alone and, where it does not fit, with the fewest blocks added, most valuable
-    first, until it does; the fastest combination that fits is applied, and ``plan.activation_memory_budget`` must
-    then be set while the model compiles (``with plan.compiling():``; the callback does it for the fit). The rebuild
-    stands aside under compile, so ``rebuild_bn_relu`` is not planned on there.
+    ``compile_settings`` is measured alone, then each that does not fit, fastest alone first, gets the fewest blocks
+    added, most valuable first, until it does, while it may still be the fastest (checkpointing more, or a lower
+    setting, is taken never to make a step faster: a setting no faster than a fit found is left, and so are a fit's
+    blocks under a lower setting; see :class:`~lightning_memguard.core.checkpoint_plan.CompileBudgetSearch`). The
+    fastest combination that fits is applied, and ``plan.activation_memory_budget`` must then be set while the
+    model compiles (``with plan.compiling():``; the callback does it for the fit). The rebuild stands aside under
+    compile, so ``rebuild_bn_relu`` is not planned on there.
 
     Under compile (the model compiled, or ``compile=`` given, with or without a budget) each container of
     checkpointed blocks (a ResNet's stages) is a compiled graph of its own (``plan.graph_splits``,
