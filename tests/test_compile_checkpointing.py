@@ -87,10 +87,32 @@ def test_the_compiled_search_measures_each_setting_alone_then_adds_links_to_the_
 
 
 def test_the_compiled_search_leaves_a_setting_no_faster_alone_than_a_fit():
-    table = {**ALONE, (1, ()): (70, 1.6), (0, (0,)): (60, 1.4)}
+    table = {**ALONE, (1, ()): (70, 1.6), (0, (0,)): (80, 1.55)}
     tried, pick = _searched(table, budget=65)
-    assert tried == [(0, ()), (1, ()), (2, ()), (0, (0,))]  # 0.8 alone (1.6 s) is slower than default + link 0
+    # 0.5 fits alone at 1.5 s; the default (1.0 s alone) is tried with a link and left at 1.55 s; 0.8 alone already
+    # takes 1.6 s: links would only slow it down, so it gets none
+    assert tried == [(0, ()), (1, ()), (2, ()), (0, (0,))]
+    assert pick == (2, ())
+
+
+def test_the_compiled_search_tries_the_setting_fastest_alone_first_and_its_budget_is_of_the_defaults_peak():
+    levels = (1.0, 0.5, 0.8)  # setting 2 (0.8) is faster alone than setting 1 (0.5)
+    table = {(0, ()): (100, 1.0), (1, ()): (60, 1.5), (2, ()): (70, 1.2), (0, (0,)): (35, 1.1), (2, (0,)): (38, 1.3)}
+    tried, pick = _searched(table, budget=lambda peak: peak * 2 // 5, levels=levels)  # 40 % of 100
+    assert tried == [(0, ()), (1, ()), (2, ()), (0, (0,))]  # 0.8 then 0.5 would come next: both slower alone
     assert pick == (0, (0,))
+    table[(0, (0,))] = (45, 1.1)  # the default does not fit with its link (and has no more): 0.8, then 0.5
+    table.update({(0, (0, 1)): (42, 1.2), (0, (0, 1, 2)): (41, 1.25)})
+    tried, pick = _searched(table, budget=lambda peak: peak * 2 // 5, levels=levels)
+    # 0.8 fits with one link at 1.3 s; 0.5, at 1.5 s alone, is left
+    assert tried == [(0, ()), (1, ()), (2, ()), (0, (0,)), (0, (0, 1)), (0, (0, 1, 2)), (2, (0,))]
+    assert pick == (2, (0,))
+
+
+def test_the_compiled_search_takes_a_budget_in_any_whole_form_and_adds_links_where_none_was_predicted():
+    table = {**ALONE, (0, (0, 1)): (60, 1.3), (1, (0,)): (62, 1.35)}
+    tried, pick = _searched(table, budget=65.0, first=frozenset())  # none predicted: each gap decides (35, 5)
+    assert tried == [(0, ()), (1, ()), (2, ()), (0, (0, 1)), (1, (0,))] and pick == (0, (0, 1))
 
 
 def test_the_compiled_search_stops_adding_links_once_a_setting_is_slower_than_a_fit():
@@ -141,7 +163,10 @@ def test_a_budget_is_measured_and_held_under_compile(form, budget):
     assert [c["activation_memory_budget"] for c in fit if not c["runs"]] == ([0.8, 0.5] if budget == 0.6 else [])
     assert fit and plan.measured_bytes in [c["peak_bytes"] for c in fit]
     fastest = min(c["step_ms"] for c in fit)  # the pick: the fastest that fits (or its twin in one graph)
-    assert any(c["step_ms"] == fastest and c["activation_memory_budget"] == plan.activation_memory_budget for c in fit)
+    assert any(
+        (c["step_ms"], c["activation_memory_budget"], c["runs"]) == (fastest, plan.activation_memory_budget, plan.runs)
+        for c in fit
+    )
     assert torch._functorch.config.activation_memory_budget == setting_before  # restored after planning
     assert all(torch.equal(v, buffers[k]) for k, v in model.state_dict().items())  # planning changed no state
     # trained the way the plan says, compiled afresh: the budget holds
@@ -150,6 +175,16 @@ def test_a_budget_is_measured_and_held_under_compile(form, budget):
         assert saved_bytes(torch.compile(model, backend="aot_eager"), model, x) <= plan.budget_bytes
     remove_checkpointing(model)
     assert not plan.blocks or plan.runs
+
+
+def test_a_setting_equal_to_compiles_default_in_force_is_measured_once():
+    model = _resnet()
+    x = torch.randn(4, 3, 64, 64)
+    with torch._functorch.config.patch(activation_memory_budget=0.8):  # the user's own setting, in force
+        plan = checkpoint_resnet(
+            model, memory_budget=0.6, example_input=x, compile={"backend": "aot_eager"}, compile_settings=(0.8, 0.5)
+        )
+    assert [c["activation_memory_budget"] for c in plan.compile_candidates if not c["runs"]] == [None, 0.5]
 
 
 def test_an_eager_plan_is_still_made_in_eager_mode():

@@ -402,10 +402,11 @@ def checkpoint_blocks(
     ``fit`` unwrapped) or will be (``compile=True``, or ``compile={...}``: ``torch.compile``'s keyword arguments),
     the peaks are measured compiled (each measurement compiles anew), and the budget is a fraction of the compiled
     model's own peak. Compile's ``activation_memory_budget`` is one more lever: compile's default and each of
-    ``compile_settings`` is measured alone, then each that does not fit, fastest alone first, gets the fewest blocks
-    added, most valuable first, until it does, while it may still be the fastest (checkpointing more, or a lower
-    setting, is taken never to make a step faster: a setting no faster than a fit found is left, and so are a fit's
-    blocks under a lower setting; see :class:`~lightning_memguard.core.checkpoint_plan.CompileBudgetSearch`). The
+    ``compile_settings`` is measured alone, then each that does not fit, fastest alone first, gets blocks added, most
+    valuable first, as many as the gap needs, until it does, while it may still be the fastest (a heuristic:
+    checkpointing more, or a lower setting, is taken not to make a step faster, so a setting no faster than a fit
+    found is left, and so are a fit's blocks under a lower setting; see
+    :class:`~lightning_memguard.core.checkpoint_plan.CompileBudgetSearch`). The
     fastest combination that fits is applied, and ``plan.activation_memory_budget`` must then be set while the
     model compiles (``with plan.compiling():``; the callback does it for the fit). The rebuild stands aside under
     compile, so ``rebuild_bn_relu`` is not planned on there.
@@ -577,9 +578,10 @@ def _plan_compiled(
     with _compiler.eager():  # each link's own bytes and time, to rank them: in eager mode, hooks and all
         profiles = _StepMeter(model, example_input, loss_fn).profile(links)
     gradients = any(t.is_cuda for t in _tensors(example_input))
-    levels = (None, *dict.fromkeys(settings))
+    now = _compiler.activation_memory_budget_now()
+    levels = (None, *(s for s in dict.fromkeys(settings) if s != now))  # the default in force is measured once
     search = CompileBudgetSearch(
-        [_compiler.activation_memory_budget_now() if s is None else s for s in levels],
+        [now if s is None else s for s in levels],
         lambda peak, budget: choose_blocks(profiles, peak, budget, joinable, gradients)[0],
         [value(p) for p in profiles],
         [p.saving for p in profiles],
