@@ -163,11 +163,16 @@ def backends() -> list[str]:
     return list(torch._dynamo.list_backends(exclude_tags=()))
 
 
+def triton_installed() -> bool:
+    """Whether Triton can be imported (without importing it): Inductor's CUDA code and the rebuild's kernel need it."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def inductor_missing(cuda: bool) -> str | None:
     """What Inductor lacks here to compile for CUDA (``"triton"``) or for the CPU (``"c++"``: no C++ compiler,
     ``$CXX``, g++, clang++ or c++, or cl on Windows), else None."""
     if cuda:
-        return "triton" if importlib.util.find_spec("triton") is None else None
+        return None if triton_installed() else "triton"
     names = [os.environ.get("CXX", ""), *(["cl"] if sys.platform == "win32" else ["g++", "clang++", "c++"])]
     return None if any(name and shutil.which(name) for name in names) else "c++"
 

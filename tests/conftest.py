@@ -125,22 +125,18 @@ def fused_calls(monkeypatch) -> list[bool]:
     return ran
 
 
-def planner_step_times(monkeypatch, seconds) -> list[tuple[float, int, bool]]:
+def planner_step_times(monkeypatch, seconds) -> None:
     """Make the compiled planner's step times ``seconds(setting, blocks, split)``: compile's
     ``activation_memory_budget`` in force, how many blocks are checkpointed, whether the model is split into graphs
-    (the state each measurement runs in), so that this CPU's timing decides nothing. Returns each state timed."""
+    (the state each measurement runs in), so that this CPU's timing decides nothing."""
     from lightning_memguard import _compiler
     from lightning_memguard.checkpointing import plan
     from lightning_memguard.checkpointing.wrap import GraphSplit, is_checkpointed
 
-    timed: list[tuple[float, int, bool]] = []
-
     def fake(meter, steps=3):
-        model = _compiler.unwrapped(meter.model)
-        blocks = sum(is_checkpointed(m) for m in model.modules())
-        split = any(isinstance(m, GraphSplit) for m in model.modules())
-        timed.append((torch._functorch.config.activation_memory_budget, blocks, split))
-        return seconds(*timed[-1])
+        modules = list(_compiler.unwrapped(meter.model).modules())
+        blocks = sum(is_checkpointed(m) for m in modules)
+        split = any(isinstance(m, GraphSplit) for m in modules)
+        return seconds(torch._functorch.config.activation_memory_budget, blocks, split)
 
     monkeypatch.setattr(plan._StepMeter, "seconds", fake)
-    return timed

@@ -11,13 +11,15 @@ two dense ones (contiguous, channels_last), or once the kernel has failed to bui
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 import os
 import sys
 import warnings
 from typing import Any
 
 import torch
+
+from lightning_memguard import _compiler
 
 _BLOCK = 2048
 
@@ -31,9 +33,7 @@ def available(t: torch.Tensor) -> bool:
     return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+_triton_installed = functools.cache(_compiler.triton_installed)  # asked at every rebuild: once is enough
 
 
 @functools.cache

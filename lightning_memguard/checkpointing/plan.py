@@ -518,15 +518,12 @@ def _search(
     rebuilt: Sequence[Link] = (),
     bn_correct: bool,
     config: RebuildConfig = DEFAULT_CONFIG,
-    split_graphs: bool = False,
 ) -> tuple[set[int], int, surgery.Applied]:
     """Hand each of ``search``'s proposals, cut into runs, to surgery and tell the search the peak ``measure`` reads;
     return its result and what is applied (the last proposal, the result's own set)."""
     while (indices := search.propose()) is not None:
         runs = [[links[i] for i in run] for run in best_runs(indices, profiles, start, joinable, cuda)]
-        applied = surgery.apply(
-            model, runs, rebuilt, bn_correct=bn_correct, config=config, replacing=applied, split_graphs=split_graphs
-        )
+        applied = surgery.apply(model, runs, rebuilt, bn_correct=bn_correct, config=config, replacing=applied)
         search.observe(measure())
     chosen, peak = search.result  # type: ignore[misc]
     return chosen, peak, applied
@@ -602,8 +599,9 @@ def _plan_compiled(
     with _warnings_once():
         while (step := search.propose()) is not None:
             index, chosen = step
-            alone = next((c.peak for c in search.tried if c.setting == index and not c.links), 0)
-            runs = [[links[i] for i in run] for run in best_runs(chosen, profiles, alone, joinable, gradients)]
+            start = search.alone(index)  # the peak the links are cut into runs against (None: measuring it now)
+            cut = best_runs(chosen, profiles, start.peak if start else 0, joinable, gradients)
+            runs = [[links[i] for i in run] for run in cut]
             tried = measure(levels[index], runs, split_graphs=True)
             search.observe(tried["peak_bytes"], tried["step_ms"] / 1e3)
         budget = search.budget

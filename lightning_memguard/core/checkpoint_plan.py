@@ -402,6 +402,10 @@ class CompileBudgetSearch:
             return None
         return fastest_within([(c.peak, c.seconds) for c in self.tried], self.budget)  # type: ignore[arg-type]
 
+    def alone(self, setting: int) -> Combination | None:
+        """The measurement of ``setting`` without links, once made."""
+        return next((c for c in self.tried if c.setting == setting and not c.links), None)
+
     def _fastest(self) -> float:
         return min((c.seconds for c in self.tried if c.peak <= self.budget), default=float("inf"))  # type: ignore[operator]
 
@@ -411,7 +415,8 @@ class CompileBudgetSearch:
                 if not self._queue:
                     return None
                 self._setting = self._queue.pop(0)
-                alone = next(c for c in self.tried if c.setting == self._setting and not c.links)
+                alone = self.alone(self._setting)
+                assert alone is not None  # every setting is measured alone before any gets links
                 if alone.seconds >= self._fastest():
                     continue  # links would only slow it down
                 first = self._first(alone.peak, self.budget)  # type: ignore[arg-type]
