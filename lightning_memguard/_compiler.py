@@ -12,10 +12,12 @@
   graph as one ``torch.autograd.Function`` (``CompiledFunction``); its forward returns the tensors the backward
   needs and ``ctx.save_for_backward`` saves them through the saved-tensor hooks like any other saved tensor, but
   they have no autograd history (leaves that do not require grad, like the inputs and buffers eager ops save).
-- :func:`activation_memory_budget`: compile's own memory lever (``torch._functorch.config``), set for a block.
+- :func:`activation_memory_budget`: compile's own memory lever (``torch._functorch.config``), set for a block;
+  :func:`activation_memory_budget_now`: its value in force.
 - :func:`graph_apart` and :func:`not_traced`: a model split into several compiled graphs, each with its own
   backward: a frame Dynamo does not trace calls a function of its own per part, which it compiles.
-- :func:`backends` and :func:`inductor_missing`: the backends ``torch.compile`` knows, and what Inductor lacks here.
+- :func:`backends`, :func:`inductor_missing` and :func:`triton_installed`: the backends ``torch.compile`` knows,
+  what Inductor lacks here, and whether Triton is there (for Inductor on CUDA and the rebuild's kernel).
 - :func:`compiling`: whether Dynamo is tracing the code now running.
 - :func:`gradient_realized`: where a compiled graph chains residual blocks, the gradient flowing into a block is
   one buffer, as in eager mode, not the sum of its two paths fused into every consumer.
