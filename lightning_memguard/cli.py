@@ -261,13 +261,18 @@ def _plan(args: argparse.Namespace) -> int:
     _check_model(args.model)
     _positive("--effective-batch", args.effective_batch)
     _positive("--min-micro-batch", args.min_micro_batch)
+    if args.min_micro_batch > args.effective_batch:
+        raise UsageError(
+            f"--min-micro-batch {args.min_micro_batch} is larger than --effective-batch {args.effective_batch}: no"
+            f" micro-batch can be; lower --min-micro-batch to at most {args.effective_batch}"
+        )
     _positive("--image-size", args.image_size)
     capacity = _capacity(args.emulate_capacity)
     precision = _precision(args.precision, args.device)
     backend = _compile_backend(args.compile, args.compile_backend, args.device)
     from lightning_memguard.core.search import accumulation_candidates
 
-    smallest = accumulation_candidates(args.effective_batch, min(args.min_micro_batch, args.effective_batch))[0][0]
+    smallest = accumulation_candidates(args.effective_batch, args.min_micro_batch)[0][0]
     _check_model_input(args.model, args.image_size, smallest, f"micro-batch {smallest} (--min-micro-batch)")
 
     import tempfile

@@ -106,7 +106,8 @@ def main() -> None:
         devices=2,
         strategy="ddp",
         max_epochs=1,
-        limit_train_batches=2,
+        # AccumulationTuner: one optimizer step after tuning (an epoch of 2 batches holds no step of 8 x 4)
+        **({"max_steps": 1} if mode == "accumulation" else {"limit_train_batches": 2}),
         callbacks=[clock, tuner],
         logger=False,
         enable_progress_bar=False,

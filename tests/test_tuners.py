@@ -198,7 +198,8 @@ def test_accumulation_tuner_sets_micro_batch_and_accumulation(tmp_path):
     snap = Snapshot()
     callbacks = [clock, tuner, snap]
     with pytest.warns(UserWarning, match="BatchNorm, whose statistics are now per micro-batch of"):
-        Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=callbacks, limit_train_batches=1)).fit(model)
+        # one optimizer step after tuning (an epoch limited to one batch would hold no step of 4 micro-batches)
+        Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=callbacks, max_steps=1)).fit(model)
     assert [(r.size, r.accumulate, r.outcome) for r in tuner.results] == [(8, 8, "ok"), (16, 4, "ok"), (32, 2, "spill")]
     assert (tuner.batch_size, tuner.accumulate_grad_batches) == (16, 4)
     assert snap.batch_size == tuner.batch_size and snap.accumulate == tuner.accumulate_grad_batches

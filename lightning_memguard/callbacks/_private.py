@@ -1,9 +1,9 @@
 """The Lightning internals this package relies on, named in one place.
 
 Lightning offers no public way to rebuild the train loader after the batch size changed, to ask whether the loader
-came from ``fit(train_dataloaders=...)``, to leave a checkpoint that ``fit(ckpt_path=...)`` loaded but has not
-applied yet untouched, or to save and restore every random number generator. Each function below names the private
-it uses; a Lightning release that moves one breaks here and nowhere else.
+came from ``fit(train_dataloaders=...)``, to build a checkpoint without writing it, or to save and restore every
+random number generator. Each function below names the private it uses; a Lightning release that moves one breaks
+here and nowhere else.
 """
 
 from __future__ import annotations
@@ -42,23 +42,7 @@ def drop_loaders(trainer: Trainer) -> None:
     loop.epoch_loop.val_loop._combined_loader = None
 
 
-def pending_checkpoint(trainer: Trainer) -> tuple[Any, Any, Any]:
-    """What ``fit(ckpt_path=...)`` set and loaded but has not applied yet (the checkpoint connector's state)."""
-    connector = trainer._checkpoint_connector
-    return connector._ckpt_path, connector._user_managed, connector._loaded_checkpoint
-
-
-def set_pending_checkpoint(trainer: Trainer, state: tuple[Any, Any, Any]) -> None:
-    connector = trainer._checkpoint_connector
-    connector._ckpt_path, connector._user_managed, connector._loaded_checkpoint = state
-
-
-def apply_checkpoint(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
-    """Restore datamodule, model, callbacks and training state from ``checkpoint``, as ``fit(ckpt_path=...)`` does,
-    without naming a path; the connector's own pending checkpoint is the caller's to put back."""
-    connector = trainer._checkpoint_connector
-    connector._loaded_checkpoint = checkpoint
-    connector.restore_datamodule()
-    connector.restore_model()
-    connector.restore_callbacks()
-    connector.restore_training_state()
+def checkpoint_contents(trainer: Trainer) -> dict[str, Any]:
+    """The full checkpoint that ``trainer.save_checkpoint`` would write, without writing it
+    (``_CheckpointConnector.dump_checkpoint``); every rank calls it, as the strategy may gather."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from copy import deepcopy
@@ -21,15 +19,13 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 
 from lightning_memguard import _compiler
 from lightning_memguard.callbacks._private import (
-    apply_checkpoint,
     drop_loaders,
     loader_passed_to_fit,
-    pending_checkpoint,
     rng_states,
-    set_pending_checkpoint,
     set_rng_states,
     train_loader,
 )
+from lightning_memguard.callbacks._state import host_copy, interrupts_held, load_training_state, training_state
 from lightning_memguard.core.search import OOM, TrialResult, classify_trial, fits_in_memory
 from lightning_memguard.probes import MemoryProbe
 
@@ -217,12 +213,18 @@ def first_batch_signature(trainer: Trainer) -> list[Any] | None:
 class TrialSession:
     """Inside ``with TrialSession(...) as trials:``, ``trials.run(size, accumulate)`` measures a few training steps.
 
-    On entry the full training state is saved as a checkpoint, with RNG states, the Trainer's limits, loggers and
-    callbacks. On exit, whether the trials succeeded, hit OOM or were interrupted, all of it is restored bit for bit,
-    the dataloaders are rebuilt and the checkpoint file is removed. A checkpoint that Lightning loaded for
-    ``fit(ckpt_path=...)`` but has not applied yet (optimizers, schedulers, loops are restored after
-    ``on_fit_start``) is put back untouched, so the run resumes where it was saved. Callbacks with
-    ``memguard_keep_in_trials = True`` (the spill emulator) stay active during trials; the others are switched off.
+    On entry the training state is copied into host memory, each rank its own: the model's weights and buffers, the
+    optimizers, schedulers, precision plugin and datamodule states, the loops' progress, every RNG, the Trainer's
+    limits, loggers and callbacks. Nothing is written to disk, so nothing outlives the process and nothing is read
+    back from a file another user could have changed. On exit, whether the trials succeeded, hit OOM or were
+    interrupted, all of it is put back bit for bit and the dataloaders are rebuilt; an interrupt (Ctrl+C) that
+    arrives while this happens is held until it is done, then raised. The copy is dropped only after that.
+
+    The LightningModule's and the callbacks' ``on_load_checkpoint`` hooks are not called: nothing was resumed. A
+    checkpoint that Lightning loaded for ``fit(ckpt_path=...)`` but has not applied yet (optimizers, schedulers,
+    loops are restored after ``on_fit_start``) is not touched, so the run resumes where it was saved. Callbacks
+    with ``memguard_keep_in_trials = True`` (the spill emulator) stay active during trials and get their own state
+    back afterwards; the others are switched off.
 
     Under DDP every rank learns of an out-of-memory error on any rank at the end of the same training step,
     backward or optimizer step, and every rank then counts the trial as out of memory.
@@ -256,35 +258,28 @@ class TrialSession:
 
     def __enter__(self) -> TrialSession:
         t = self.trainer
-        path = os.path.join(t.default_root_dir, f".memguard_trials_{uuid.uuid4().hex}.ckpt")
-        path = t.strategy.broadcast(path)  # one file for all ranks: rank zero writes it, every rank reads it
-        self._saved = {"ckpt": path}
-        try:
-            t.save_checkpoint(path)
-            fit_loop, epoch_loop = t.fit_loop, t.fit_loop.epoch_loop
-            self._saved.update(
-                {
-                    # what Lightning loaded for `fit(ckpt_path=...)` and applies after on_fit_start: kept as it is
-                    "connector": pending_checkpoint(t),
-                    "rng": rng_states(),
-                    "loggers": t.loggers,
-                    "callbacks": t.callbacks,  # type: ignore[attr-defined]
-                    "max_steps": epoch_loop.max_steps,
-                    "min_steps": epoch_loop.min_steps,
-                    "max_epochs": fit_loop.max_epochs,
-                    "min_epochs": fit_loop.min_epochs,
-                    "limit_train_batches": t.limit_train_batches,
-                    "limit_val_batches": t.limit_val_batches,
-                    "accumulate_grad_batches": t.accumulate_grad_batches,
-                    "loop_state": deepcopy(fit_loop.state_dict()),
-                    "batch_size": get_batch_size(t, self.batch_arg_name),
-                    "progress_bar": t.progress_bar_callback,
-                    "should_stop": t.should_stop,
-                }
-            )
-        except BaseException:
-            self._remove_checkpoint()
-            raise
+        fit_loop, epoch_loop = t.fit_loop, t.fit_loop.epoch_loop
+        callbacks = list(t.callbacks)  # type: ignore[attr-defined]
+        kept = [c for c in callbacks if getattr(c, "memguard_keep_in_trials", False)]
+        self._saved = {
+            "state": training_state(t),
+            "kept": kept,
+            "kept_states": [host_copy(c.state_dict()) for c in kept],
+            "rng": rng_states(),
+            "loggers": t.loggers,
+            "callbacks": callbacks,
+            "max_steps": epoch_loop.max_steps,
+            "min_steps": epoch_loop.min_steps,
+            "max_epochs": fit_loop.max_epochs,
+            "min_epochs": fit_loop.min_epochs,
+            "limit_train_batches": t.limit_train_batches,
+            "limit_val_batches": t.limit_val_batches,
+            "accumulate_grad_batches": t.accumulate_grad_batches,
+            "loop_state": deepcopy(fit_loop.state_dict()),
+            "batch_size": get_batch_size(t, self.batch_arg_name),
+            "progress_bar": t.progress_bar_callback,
+            "should_stop": t.should_stop,
+        }
         # a compiled model gets one static graph per size tried, as training at that size alone would; training
         # after the trials runs the chosen size's graph from Dynamo's cache
         self._dynamo.enter_context(_compiler.static_graph_per_size())
@@ -299,48 +294,37 @@ class TrialSession:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        t, saved = self.trainer, self._saved
         try:
-            t.loggers = saved["loggers"]
-            t.callbacks = saved["callbacks"]  # type: ignore[attr-defined]
-            fit_loop, epoch_loop = t.fit_loop, t.fit_loop.epoch_loop
-            epoch_loop.max_steps, epoch_loop.min_steps = saved["max_steps"], saved["min_steps"]
-            fit_loop.max_epochs, fit_loop.min_epochs = saved["max_epochs"], saved["min_epochs"]
-            t.limit_train_batches = saved["limit_train_batches"]
-            t.limit_val_batches = saved["limit_val_batches"]
-            t.accumulate_grad_batches = saved["accumulate_grad_batches"]
-            t.should_stop = saved["should_stop"]  # a trial cut short must not stop the real run
-            set_batch_size(t, self.batch_arg_name, saved["batch_size"])
-            self._restore_checkpoint()
-            fit_loop.load_state_dict(deepcopy(saved["loop_state"]))
-            fit_loop.restarting = False
-            if saved["progress_bar"] is not None:
-                saved["progress_bar"].enable()
-            reload_train_dataloader(t)
-            fit_loop.reset()
-            garbage_collection_cuda()
-            set_rng_states(saved["rng"])
+            with interrupts_held():
+                self._restore()
         finally:
             self._dynamo.close()
-            self._remove_checkpoint()
+        self._saved = {}  # the copy goes only once everything is back
 
-    def _restore_checkpoint(self) -> None:
-        """Load the trials' own checkpoint (written by this process: trusted, so not ``weights_only``) and apply it.
-
-        The connector's path and pending checkpoint are the user's again afterwards: ``trainer.ckpt_path`` never
-        names the trials' file, nothing is logged about it, and a pending ``fit(ckpt_path=...)`` still applies.
-        """
-        t = self.trainer
-        try:
-            apply_checkpoint(t, t.strategy.load_checkpoint(self._saved["ckpt"], weights_only=False))
-        finally:
-            set_pending_checkpoint(t, self._saved["connector"])
-
-    def _remove_checkpoint(self) -> None:
-        t = self.trainer
-        t.strategy.barrier("memguard-trials-restored")  # nobody deletes the file while another rank reads it
-        if t.is_global_zero and os.path.exists(self._saved["ckpt"]):
-            t.strategy.remove_checkpoint(self._saved["ckpt"])
+    def _restore(self) -> None:
+        """Put back everything ``__enter__`` saved."""
+        t, saved = self.trainer, self._saved
+        t.loggers = saved["loggers"]
+        t.callbacks = saved["callbacks"]  # type: ignore[attr-defined]
+        fit_loop, epoch_loop = t.fit_loop, t.fit_loop.epoch_loop
+        epoch_loop.max_steps, epoch_loop.min_steps = saved["max_steps"], saved["min_steps"]
+        fit_loop.max_epochs, fit_loop.min_epochs = saved["max_epochs"], saved["min_epochs"]
+        t.limit_train_batches = saved["limit_train_batches"]
+        t.limit_val_batches = saved["limit_val_batches"]
+        t.accumulate_grad_batches = saved["accumulate_grad_batches"]
+        t.should_stop = saved["should_stop"]  # a trial cut short must not stop the real run
+        set_batch_size(t, self.batch_arg_name, saved["batch_size"])
+        load_training_state(t, saved["state"])
+        for callback, state in zip(saved["kept"], saved["kept_states"], strict=True):
+            callback.load_state_dict(deepcopy(state))
+        fit_loop.load_state_dict(deepcopy(saved["loop_state"]))
+        fit_loop.restarting = False
+        if saved["progress_bar"] is not None:
+            saved["progress_bar"].enable()
+        reload_train_dataloader(t)
+        fit_loop.reset()
+        garbage_collection_cuda()
+        set_rng_states(saved["rng"])
 
     def run(self, size: int, accumulate: int = 1, steps: int | None = None) -> TrialResult:
         """Train ``warmup_steps + timed_steps`` optimizer steps (or ``steps``) at ``size`` x ``accumulate``.
@@ -352,8 +336,7 @@ class TrialSession:
         cuda = t.strategy.root_device.type == "cuda"
         compiled = _compiler.is_compiled(t.lightning_module)
         clock = _StepClock(cuda, self.clock, self.probe, self.capacity, self.headroom, size, accumulate)
-        keep = [c for c in self._saved["callbacks"] if getattr(c, "memguard_keep_in_trials", False)]
-        t.callbacks = [*keep, clock]  # type: ignore[attr-defined]
+        t.callbacks = [*self._saved["kept"], clock]  # type: ignore[attr-defined]
         t.should_stop = False
         t.accumulate_grad_batches = accumulate
         set_batch_size(t, self.batch_arg_name, size)

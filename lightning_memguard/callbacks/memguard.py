@@ -16,7 +16,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memguard import _compiler
 from lightning_memguard.callbacks._agreement import StopVote
-from lightning_memguard.core.checks import check_fraction, check_int
+from lightning_memguard.callbacks._files import checkpoint_folder, write_checkpoint
+from lightning_memguard.core.checks import (
+    MIN_CAPACITY,
+    PROBE_NEEDS,
+    check_bool,
+    check_callable,
+    check_fraction,
+    check_greater,
+    check_instance,
+    check_int,
+    check_size,
+)
 from lightning_memguard.core.detector import (
     FIXES,
     SpillDetector,
@@ -30,7 +41,7 @@ from lightning_memguard.core.detector import (
 )
 from lightning_memguard.core.report import EpochRecord, format_epoch_table, merge_epoch_records
 from lightning_memguard.core.timeline import StepTimeline
-from lightning_memguard.core.units import parse_bytes, to_gb
+from lightning_memguard.core.units import to_gb
 from lightning_memguard.probes import MemoryProbe, MemoryReading, probe_for
 
 _ON_SPILL = ("raise", "stop", "warn")
@@ -63,28 +74,35 @@ class MemGuard(Callback):
     are compile time: they set no reference and are not taken for a slowdown.
 
     Args:
-        capacity: physical memory to judge against: bytes or a string such as ``"16GB"``, ``"16GiB"``;
-            default: the device's (or the probe's) capacity.
+        capacity: physical memory to judge against: bytes or a string such as ``"16GB"``, ``"16GiB"``, from 1 MB
+            to 1 EB (``16`` is 16 bytes: refused); default: the device's (or the probe's) capacity.
         headroom: fraction of capacity that counts as "at the capacity", in [0, 1).
         on_spill: ``"raise"`` raises :class:`SysmemSpillError`, ``"stop"`` stops the Trainer cleanly,
-            ``"warn"`` only warns. Before raising or stopping after training progress, a checkpoint is saved.
+            ``"warn"`` only warns. Before raising or stopping after training progress, a checkpoint is saved (see
+            ``spill_checkpoint``).
         prevent: cap PyTorch's CUDA allocator at the capacity less what other processes hold (from NVML; under
             WDDM the device's used memory less this run's) and ``prevent_margin``, so an overflow is a real,
             immediate out-of-memory error instead of a spill.
-        probe: the memory reader (see :mod:`lightning_memguard.probes`); default: the one for the Trainer's device.
+        probe: the memory reader, an instance (``CpuProbe()``, see :mod:`lightning_memguard.probes`); default: the
+            one for the Trainer's device.
         preflight: at fit start, try to allocate more than the card's physical memory; if that succeeds, the
             fallback is on (warns).
         warmup_steps: steps left out of the throughput reference.
         reference_steps: steps whose median throughput is the run's reference.
-        collapse: a step this many times slower than the reference counts as collapsed.
+        collapse: a step this many times slower than the reference counts as collapsed: a finite number > 1.
         read_every: read memory every this many steps (plus every step during warm-up and after a slow step).
-        prevent_margin: with ``prevent=True``, memory left free beyond other processes' use (bytes or a string):
-            this process's CUDA context, which PyTorch does not count, and other processes' growth.
+        prevent_margin: with ``prevent=True``, memory left free beyond other processes' use (bytes or a string;
+            0 for none): this process's CUDA context, which PyTorch does not count, and other processes' growth.
         clock: seconds as a float; ``time.perf_counter`` unless a test injects another.
+        spill_checkpoint: where the checkpoint written before a spill stops the run goes: ``True`` (where Lightning
+            writes this run's checkpoints: the ModelCheckpoint's folder, else ``<log_dir>/checkpoints``), a folder,
+            or ``False`` for none. It is written beside its final name and renamed into place; if it cannot be
+            written (a full disk), the spill is still reported, with the reason, and ``checkpoint_path`` stays None.
 
     Raises:
-        TypeError: for arguments of the wrong type.
-        ValueError: for out-of-range arguments, naming the argument and the value.
+        TypeError: for arguments of the wrong type (a bool or a string where a number is meant, a probe class
+            instead of an instance), naming the argument and the value.
+        ValueError: for out-of-range arguments (``inf`` or ``nan`` included), naming the argument and the value.
         SysmemSpillError: during ``fit`` with ``on_spill="raise"``, when memory spills.
 
     Example:
@@ -115,21 +133,23 @@ class MemGuard(Callback):
         read_every: int = 50,
         prevent_margin: int | str = "512MiB",
         clock: Callable[[], float] = time.perf_counter,
+        spill_checkpoint: bool | str | os.PathLike[str] = True,
     ) -> None:
-        self.capacity = None if capacity is None else parse_bytes(capacity, "capacity")
+        if not isinstance(spill_checkpoint, bool | str | os.PathLike) or not os.fspath(
+            "." if isinstance(spill_checkpoint, bool) else spill_checkpoint
+        ):
+            raise TypeError(f"`spill_checkpoint` must be True, False or a folder, got {spill_checkpoint!r}")
+        self.spill_checkpoint = spill_checkpoint
+        self.capacity = None if capacity is None else check_size("capacity", capacity, MIN_CAPACITY)
         self.headroom = check_fraction("headroom", headroom)
         if on_spill not in _ON_SPILL:
             raise ValueError(f"`on_spill` must be one of {_ON_SPILL}, got {on_spill!r}")
-        if not isinstance(prevent, bool):
-            raise TypeError(f"`prevent` must be a bool, got {prevent!r}")
-        if not isinstance(preflight, bool):
-            raise TypeError(f"`preflight` must be a bool, got {preflight!r}")
-        if probe is not None and not isinstance(probe, MemoryProbe):
-            raise TypeError(f"`probe` must have capacity(), reset_peak() and read() methods, got {probe!r}")
-        if isinstance(collapse, bool) or not isinstance(collapse, (int, float)) or not collapse > 1:
-            raise ValueError(f"`collapse` must be a number > 1, got {collapse!r}")
-        if not callable(clock):
-            raise TypeError(f"`clock` must be callable, got {clock!r}")
+        check_bool("prevent", prevent)
+        check_bool("preflight", preflight)
+        if probe is not None:
+            check_instance("probe", probe, MemoryProbe, PROBE_NEEDS)
+        collapse = check_greater("collapse", collapse, 1)
+        check_callable("clock", clock)
         self.on_spill = on_spill
         self.prevent = prevent
         self.preflight = preflight
@@ -137,14 +157,15 @@ class MemGuard(Callback):
         self.reference_steps = check_int("reference_steps", reference_steps, 1)
         self.collapse = float(collapse)
         self.read_every = check_int("read_every", read_every, 1)
-        self.prevent_margin = parse_bytes(prevent_margin, "prevent_margin")
+        self.prevent_margin = check_size("prevent_margin", prevent_margin, 0)
         self._user_probe = probe
         self._clock = clock
 
         # what the run taught us (saved in checkpoints); each fit starts afresh, unless a checkpoint restores it
         self.epochs: list[EpochRecord] = []
         self.fallback_enabled: bool | None = None  # the preflight's answer, when it ran
-        self.checkpoint_path: str | None = None
+        self.checkpoint_path: str | None = None  # the spill checkpoint, once written (a file that exists)
+        self.checkpoint_error: str | None = None  # why it could not be written, if it could not
 
         # per-fit working state: the steps, the detector and the spill live in the timeline, made at fit start
         self._probe: MemoryProbe | None = None
@@ -298,6 +319,7 @@ class MemGuard(Callback):
         self.epochs = []
         self.fallback_enabled = None
         self.checkpoint_path = None
+        self.checkpoint_error = None
         self._timeline = None
         self._vote = None
         self._restored_detector = {}
@@ -370,10 +392,13 @@ class MemGuard(Callback):
 
     def _act(self, trainer: Trainer) -> None:
         """Every rank arrives here at the same step: save if there is progress to keep, then raise or stop."""
-        if self.checkpoint_path is None and trainer.global_step > 0:
-            root = trainer.log_dir or trainer.default_root_dir
-            self.checkpoint_path = os.path.join(root, f"memguard-spill-step={trainer.global_step}.ckpt")
-            trainer.save_checkpoint(self.checkpoint_path)
+        saved = self.checkpoint_path is not None or self.checkpoint_error is not None
+        if not saved and self.spill_checkpoint is not False and trainer.global_step > 0:
+            chosen = None if self.spill_checkpoint is True else self.spill_checkpoint
+            path = os.path.join(checkpoint_folder(trainer, chosen), f"memguard-spill-step={trainer.global_step}.ckpt")
+            error = write_checkpoint(trainer, path)
+            self.checkpoint_path = None if error else path
+            self.checkpoint_error = None if error is None else f"the checkpoint could not be written: {error}"
         report = self.spill
         spilling = self._spilling_rank()
         batch = (self._timeline.batch if self._timeline is not None else 0) or None
@@ -390,6 +415,8 @@ class MemGuard(Callback):
             if self.checkpoint_path:
                 message += f" A checkpoint was saved to {self.checkpoint_path}."
             message += "\n" + FIXES
+        if self.checkpoint_error is not None:
+            message += f"\nNo checkpoint was kept: {self.checkpoint_error}."
         if self.on_spill == "raise":
             raise SysmemSpillError(message, report, self.checkpoint_path)
         if not trainer.should_stop:

@@ -2,57 +2,63 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-import lightning
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_memguard import _compiler
+from lightning_memguard.callbacks._cache import cache_key
+from lightning_memguard.callbacks._hands import (
+    accumulation_in_force,
+    accumulation_setter,
+    batch_limit,
+    refuse_accumulation_setters,
+    refuse_two_batch_size_searches,
+    train_epoch,
+)
+from lightning_memguard.callbacks._state import restore_sigint_handler, sigint_handler
 from lightning_memguard.callbacks._trials import (
     TrialSession,
-    deliverable_samples,
-    first_batch_signature,
     reload_train_dataloader,
     require_batch_size_attribute,
     require_module_dataloaders,
     rng_kept,
     set_batch_size,
 )
-from lightning_memguard.callbacks.checkpointing import ActivationCheckpointing
 from lightning_memguard.checkpointing import checkpoint_blocks, is_checkpointed
-from lightning_memguard.core.checks import check_fraction, check_int
+from lightning_memguard.core.cache import ResultCache, cache_folder
+from lightning_memguard.core.checks import (
+    MIN_CAPACITY,
+    PROBE_NEEDS,
+    check_bool,
+    check_callable,
+    check_fraction,
+    check_instance,
+    check_int,
+    check_size,
+)
+from lightning_memguard.core.epoch import EpochLength
 from lightning_memguard.core.search import (
     MODES,
     OK,
     OOM,
     OVER_HEADROOM,
     SPILL,
+    AccumulationSearch,
     SizeSearch,
     TrialResult,
     accumulation_candidates,
     capped_ladder,
     power_ladder,
 )
-from lightning_memguard.core.units import parse_bytes
 from lightning_memguard.probes import MemoryProbe, probe_for
 
 _SEVERITY = (OK, OVER_HEADROOM, SPILL, OOM)  # the worst outcome on any rank is everyone's
-
-
-def _qualname(obj: Any) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
-
-
-def _hparams(obj: Any, batch_arg_name: str) -> dict[str, str]:
-    hparams = getattr(obj, "hparams", None) or {}
-    return {str(k): repr(v) for k, v in sorted(dict(hparams).items(), key=str) if k != batch_arg_name}
 
 
 def _require_checkpointing_first(trainer: Trainer, tuner: Callback) -> None:
@@ -67,6 +73,11 @@ def _require_checkpointing_first(trainer: Trainer, tuner: Callback) -> None:
             f"ActivationCheckpointing(memory_budget=...) comes after {type(tuner).__name__} in `callbacks`, so the"
             " tuner would measure the model before it is checkpointed; list ActivationCheckpointing first"
         )
+
+
+def _epoch_fields(epoch: EpochLength) -> list[Any]:
+    """One epoch as the cache key holds it: what decides which sizes (and accumulations) can run."""
+    return [epoch.samples, epoch.limit, epoch.drop_last]
 
 
 class _MeasuringTuner(Callback):
@@ -87,21 +98,19 @@ class _MeasuringTuner(Callback):
         cache_dir: str | os.PathLike[str] | None,
         clock: Callable[[], float] | None,
     ) -> None:
-        self.capacity = None if capacity is None else parse_bytes(capacity, "capacity")
-        if probe is not None and not isinstance(probe, MemoryProbe):
-            raise TypeError(f"`probe` must have capacity(), reset_peak() and read() methods, got {probe!r}")
+        self.capacity = None if capacity is None else check_size("capacity", capacity, MIN_CAPACITY)
+        if probe is not None:
+            check_instance("probe", probe, MemoryProbe, PROBE_NEEDS)
         if not isinstance(batch_arg_name, str):
             raise TypeError(f"`batch_arg_name` must be a string, got {batch_arg_name!r}")
         if not batch_arg_name:
             raise ValueError(f"`batch_arg_name` must be a non-empty string, got {batch_arg_name!r}")
-        if not isinstance(cache, bool):
-            raise TypeError(f"`cache` must be a bool, got {cache!r}")
+        check_bool("cache", cache)
         if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
             raise TypeError(f"`cache_dir` must be a path (str or os.PathLike) or None, got {cache_dir!r}")
         if cache_dir is not None and not os.fspath(cache_dir):
             raise ValueError(f"`cache_dir` must be a non-empty path or None, got {cache_dir!r}")
-        if clock is not None and not callable(clock):
-            raise TypeError(f"`clock` must be a callable returning seconds, or None, got {clock!r}")
+        check_callable("clock", clock, "a callable returning seconds,", optional=True)
         self.headroom = check_fraction("headroom", headroom)
         self.probe = probe
         self.batch_arg_name = batch_arg_name
@@ -110,11 +119,7 @@ class _MeasuringTuner(Callback):
         self.min_gain = check_fraction("min_gain", min_gain)
         self.tolerance = check_fraction("tolerance", tolerance)
         self.cache = cache
-        self.cache_dir = (
-            os.fspath(cache_dir)
-            if cache_dir is not None
-            else os.path.join(os.path.expanduser("~"), ".cache", "lightning-memguard")
-        )
+        self.cache_dir = cache_folder(cache_dir)  # `~` expanded
         self.clock = clock
         # learned
         self.results: list[TrialResult] = []
@@ -124,6 +129,7 @@ class _MeasuringTuner(Callback):
         self.search_s: float | None = None  # the last search's wall time, compiling included
         self.compile_s: float | None = None  # of it, the trial steps in which torch.compile compiled
         self._restored = False  # load_state_dict ran in this fit: a resume, re-applied as it is
+        self._sigint: Any = None  # the SIGINT handler while a search runs
 
     # ------------------------------------------------------------------ state
 
@@ -150,11 +156,16 @@ class _MeasuringTuner(Callback):
             return
         require_module_dataloaders(trainer, type(self).__name__, self.batch_arg_name)
         _require_checkpointing_first(trainer, self)
+        refuse_two_batch_size_searches(trainer)
 
     def _skipped(self, trainer: Trainer) -> bool:
         """Under ``fast_dev_run`` nothing is measured, as Lightning's BatchSizeFinder does."""
         if getattr(trainer, "fast_dev_run", False):
             rank_zero_warn(f"Skipping {type(self).__name__} since `fast_dev_run` is enabled: nothing measured or set")
+            self._restored = False
+            return True
+        if trainer.limit_train_batches == 0:
+            rank_zero_info(f"{type(self).__name__}: `limit_train_batches=0` trains nothing: nothing measured or set")
             self._restored = False
             return True
         return False
@@ -172,19 +183,31 @@ class _MeasuringTuner(Callback):
             clock=self.clock if self.clock is not None else time.perf_counter,
         )  # fmt: skip
 
-    def _deliverable(self, trainer: Trainer) -> int | None:
-        """Samples one epoch of the train loader holds on this rank (the smallest over ranks); None: no length."""
+    def _epoch(self, trainer: Trainer) -> EpochLength:
+        """One epoch of the train loader as the Trainer will run it (``limit_train_batches``, ``overfit_batches``,
+        ``drop_last``), on the rank whose loader holds the fewest samples."""
         with rng_kept():
             reload_train_dataloader(trainer)
-            samples = deliverable_samples(trainer)
+            epoch = train_epoch(trainer)
         if trainer.world_size > 1:
+            samples = epoch.samples
             known = torch.tensor(
                 [samples if samples is not None else -1], dtype=torch.float64, device=trainer.strategy.root_device
             )
             gathered = trainer.strategy.all_gather(known).reshape(-1)
             lengths = [int(v) for v in gathered.tolist() if v >= 0]
-            samples = min(lengths) if lengths else None
-        return samples
+            epoch = replace(epoch, samples=min(lengths) if lengths else None)
+        return epoch
+
+    def _step_batches(self, trainer: Trainer) -> int:
+        """Batches per optimizer step that a size must fit in one epoch: the largest accumulation the Trainer uses."""
+        return accumulation_in_force(trainer)[1]
+
+    def _deliverable(self, trainer: Trainer) -> int | None:
+        """The samples one epoch of the train loader really runs, with the batch as large as it can be: the largest
+        batch size at which an epoch still holds a whole optimizer step, the cap the search applies (the dataset's
+        samples when nothing limits the epoch); None: a loader without length, nothing capped."""
+        return self._epoch(trainer).largest_batch(self._step_batches(trainer))
 
     def _agree(self, trainer: Trainer, result: TrialResult) -> TrialResult:
         """Every rank adopts one result: it fits only if it fits everywhere, at the slowest rank's speed."""
@@ -212,10 +235,13 @@ class _MeasuringTuner(Callback):
             compile_s=result.compile_s,
         )
 
-    def _search(self, trainer: Trainer, search: SizeSearch, accumulate_for: Any = None) -> TrialResult | None:
+    def _search(
+        self, trainer: Trainer, search: SizeSearch | AccumulationSearch, accumulate_for: Any = None
+    ) -> TrialResult | None:
         earlier = list(self.results)  # the session restores callback states on exit, this one's included
         clock = self.clock if self.clock is not None else time.perf_counter
         started = clock()
+        self._sigint = sigint_handler()  # put back in on_exception if Ctrl+C ends the search
         with self._session(trainer) as trials:
             while (size := search.propose()) is not None:
                 accumulate = accumulate_for(size) if accumulate_for else 1
@@ -226,6 +252,7 @@ class _MeasuringTuner(Callback):
                     f"{type(self).__name__}: size {size} x {accumulate}: {result.outcome}, "
                     f"{result.samples_per_sec or 0:.1f} samples/s, peak {(result.peak_bytes or 0) / 1e9:.2f} GB"
                 )
+        self._sigint = None
         self.results = earlier + search.results
         self.search_s, self.compile_s = round(clock() - started, 3), round(trials.compile_s, 3)
         if self.compile_s:
@@ -235,84 +262,40 @@ class _MeasuringTuner(Callback):
             )
         return search.result
 
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """Ctrl+C during a search: Lightning then ignores Ctrl+C for the rest of the process; the handler the
+        search started with is put back (a notebook's next Ctrl+C works)."""
+        if isinstance(exception, KeyboardInterrupt) and self._sigint is not None:
+            restore_sigint_handler(self._sigint)
+        self._sigint = None
+
     # ------------------------------------------------------------------ cache
 
-    def _cache_key(self, trainer: Trainer, pl_module: LightningModule, extra: dict[str, Any]) -> str:
-        """Everything that decides memory and speed: the model as it will train (its modules, checkpointed ones
-        included), the input (the first train batch's shapes, ``example_input_array``), the datamodule, precision,
-        device, the capacity judged against and the tuner's own settings."""
-        params = sum(p.numel() for p in pl_module.parameters())
-        device = trainer.strategy.root_device
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        example = getattr(pl_module, "example_input_array", None)
-        datamodule, arg = getattr(trainer, "datamodule", None), self.batch_arg_name
-        probe, capacity = self._probe_and_capacity(trainer)
-        structure = hashlib.sha256(
-            json.dumps([[n, type(m).__qualname__] for n, m in pl_module.named_modules()]).encode()
-        ).hexdigest()
-        with rng_kept():
-            reload_train_dataloader(trainer)
-            batch = first_batch_signature(trainer)
-        fields = {
-            "model": _qualname(pl_module),
-            "params": params,
-            "modules": structure,  # an activation-checkpointed or rebuilt block changes the classes here
-            "checkpointing": [
-                [type(c).__name__, repr(c.units), repr(c.memory_budget), c.bn_correct, c.rebuild_bn_relu]
-                for c in trainer.callbacks  # type: ignore[attr-defined]
-                if isinstance(c, ActivationCheckpointing)
-            ],
-            "compiled": _compiler.is_compiled(pl_module),  # a compiled model's step times are its graph's
-            "input": list(example.shape) if torch.is_tensor(example) else None,
-            "batch": batch,
-            "hparams": _hparams(pl_module, arg),
-            "datamodule": None if datamodule is None else [_qualname(datamodule), _hparams(datamodule, arg)],
-            "precision": str(trainer.precision),
-            "device": name,
-            "world_size": trainer.world_size,
-            "accumulate_grad_batches": trainer.accumulate_grad_batches,
-            "torch": torch.__version__,
-            "lightning": lightning.__version__,
-            "tuner": type(self).__name__,
-            "capacity": capacity,
-            "headroom": self.headroom,
-            "min_gain": self.min_gain,
-            "tolerance": self.tolerance,
-            "probe": type(probe).__name__,
-            **extra,
-        }
-        return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    _accumulates = False  # its entries hold an accumulation (and whether checkpointing was turned on)
 
-    def _cache_path(self) -> str:
-        return os.path.join(self.cache_dir, "tuner-cache.json")
+    def _cache_key(
+        self, trainer: Trainer, pl_module: LightningModule, extra: dict[str, Any], samples_per_epoch: int | None
+    ) -> str:
+        """The fields are listed in :func:`lightning_memguard.callbacks._cache.cache_key`, and only there."""
+        return cache_key(self, trainer, pl_module, samples_per_epoch, extra)
 
-    def _cache_load(self, key: str) -> dict[str, Any] | None:
-        if not self.cache:
-            return None
-        try:
-            with open(self._cache_path(), encoding="utf-8") as f:
-                return json.load(f).get(key)
-        except (OSError, ValueError):
-            return None
+    def _result_cache(self) -> ResultCache:
+        """The cache file for one fit: each problem with the file is reported once (on rank zero)."""
+        return ResultCache(self.cache_dir, warn=lambda message: rank_zero_warn(f"{type(self).__name__}: {message}"))
 
-    def _cache_store(self, trainer: Trainer, key: str) -> None:
-        if not self.cache or trainer.global_rank != 0:
-            return
-        path = self._cache_path()
-        try:
-            os.makedirs(self.cache_dir, exist_ok=True)
-            try:
-                with open(path, encoding="utf-8") as f:
-                    data = json.load(f)
-            except (OSError, ValueError):
-                data = {}
-            data[key] = self.state_dict()
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(data, f)
-            os.replace(tmp, path)
-        except OSError as err:
-            rank_zero_warn(f"{type(self).__name__}: could not write the result cache at {path}: {err}")
+    def _entry_rules(self) -> dict[str, Any]:
+        """What :func:`~lightning_memguard.core.cache.check_entry` holds this tuner's entries to."""
+        return {"accumulates": self._accumulates}
+
+    def _cache_load(self, trainer: Trainer, cache: ResultCache, key: str) -> dict[str, Any] | None:
+        """The checked entry under ``key``; None on a miss, a bad file or a bad entry (never an exception). Rank
+        zero reads it and every rank takes its answer: ranks that read files of their own could decide apart."""
+        entry = cache.load(key, **self._entry_rules()) if trainer.global_rank == 0 else None
+        return trainer.strategy.broadcast(entry) if trainer.world_size > 1 else entry
+
+    def _cache_store(self, trainer: Trainer, cache: ResultCache, key: str) -> None:
+        if trainer.global_rank == 0:
+            cache.store(key, self.state_dict())
 
     def _apply(self, trainer: Trainer) -> None:
         assert self.batch_size is not None
@@ -325,9 +308,16 @@ class _MeasuringTuner(Callback):
     def _apply_model(self, pl_module: LightningModule) -> None:
         """What the choice changed in the model, made again (AccumulationTuner: activation checkpointing)."""
 
-    def _still_fits(self, trainer: Trainer) -> bool:
-        """Re-check a choice not measured in this fit (a cache entry, a reused tuner) on its first optimizer step."""
+    def _still_fits(self, trainer: Trainer, samples_per_epoch: int | None) -> bool:
+        """Re-check a choice not measured in this fit (a cache entry, a reused tuner): against one epoch of the train
+        loader, the cap the search itself applies, then on its first optimizer step."""
         assert self.batch_size is not None
+        if samples_per_epoch is not None and self.batch_size > samples_per_epoch:
+            rank_zero_warn(
+                f"{type(self).__name__}: the earlier choice (batch size {self.batch_size}) is larger than one epoch of"
+                f" the train loader ({samples_per_epoch} samples); measuring again"
+            )
+            return False
         self._apply_model(trainer.lightning_module)
         with self._session(trainer) as trials:
             check = self._agree(trainer, trials.run(self.batch_size, self.accumulate_grad_batches or 1, steps=1))
@@ -346,15 +336,17 @@ class _MeasuringTuner(Callback):
         if self.batch_size is not None and restored:  # resumed from a checkpoint: re-apply, do not search again
             self._apply(trainer)
             return
-        if self.batch_size is not None and self._still_fits(trainer):  # this instance's choice from an earlier fit
+        samples = self._deliverable(trainer) if self.batch_size is not None or self.cache else None
+        if self.batch_size is not None and self._still_fits(trainer, samples):  # this instance's earlier choice
             self._apply(trainer)
             return
         self._forget()
-        key = self._cache_key(trainer, pl_module, extra) if self.cache else ""
-        cached = self._cache_load(key)
+        cache = self._result_cache() if self.cache else None
+        key = self._cache_key(trainer, pl_module, extra, samples) if cache is not None else ""
+        cached = self._cache_load(trainer, cache, key) if cache is not None else None
         if cached is not None:
             self._load(cached)
-            if self._still_fits(trainer):
+            if self._still_fits(trainer, samples):
                 self.from_cache = True
                 rank_zero_info(f"{type(self).__name__}: reusing a cached choice (batch size {self.batch_size})")
                 self._apply(trainer)
@@ -362,7 +354,8 @@ class _MeasuringTuner(Callback):
             self._forget()
         search_fn()
         self._apply(trainer)
-        self._cache_store(trainer, key)
+        if cache is not None:
+            self._cache_store(trainer, cache, key)
 
     def _forget(self) -> None:
         self.batch_size, self.accumulate_grad_batches, self.results = None, None, []
@@ -390,18 +383,34 @@ class BatchSizeTuner(_MeasuringTuner):
         min_gain: stop climbing when a doubling gains less than this fraction of throughput.
         tolerance: sizes within this fraction of the best throughput are equal; the smaller is chosen.
         cache: reuse a choice stored for the same model (as it trains: checkpointed blocks included), input (the
-            first train batch's shapes), datamodule, precision, device, capacity and library versions; a cached
-            choice is re-checked on its first optimizer step and measured again if it no longer fits.
-        cache_dir: where the cache lives (default ``~/.cache/lightning-memguard``).
+            first train batch's shapes), samples one epoch of the train loader runs, datamodule, precision, device,
+            capacity, tuner settings and versions (torch, Lightning, this library); the fields are listed in
+            ``lightning_memguard.callbacks._cache.cache_key``. A cached choice is re-checked against one epoch of
+            the train loader and on its first optimizer step, and measured again if it no longer fits. An entry or
+            a file that is not what the tuners write (hand-edited, truncated, another shape) is a miss with one
+            warning, never an error; processes writing the cache at once each keep their entries (a lock file).
+        cache_dir: the cache's folder, ``~`` expanded (default ``~/.cache/lightning-memguard``); it holds
+            ``tuner-cache.json``. A folder that cannot be written, or a ``tuner-cache.json`` that is a folder, is
+            reported with a warning and left as it is.
         clock: seconds for timing the trials (default ``time.perf_counter``; tests inject their own).
 
     Raises:
-        ValueError / TypeError: a bad argument (at construction); in ``setup``, a DataLoader passed to ``fit``; in a
-            trial, a loader whose batches do not hold the size set (it ignores ``batch_arg_name``).
+        ValueError / TypeError: a bad argument (at construction); in ``setup``, a DataLoader passed to ``fit``, or
+            another callback that sets the batch size at fit start as well (Lightning's ``BatchSizeFinder`` or a
+            subclass, ``AccumulationTuner``, a second ``BatchSizeTuner``: the last to run would overwrite the
+            other's choice); at fit start, an accumulation (``Trainer(accumulate_grad_batches)`` or a
+            ``GradientAccumulationScheduler``) of more batches than one epoch runs at any batch size; in a trial, a
+            loader whose batches do not hold the size set (it ignores ``batch_arg_name``).
 
-    Under ``fast_dev_run`` nothing is measured or set (a warning says so), as Lightning's ``BatchSizeFinder`` does.
-    Sizes above one epoch of the train loader are not tried (the whole epoch as one batch takes their place), and
-    throughput counts the samples really delivered.
+    Under ``fast_dev_run`` or ``limit_train_batches=0`` nothing is measured or set (``fast_dev_run`` warns), as
+    Lightning's ``BatchSizeFinder`` does. Sizes at which one epoch, as the Trainer will run it
+    (``limit_train_batches`` as an int or a fraction, ``overfit_batches``, the loader's length and ``drop_last``),
+    would not hold a whole optimizer step are not tried: the largest size that does takes their place (with no
+    limit and no accumulation, the whole epoch as one batch). A loader without length is not capped. Throughput
+    counts the samples really delivered. With an accumulation in force (``Trainer(accumulate_grad_batches)``, or a
+    ``GradientAccumulationScheduler``: its value for the first epoch, the cap at its largest) every trial runs at
+    it, and each row of ``results`` says so. The search runs before ``Trainer(max_time=...)`` starts counting, as
+    Lightning's ``BatchSizeFinder`` does.
 
     Under ``torch.compile`` (``fit(torch.compile(model))``, a compiled submodule, ``module.compile()``) each size
     tried compiles a graph of its own, static in its shapes, as training at that size alone would (a model compiled
@@ -454,10 +463,29 @@ class BatchSizeTuner(_MeasuringTuner):
         require_batch_size_attribute(trainer, self.batch_arg_name)
         if self._skipped(trainer):
             return
+        start, most = accumulation_in_force(trainer)  # the Trainer's own, or its GradientAccumulationScheduler's
+        epoch = self._epoch(trainer)
+        if epoch.samples != 0 and epoch.largest_batch(most) == 0:  # (an empty loader: the ladder says so)
+            limit = batch_limit(trainer) or "the train loader"
+            raise ValueError(
+                f"{limit} runs no batch in an epoch at any batch size; raise it"
+                if most == 1
+                else f"{accumulation_setter(trainer)} makes one optimizer step {most} batches, but {limit} gives an"
+                f" epoch fewer at every batch size: every step would hold fewer samples than the batch size x {most};"
+                f" raise the limit to at least {most} batches or lower the accumulation"
+            )
+        if self.batch_size is not None and not epoch.holds(self.batch_size, most):
+            rank_zero_info(
+                f"BatchSizeTuner: the earlier choice, {self.batch_size}, is above one epoch; measuring again"
+            )
+            self._forget()
+            self._restored = False
 
         def search() -> None:
-            ladder = capped_ladder(power_ladder(self.init_size, self.max_size), self._deliverable(trainer))
-            chosen = self._search(trainer, SizeSearch(ladder, self.mode, self.min_gain, self.tolerance))
+            ladder = capped_ladder(power_ladder(self.init_size, self.max_size), epoch, most)
+            chosen = self._search(
+                trainer, SizeSearch(ladder, self.mode, self.min_gain, self.tolerance), lambda size: start
+            )  # measured at the accumulation training starts with: each row says it
             if chosen is None:
                 raise RuntimeError(
                     f"BatchSizeTuner: no batch size from {self.init_size} up fits on this device without spilling"
@@ -467,30 +495,51 @@ class BatchSizeTuner(_MeasuringTuner):
             self.batch_size = chosen.size
             rank_zero_info(f"BatchSizeTuner: batch size {chosen.size} ({chosen.samples_per_sec:.1f} samples/s)")
 
-        self._decide(trainer, pl_module, {"mode": self.mode, "range": [self.init_size, self.max_size]}, search)
+        extra = {
+            "mode": self.mode,
+            "range": [self.init_size, self.max_size],
+            "epoch": _epoch_fields(epoch),
+            "accumulation": [start, most],
+        }
+        self._decide(trainer, pl_module, extra, search)
 
 
 class AccumulationTuner(_MeasuringTuner):
     """Picks micro-batch x ``accumulate_grad_batches`` for a fixed effective batch by measuring this device.
 
     The effective batch is split per device (world size counted), candidate micro-batches halve it while it
-    divides evenly, and each is trained for a few optimizer steps with the matching accumulation. The fastest one
-    that fits (no OOM, no spill, memory within the headroom) is set: the batch-size attribute (model, hparams or
-    datamodule) and ``trainer.accumulate_grad_batches``. If even the smallest micro-batch does not fit and
+    divides evenly, and each is trained for a few optimizer steps with the matching accumulation. Of those that fit
+    (no OOM, no spill, memory within the headroom) the one that accumulates least is set, unless one that
+    accumulates more is faster by more than ``min_gain``: the batch-size attribute (model, hparams or datamodule)
+    and ``trainer.accumulate_grad_batches``. If even the smallest micro-batch does not fit and
     ``allow_checkpointing=True``, activation checkpointing is turned on and the search runs again.
+
+    A micro-batch is a candidate only if one epoch, as the Trainer will run it (``limit_train_batches`` as an int or
+    a fraction, ``overfit_batches``, the loader's length and ``drop_last``), holds a whole optimizer step of it:
+    Lightning steps the optimizer at every epoch's end, so in a shorter epoch each step would hold less than the
+    effective batch (the others are left out, and logged). A loader without length is taken to hold one, unless an
+    int ``limit_train_batches`` says otherwise. The search runs before ``Trainer(max_time=...)`` starts counting.
 
     Args:
         effective_batch_size: samples per optimizer step, all devices together.
-        min_micro_batch: smallest micro-batch to consider.
+        min_micro_batch: smallest micro-batch to consider; at most the per-device batch.
         allow_checkpointing: fall back to activation checkpointing when nothing fits.
+        min_gain: how much faster (a fraction of throughput) a micro-batch that accumulates more must be than one
+            that accumulates less to be chosen. The default, 5 %, is beyond the timing noise of a few timed steps,
+            so identical runs choose alike, and the direct batch (BatchNorm statistics over all of it) is kept
+            unless accumulating clearly pays.
+        tolerance: throughputs within this fraction of each other count as equal.
         Other arguments as for :class:`BatchSizeTuner`.
 
     Raises:
-        ValueError: an effective batch that cannot be split over the devices, a Trainer that already sets
-            ``accumulate_grad_batches``, manual optimization or a DataLoader passed to ``fit`` (in ``setup``); an
-            effective batch larger than one epoch of the train loader (at fit start); a loader that ignores the
-            batch-size attribute (in a trial). A choice made with checkpointing turned on turns it on again
-            when it is re-applied (resume, cache, a second ``fit``).
+        ValueError: a ``min_micro_batch`` above ``effective_batch_size`` (at construction); in ``setup``, an
+            effective batch that cannot be split over the devices or whose per-device share is below
+            ``min_micro_batch``, anything else that sets the accumulation (``Trainer(accumulate_grad_batches)``, a
+            ``GradientAccumulationScheduler``) or the batch size (Lightning's ``BatchSizeFinder``,
+            ``BatchSizeTuner``), manual optimization or a DataLoader passed to ``fit``; at fit start, an effective
+            batch of which one epoch holds no whole optimizer step at any micro-batch; in a trial, a loader that
+            ignores the batch-size attribute. A choice made with checkpointing turned on turns it on again when it
+            is re-applied (resume, cache, a second ``fit``).
 
     Under ``torch.compile`` each micro-batch tried gets its own static graph and compiling steps are not timed, as
     for :class:`BatchSizeTuner`.
@@ -518,7 +567,7 @@ class AccumulationTuner(_MeasuringTuner):
         batch_arg_name: str = "batch_size",
         warmup_steps: int = 2,
         timed_steps: int = 3,
-        min_gain: float = 0.0,
+        min_gain: float = 0.05,
         tolerance: float = 0.01,
         cache: bool = True,
         cache_dir: str | os.PathLike[str] | None = None,
@@ -526,8 +575,12 @@ class AccumulationTuner(_MeasuringTuner):
     ) -> None:
         self.effective_batch_size = check_int("effective_batch_size", effective_batch_size, 1)
         self.min_micro_batch = check_int("min_micro_batch", min_micro_batch, 1)
-        if not isinstance(allow_checkpointing, bool):
-            raise TypeError(f"`allow_checkpointing` must be a bool, got {allow_checkpointing!r}")
+        if self.min_micro_batch > self.effective_batch_size:
+            raise ValueError(
+                f"`min_micro_batch` must be <= `effective_batch_size` ({self.effective_batch_size}), got"
+                f" {min_micro_batch!r}"
+            )
+        check_bool("allow_checkpointing", allow_checkpointing)
         self.allow_checkpointing = allow_checkpointing
         self.checkpointing = False
         super().__init__(
@@ -539,17 +592,19 @@ class AccumulationTuner(_MeasuringTuner):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        world = trainer.world_size
+        if self.effective_batch_size % world:
+            raise ValueError(
+                f"`effective_batch_size` {self.effective_batch_size} cannot be split evenly over {world} devices"
+            )
+        if self.min_micro_batch > self.effective_batch_size // world:
+            raise ValueError(
+                f"`min_micro_batch` {self.min_micro_batch} is larger than the {self.effective_batch_size // world}"
+                f" samples per device that `effective_batch_size` {self.effective_batch_size} gives over {world}"
+                f" devices; lower `min_micro_batch` to at most {self.effective_batch_size // world}"
+            )
         super().setup(trainer, pl_module, stage)
-        if self.effective_batch_size % trainer.world_size:
-            raise ValueError(
-                f"`effective_batch_size` {self.effective_batch_size} cannot be split evenly over"
-                f" {trainer.world_size} devices"
-            )
-        if trainer.accumulate_grad_batches != 1 and self.accumulate_grad_batches is None:
-            raise ValueError(
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) and AccumulationTuner both set"
-                " the accumulation; remove one of them"
-            )
+        refuse_accumulation_setters(trainer, self, self.accumulate_grad_batches)
         if not pl_module.automatic_optimization:
             raise ValueError("AccumulationTuner needs automatic optimization; this module optimizes manually")
 
@@ -562,30 +617,27 @@ class AccumulationTuner(_MeasuringTuner):
         self._world_size = trainer.world_size
         if self._skipped(trainer):
             return
-        deliverable = self._deliverable(trainer)
-        if deliverable is not None and deliverable < self.per_device_batch:
-            raise ValueError(
-                f"`effective_batch_size` {self.effective_batch_size} needs {self.per_device_batch} samples per device"
-                f" for one optimizer step, but an epoch of the train loader holds only {deliverable} per device:"
-                " every step would be smaller than the effective batch"
-            )
-        pairs = accumulation_candidates(self.per_device_batch, min(self.min_micro_batch, self.per_device_batch))
+        epoch = self._epoch(trainer)
+        pairs = self._pairs(trainer, epoch)
         steps_for = dict(pairs)
+        if self.batch_size is not None and (self.batch_size, self.accumulate_grad_batches or 1) not in pairs:
+            rank_zero_info(
+                f"AccumulationTuner: the earlier choice ({self.batch_size} x {self.accumulate_grad_batches or 1}) is"
+                " not a whole optimizer step of this run's effective batch and epoch; measuring again"
+            )
+            self._forget()
+            self._restored = False
 
         def search() -> None:
             chosen = self._search(
-                trainer,
-                SizeSearch([m for m, _ in pairs], "throughput", self.min_gain, self.tolerance, refine=False),
-                steps_for.get,
+                trainer, AccumulationSearch([m for m, _ in pairs], self.min_gain, self.tolerance), steps_for.get
             )
             if chosen is None and self.allow_checkpointing:
                 plan = checkpoint_blocks(pl_module)
                 self.checkpointing = True
                 rank_zero_info(f"AccumulationTuner: nothing fit; activation checkpointing on ({plan.summary()})")
                 chosen = self._search(
-                    trainer,
-                    SizeSearch([m for m, _ in pairs], "throughput", self.min_gain, self.tolerance, refine=False),
-                    steps_for.get,
+                    trainer, AccumulationSearch([m for m, _ in pairs], self.min_gain, self.tolerance), steps_for.get
                 )
             if chosen is None:
                 raise RuntimeError(
@@ -599,6 +651,7 @@ class AccumulationTuner(_MeasuringTuner):
             "effective": self.effective_batch_size,
             "min_micro_batch": self.min_micro_batch,
             "allow_checkpointing": self.allow_checkpointing,
+            "epoch": _epoch_fields(epoch),
         }
         self._decide(trainer, pl_module, extra, search)
         if self.accumulate_grad_batches and self.accumulate_grad_batches > 1:
@@ -613,10 +666,55 @@ class AccumulationTuner(_MeasuringTuner):
             f" {self.accumulate_grad_batches} = {self.effective_batch_size} samples per optimizer step"
         )
 
+    def _pairs(self, trainer: Trainer, epoch: EpochLength) -> list[tuple[int, int]]:
+        """(micro-batch, accumulation) pairs of the per-device batch of which one epoch runs a whole optimizer step.
+
+        Lightning steps the optimizer at an epoch's end whatever the accumulation: in an epoch of fewer batches
+        every step would hold less than the effective batch. Those pairs are left out; if none is left, nothing is.
+
+        Raises:
+            ValueError: one epoch runs no whole optimizer step at any micro-batch.
+        """
+        per_device = self.per_device_batch
+        candidates = accumulation_candidates(per_device, self.min_micro_batch)
+        pairs = [(m, a) for m, a in candidates if epoch.holds(m, a)]
+        limit = batch_limit(trainer)
+        need = (
+            f"`effective_batch_size` {self.effective_batch_size} needs {per_device} samples per device for one"
+            " optimizer step"
+        )
+        if not pairs:
+            if epoch.samples is not None and epoch.samples < per_device:
+                where, advice = f"an epoch of the train loader holds only {epoch.samples}", ""
+            else:
+                most = max(epoch.samples_at(m) or 0 for m, _ in candidates)
+                where = f"with {limit or 'the batch limit'} an epoch runs at most {most} samples"
+                advice = f"; raise {limit or 'the limit'}"
+            raise ValueError(
+                f"{need}, but {where} per device: every step would be smaller than the effective batch{advice} or"
+                " lower `effective_batch_size`"
+                if advice
+                else f"{need}, but {where} per device: every step would be smaller than the effective batch"
+            )
+        left = [f"{m} x {a}" for m, a in candidates if (m, a) not in pairs]
+        if left:
+            rank_zero_info(
+                f"AccumulationTuner: {', '.join(left)} left out: {need}, and one epoch"
+                f"{' with ' + limit if limit else ''} runs fewer batches than that at those micro-batches"
+            )
+        return pairs
+
+    def _step_batches(self, trainer: Trainer) -> int:
+        return 1  # the accumulation is this tuner's own choice: `_pairs` holds each micro-batch to its own
+
     _world_size = 1
+    _accumulates = True
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "checkpointing": self.checkpointing}
+
+    def _entry_rules(self) -> dict[str, Any]:
+        return {**super()._entry_rules(), "per_step": self.per_device_batch}  # micro-batch x accumulation
 
     def _load(self, state_dict: dict[str, Any]) -> None:
         super()._load(state_dict)

@@ -44,7 +44,13 @@ from lightning_memguard.core.checkpoint_plan import (
     predict_peak,
     value,
 )
-from lightning_memguard.core.checks import check_memory_budget
+from lightning_memguard.core.checks import (
+    check_bool,
+    check_callable,
+    check_fractions,
+    check_instance,
+    check_memory_budget,
+)
 
 
 @dataclass
@@ -430,13 +436,15 @@ def checkpoint_blocks(
             kernel where it runs, two of a stage's earlier outputs kept.
         compile: None: measure the model as it runs (compiled if it is); True or ``torch.compile`` keyword
             arguments: it will be compiled so, measure it that way.
-        compile_settings: the values of compile's ``activation_memory_budget`` tried beside its default.
+        compile_settings: the values of compile's ``activation_memory_budget`` tried beside its default: a
+            sequence (or an array) of numbers in (0, 1].
 
     Raises:
-        ValueError: no blocks found, a budget without an example input, a budget out of range, or
-            ``rebuild_bn_relu`` on a model with no torchvision BasicBlock, Bottleneck, ResNet stem or
-            Conv2dNormActivation unit (with ``nn.BatchNorm2d``) among its blocks.
-        TypeError: ``units`` of the wrong kind, ``rebuild_config`` not a ``RebuildConfig``.
+        ValueError: no blocks found, a budget without an example input, a budget out of range, ``compile_settings``
+            outside (0, 1], or ``rebuild_bn_relu`` on a model with no torchvision BasicBlock, Bottleneck, ResNet stem
+            or Conv2dNormActivation unit (with ``nn.BatchNorm2d``) among its blocks.
+        TypeError: ``model`` not an ``nn.Module``, ``units`` of the wrong kind, ``loss_fn`` not callable,
+            ``bn_correct`` or ``rebuild_bn_relu`` not a bool, ``rebuild_config`` not a ``RebuildConfig``.
 
     Example:
         >>> import torchvision
@@ -445,9 +453,14 @@ def checkpoint_blocks(
         >>> plan.blocks[:3], plan.candidates
         (['stem', 'layer1.0', 'layer1.1'], 9)
     """
+    _check_model(model)
     memory_budget = check_memory_budget(memory_budget)  # the callback's rule: a float is a fraction, else bytes
+    check_callable("loss_fn", loss_fn, "a callable (output) -> scalar loss", optional=True)
+    check_bool("bn_correct", bn_correct)  # not None (falsy: BatchNorm statistics updated twice per step)
+    check_bool("rebuild_bn_relu", rebuild_bn_relu)  # not "False" (truthy: the rebuild applied)
     config = check_config(rebuild_config)
-    options = _check_compile(compile, compile_settings)
+    options = _check_compile(compile)
+    compile_settings = check_fractions("compile_settings", compile_settings)  # any sequence or array; 1 is 1.0
     measured, model = model, _compiler.unwrapped(model)  # the modules of a torch.compile result are its original's
     if compile is None:
         compile = _compiler.is_compiled(measured)
@@ -481,11 +494,14 @@ def checkpoint_blocks(
         return _plan(model, links, joinable, memory_budget, example_input, loss_fn, bn_correct, rebuild_bn_relu, config)
 
 
-def _check_compile(compile: Any, settings: Any) -> dict[str, Any] | None:
+def _check_model(model: Any) -> None:
+    """``model`` must be a module (or a ``torch.compile`` of one), not its name."""
+    check_instance("model", model, nn.Module, "be a torch.nn.Module (the model itself, built)")
+
+
+def _check_compile(compile: Any) -> dict[str, Any] | None:
     if compile is not None and not isinstance(compile, bool | Mapping):
         raise TypeError(f"`compile` must be None, a bool or torch.compile's keyword arguments, got {compile!r}")
-    if not isinstance(settings, Sequence) or not all(isinstance(x, float) and 0 < x <= 1 for x in settings):
-        raise ValueError(f"`compile_settings` must be fractions in (0, 1], got {settings!r}")
     return dict(compile) if isinstance(compile, Mapping) else None
 
 
@@ -697,8 +713,12 @@ def apply_plan(
 
     Raises:
         ValueError: a block the model does not have, or a run of blocks that may not share one checkpoint.
-        TypeError: ``rebuild_config`` not a ``RebuildConfig``.
+        TypeError: ``model`` not an ``nn.Module``, a flag not a bool, ``rebuild_config`` not a ``RebuildConfig``.
     """
+    _check_model(model)
+    check_bool("bn_correct", bn_correct)
+    check_bool("rebuild_bn_relu", rebuild_bn_relu)
+    check_bool("split_graphs", split_graphs)
     config = check_config(rebuild_config)
     links, joinable = model_chain(model, find_units(model, units))
     named = _runs_named(links, joinable, runs)
@@ -724,7 +744,8 @@ def checkpoint_resnet(
     under ``torch.compile`` (``model`` compiled, or ``compile=``).
 
     Raises:
-        TypeError: if ``model`` is not a torchvision ResNet (or ``torch.compile`` of one).
+        TypeError: if ``model`` is not a torchvision ResNet (or ``torch.compile`` of one); other arguments as for
+            :func:`checkpoint_blocks`.
 
     Example:
         >>> import torchvision
@@ -734,10 +755,11 @@ def checkpoint_resnet(
     """
     import torchvision
 
+    _check_model(model)
     if not isinstance(_compiler.unwrapped(model), torchvision.models.ResNet):
         raise TypeError(
-            f"checkpoint_resnet needs a torchvision ResNet, got {type(model).__name__}; use checkpoint_blocks(model,"
-            " units=...) for other block-structured models"
+            f"`model`: checkpoint_resnet needs a torchvision ResNet, got {type(model).__name__}; use"
+            " checkpoint_blocks(model, units=...) for other block-structured models"
         )
     from torchvision.models.resnet import BasicBlock, Bottleneck
 

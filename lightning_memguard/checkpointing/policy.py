@@ -13,7 +13,7 @@ from lightning_memguard import _compiler
 from lightning_memguard.checkpointing.plan import CheckpointPlan, apply_plan, checkpoint_blocks
 from lightning_memguard.checkpointing.rebuild import RebuildConfig, check_config
 from lightning_memguard.checkpointing.wrap import Units, check_units
-from lightning_memguard.core.checks import check_memory_budget
+from lightning_memguard.core.checks import check_bool, check_memory_budget
 
 
 class CheckpointingPolicy:
@@ -55,13 +55,12 @@ class CheckpointingPolicy:
         rebuild_config: RebuildConfig | None = None,
     ) -> None:
         self.units: Units = check_units(units)
-        check_memory_budget(memory_budget)
-        self.memory_budget = memory_budget  # as given ("6GB" stays "6GB"); checked again where it is measured
-        for name, flag in (("bn_correct", bn_correct), ("rebuild_bn_relu", rebuild_bn_relu)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"`{name}` must be a bool, got {flag!r}")
-        self.bn_correct = bn_correct
-        self.rebuild_bn_relu = rebuild_bn_relu
+        checked = check_memory_budget(memory_budget)
+        # a string as given ("6GB" stays "6GB"), a number as Python's (np.float32(0.6) is 0.6); checked again where
+        # it is measured
+        self.memory_budget = memory_budget if isinstance(memory_budget, str) else checked
+        self.bn_correct = check_bool("bn_correct", bn_correct)
+        self.rebuild_bn_relu = check_bool("rebuild_bn_relu", rebuild_bn_relu)
         check_config(rebuild_config)
         self.rebuild_config = rebuild_config
         self.plan: CheckpointPlan | None = None  # this process's plan, where it made one

@@ -35,6 +35,8 @@ checkpoint, and under ``torch.compile``, a block runs as usual.
 from __future__ import annotations
 
 import contextlib
+import numbers
+import operator
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,6 +58,7 @@ from lightning_memguard.checkpointing.wrap import (
     swap_chain,
     wrapped_by_someone_else,
 )
+from lightning_memguard.core.checks import check_instance
 
 
 @dataclass(frozen=True)
@@ -86,10 +89,11 @@ class RebuildConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.fused, bool):
             raise TypeError(f"`fused` must be a bool, got {self.fused!r}")
-        if not isinstance(self.chain_kept, int) or isinstance(self.chain_kept, bool):
+        if not isinstance(self.chain_kept, numbers.Integral) or isinstance(self.chain_kept, bool):
             raise TypeError(f"`chain_kept` must be an int, got {self.chain_kept!r}")
         if self.chain_kept < 0:
             raise ValueError(f"`chain_kept` must be at least 0, got {self.chain_kept!r}")
+        object.__setattr__(self, "chain_kept", operator.index(self.chain_kept))  # np.int64(2) is kept as 2
 
 
 DEFAULT_CONFIG = RebuildConfig()
@@ -99,9 +103,7 @@ def check_config(config: Any) -> RebuildConfig:
     """``rebuild_config`` as the public functions take it: a :class:`RebuildConfig`, or None for the default."""
     if config is None:
         return DEFAULT_CONFIG
-    if not isinstance(config, RebuildConfig):
-        raise TypeError(f"`rebuild_config` must be a RebuildConfig or None, got {config!r}")
-    return config
+    return check_instance("rebuild_config", config, RebuildConfig, "be a RebuildConfig or None")
 
 
 class _Recipe:

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lightning_memguard.core.epoch import EpochLength
+
 OK, OOM, SPILL, OVER_HEADROOM = "ok", "oom", "spill", "over_headroom"
 MODES = ("throughput", "max_fit")
 
@@ -100,9 +102,11 @@ def power_ladder(start: int, stop: int, factor: int = 2) -> list[int]:
     return sizes
 
 
-def capped_ladder(sizes: Sequence[int], deliverable: int | None) -> list[int]:
-    """The sizes a loader of ``deliverable`` samples per epoch can really deliver: those above it are dropped, and
-    the whole epoch as one batch takes their place (None: a loader without length, nothing capped).
+def capped_ladder(sizes: Sequence[int], deliverable: int | EpochLength | None, accumulate: int = 1) -> list[int]:
+    """The sizes one epoch can really run a whole optimizer step of (``accumulate`` full batches): those above it
+    are dropped, and the largest size that still can takes their place (at ``accumulate`` 1 with no batch limit,
+    the whole epoch as one batch). ``deliverable``: the epoch as :class:`EpochLength`, or its samples (an int);
+    None: a loader without length, nothing capped.
 
     Example:
         >>> capped_ladder([16, 32, 64, 128, 256, 512], 100)
@@ -111,14 +115,25 @@ def capped_ladder(sizes: Sequence[int], deliverable: int | None) -> list[int]:
         [20]
         >>> capped_ladder([32, 64], None)
         [32, 64]
+        >>> capped_ladder([16, 32, 64, 128], EpochLength(100, limit=0.25))  # 0.25 of 2 batches of 64 is none
+        [16, 32, 33]
+        >>> capped_ladder([16, 32, 64], EpochLength(100), accumulate=4)
+        [16, 25]
     """
-    if deliverable is None:
+    epoch = deliverable if isinstance(deliverable, EpochLength) else EpochLength(deliverable)
+    top = epoch.largest_batch(accumulate)
+    if top is None:
         return list(sizes)
-    if deliverable < 1:
-        raise ValueError(f"the train loader delivers no samples (an epoch of {deliverable}); nothing can be measured")
-    kept = [s for s in sizes if s <= deliverable]
-    if len(kept) < len(sizes) and deliverable not in kept:
-        kept.append(deliverable)
+    if epoch.samples is not None and epoch.samples < 1:
+        raise ValueError(f"the train loader delivers no samples (an epoch of {epoch.samples}); nothing can be measured")
+    if top < 1:
+        raise ValueError(
+            f"one epoch ({epoch}) runs no whole optimizer step of {accumulate} batches at any batch size; nothing can"
+            " be measured"
+        )
+    kept = [s for s in sizes if s <= top]
+    if len(kept) < len(sizes) and top not in kept:
+        kept.append(top)
     return kept
 
 
@@ -239,6 +254,79 @@ class SizeSearch:
         return min(close, key=lambda r: (r.peak_bytes if r.peak_bytes is not None else r.size, r.size))
 
 
+class AccumulationSearch:
+    """Tries micro-batches from the smallest up and keeps the one that accumulates least unless another is clearly
+    faster.
+
+    Every (micro-batch, accumulation) pair holds the same samples per optimizer step, so they differ in speed and
+    memory only; but the direct batch trains exactly as asked (BatchNorm statistics over the whole batch), and each
+    halving away from it has to pay for itself. The choice is the largest micro-batch that fits whose throughput,
+    raised by ``min_gain``, still reaches the fastest one's within ``tolerance``: a smaller micro-batch is chosen only
+    when it is more than ``min_gain`` faster, so two runs whose timings differ by noise choose alike. Climbing stops
+    at the first trial that does not fit (OOM, spill, memory within the headroom) and at the first one that could not
+    be chosen (slower than the best by more than that margin): larger ones are not expected to be faster again.
+
+    ``propose()``, ``observe(result)``, ``result``, ``results`` and ``best_rate`` as for :class:`SizeSearch`; it
+    never returns a size it did not run.
+
+    Args:
+        candidates: the micro-batches, e.g. from :func:`accumulation_candidates`.
+        min_gain: how much faster (a fraction) a micro-batch that accumulates more must be to be chosen.
+        tolerance: throughputs within this fraction of each other count as equal.
+
+    Example:
+        >>> search = AccumulationSearch([4, 8, 16], min_gain=0.05)
+        >>> rates = {4: 600.0, 8: 1016.0, 16: 1000.0}  # 8 x 2 is 1.6 % faster than 16 x 1: noise
+        >>> while (size := search.propose()) is not None:
+        ...     search.observe(TrialResult(size, 1.0, 0, rates[size], "ok"))
+        >>> [r.size for r in search.results], search.result.size
+        ([4, 8, 16], 16)
+    """
+
+    def __init__(self, candidates: Sequence[int], min_gain: float = 0.05, tolerance: float = 0.01) -> None:
+        if not candidates or any(int(c) != c or c < 1 for c in candidates):
+            raise ValueError(f"`candidates` must be positive integers, got {list(candidates)!r}")
+        self.candidates = sorted(set(int(c) for c in candidates))
+        self.min_gain = min_gain
+        self.tolerance = tolerance
+        self.results: list[TrialResult] = []
+        self._next = 0
+        self._climbing = True
+        self._pending: int | None = None
+
+    @property
+    def best_rate(self) -> float | None:
+        rates = [r.samples_per_sec for r in self.results if r.fits and r.samples_per_sec is not None]
+        return max(rates) if rates else None
+
+    def _choosable(self, rate: float, best: float) -> bool:
+        return rate * (1 + self.min_gain) >= best * (1 - self.tolerance)
+
+    def propose(self) -> int | None:
+        if self._pending is None and self._climbing and self._next < len(self.candidates):
+            self._pending = self.candidates[self._next]
+        return self._pending
+
+    def observe(self, result: TrialResult) -> None:
+        if self._pending is None or result.size != self._pending:
+            raise ValueError(f"observed size {result.size}, but the search proposed {self._pending}")
+        self._pending = None
+        self.results.append(result)
+        self._next += 1
+        best = self.best_rate
+        chooseable = result.fits and result.samples_per_sec is not None
+        if not chooseable or (best is not None and not self._choosable(result.samples_per_sec, best)):  # type: ignore[arg-type]
+            self._climbing = False
+
+    @property
+    def result(self) -> TrialResult | None:
+        fits = [r for r in self.results if r.fits and r.samples_per_sec is not None]
+        if not fits:
+            return None
+        best = max(r.samples_per_sec for r in fits)  # type: ignore[type-var]
+        return max((r for r in fits if self._choosable(r.samples_per_sec, best)), key=lambda r: r.size)  # type: ignore[arg-type]
+
+
 def accumulation_candidates(per_device_batch: int, min_micro_batch: int = 1) -> list[tuple[int, int]]:
     """(micro-batch, accumulation steps) pairs that keep ``per_device_batch``: halving while it divides evenly.
 
@@ -247,9 +335,17 @@ def accumulation_candidates(per_device_batch: int, min_micro_batch: int = 1) -> 
         [(32, 8), (64, 4), (128, 2), (256, 1)]
         >>> accumulation_candidates(96)
         [(3, 32), (6, 16), (12, 8), (24, 4), (48, 2), (96, 1)]
+        >>> accumulation_candidates(256, min_micro_batch=512)
+        Traceback (most recent call last):
+        ...
+        ValueError: the smallest micro-batch, 512, is larger than the per-device batch, 256
     """
     if per_device_batch < 1:
         raise ValueError(f"the per-device batch must be >= 1, got {per_device_batch}")
+    if min_micro_batch > per_device_batch:
+        raise ValueError(
+            f"the smallest micro-batch, {min_micro_batch}, is larger than the per-device batch, {per_device_batch}"
+        )
     pairs = []
     steps = 1
     while per_device_batch % steps == 0 and per_device_batch // steps >= max(1, min_micro_batch):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import re
 from fractions import Fraction
 
@@ -23,16 +25,18 @@ _PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 GB = 10**9
 
 
-def parse_bytes(value: int | float | str, name: str = "capacity") -> int:
+def parse_bytes(value: int | float | str | numbers.Real, name: str = "capacity", *, allow_zero: bool = False) -> int:
     """Turn ``16000000000``, ``"16GB"``, ``"16GiB"`` or ``"512MB"`` into a number of bytes.
 
     Decimal units (``KB``, ``MB``, ``GB``, ``TB``) are powers of 1000, binary units (``KiB`` ... ``TiB``)
     powers of 1024; unit letters are case-insensitive. The result must be a whole number of bytes, at least one:
-    ``0.5``, ``"0.5B"`` or ``"0.9"`` are refused rather than rounded down to a size of nothing.
+    ``0.5``, ``"0.5B"`` or ``"0.9"`` are refused rather than rounded down to a size of nothing. NumPy numbers count
+    as the numbers they are (``np.int64(1024)`` is 1024 bytes).
 
     Args:
         value: a positive number of bytes, or a string with a number and a unit.
         name: the argument's name, quoted in the error message.
+        allow_zero: a size of 0 is allowed too (a margin, not a capacity).
 
     Raises:
         TypeError: if ``value`` is neither a number nor a string.
@@ -46,8 +50,10 @@ def parse_bytes(value: int | float | str, name: str = "capacity") -> int:
         ...
         ValueError: `capacity` must be a whole number of bytes, at least 1, got 0.5
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real | str):
         raise TypeError(f"`{name}` must be a number of bytes or a string such as '16GB', got {value!r}")
+    least = 0 if allow_zero else 1
+    sign = "non-negative" if allow_zero else "positive"
     if isinstance(value, str):
         match = _PATTERN.match(value)
         unit = match.group(2).upper() if match else None
@@ -56,14 +62,20 @@ def parse_bytes(value: int | float | str, name: str = "capacity") -> int:
                 f"`{name}` must be a number of bytes or a size such as '16GB', '16GiB' or '512MB', got {value!r}"
             )
         size = Fraction(match.group(1)) * _UNITS[unit]  # exact: "0.1GB" is 100000000 bytes, not 99999999.99...
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"`{name}` must be a positive size, got {value!r}")
+    elif isinstance(value, numbers.Integral):  # int, np.int64: exact, however large
+        size = Fraction(operator.index(value))
     else:
-        size = Fraction(value)
-    if size <= 0:
-        raise ValueError(f"`{name}` must be a positive size, got {value!r}")
+        try:
+            number = float(value)  # float, np.float32; a Fraction as the float nearest to it
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise ValueError(f"`{name}` must be a {sign} size, got {value!r}")
+        size = Fraction(number)
+    if size < 0 or (size == 0 and not allow_zero):
+        raise ValueError(f"`{name}` must be a {sign} size, got {value!r}")
     if size.denominator != 1:
-        raise ValueError(f"`{name}` must be a whole number of bytes, at least 1, got {value!r}")
+        raise ValueError(f"`{name}` must be a whole number of bytes, at least {least}, got {value!r}")
     return int(size)
 
 

@@ -12,7 +12,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_memguard import _compiler
-from lightning_memguard.core.units import parse_bytes
+from lightning_memguard.core.checks import check_callable, check_size
 from lightning_memguard.probes.base import MemoryReading
 
 _DEFAULT_BANDWIDTH = 25e9  # bytes/s, about PCIe 4.0 x16 in practice
@@ -76,9 +76,13 @@ class SysmemSpillEmulator(Callback):
     compiled graph's buffers, and its inputs that do not require grad, then count as activations.
 
     Args:
-        capacity: the emulated card's memory: bytes or a string such as ``"16GB"``.
+        capacity: the emulated card's memory: bytes or a string such as ``"16GB"``, at most 1 EB (1 byte is
+            allowed here: a card on which every activation spills).
         bandwidth: host-device bytes per second for the CPU emulation (default 25 GB/s), or a string ``"25GB"``.
         sleep: the CPU emulation's way to spend time; a test may inject a fake.
+
+    Raises:
+        TypeError, ValueError: a bad argument, naming it (a size that is not a whole, positive number of bytes).
 
     Warns:
         RuntimeWarning: once, at the first step that ran compiled code whose saved tensors the emulator did not see.
@@ -103,8 +107,9 @@ class SysmemSpillEmulator(Callback):
         bandwidth: int | float | str = _DEFAULT_BANDWIDTH,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        self.capacity = parse_bytes(capacity, "capacity")
-        self.bandwidth = parse_bytes(bandwidth, "bandwidth")
+        self.capacity = check_size("capacity", capacity)  # a card of 1 byte is allowed here: everything spills
+        self.bandwidth = check_size("bandwidth", bandwidth)
+        check_callable("sleep", sleep, "a callable taking seconds")
         self._sleep = sleep
         self._step: _Step | None = None
         self._hooks: Any = None

@@ -1,0 +1,97 @@
+"""What a tuner's cached choice is keyed on: every field, read from the Trainer in this one place.
+
+The file itself (its lock, atomic writes, the entries' schema) is :class:`lightning_memguard.core.cache.ResultCache`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import TYPE_CHECKING, Any
+
+import lightning
+import torch
+from lightning.pytorch import LightningModule, Trainer
+
+from lightning_memguard import __version__, _compiler
+from lightning_memguard.callbacks._trials import first_batch_signature, reload_train_dataloader, rng_kept
+from lightning_memguard.callbacks.checkpointing import ActivationCheckpointing
+from lightning_memguard.core.cache import digest
+
+if TYPE_CHECKING:
+    from lightning_memguard.callbacks.tuners import _MeasuringTuner
+
+
+def _qualname(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _hparams(obj: Any, batch_arg_name: str) -> dict[str, str]:
+    hparams = getattr(obj, "hparams", None) or {}
+    return {str(k): repr(v) for k, v in sorted(dict(hparams).items(), key=str) if k != batch_arg_name}
+
+
+def cache_key(
+    tuner: _MeasuringTuner,
+    trainer: Trainer,
+    pl_module: LightningModule,
+    samples_per_epoch: int | None,
+    extra: dict[str, Any],
+) -> str:
+    """The key of ``tuner``'s choice for this fit: everything that decides memory, speed and which sizes can run.
+
+    - ``model``, ``params``: the LightningModule's class and parameter count;
+    - ``modules``: a hash of every submodule's name and class (a checkpointed or rebuilt block changes it);
+    - ``checkpointing``: the settings of the ActivationCheckpointing callbacks;
+    - ``compiled``: whether the model runs under ``torch.compile``;
+    - ``input``, ``batch``: ``example_input_array``'s shape; the first train batch's shapes and dtypes;
+    - ``samples_per_epoch``: the samples one epoch of the train loader runs (the search caps sizes at it);
+    - ``hparams``, ``datamodule``: the module's hyperparameters but the batch size; the datamodule's class and
+      hyperparameters;
+    - ``precision``, ``device``, ``world_size``, ``accumulate_grad_batches``: the Trainer's;
+    - ``torch``, ``lightning``, ``memguard``: the versions of the libraries that measured;
+    - ``tuner``, ``probe``, ``capacity``: the tuner's class, its memory probe's class and the memory judged
+      against;
+    - ``headroom``, ``min_gain``, ``tolerance``: the tuner's settings, and ``extra``, what the tuner adds (its
+      mode and range; the effective batch, ...).
+    """
+    device = trainer.strategy.root_device
+    example = getattr(pl_module, "example_input_array", None)
+    datamodule, arg = getattr(trainer, "datamodule", None), tuner.batch_arg_name
+    probe, capacity = tuner._probe_and_capacity(trainer)
+    with rng_kept():
+        reload_train_dataloader(trainer)
+        batch = first_batch_signature(trainer)
+    fields = {
+        "model": _qualname(pl_module),
+        "params": sum(p.numel() for p in pl_module.parameters()),
+        "modules": hashlib.sha256(
+            json.dumps([[n, type(m).__qualname__] for n, m in pl_module.named_modules()]).encode()
+        ).hexdigest(),
+        "checkpointing": [
+            [type(c).__name__, repr(c.units), repr(c.memory_budget), c.bn_correct, c.rebuild_bn_relu]
+            for c in trainer.callbacks  # type: ignore[attr-defined]
+            if isinstance(c, ActivationCheckpointing)
+        ],
+        "compiled": _compiler.is_compiled(pl_module),  # a compiled model's step times are its graph's
+        "input": list(example.shape) if torch.is_tensor(example) else None,
+        "batch": batch,
+        "samples_per_epoch": samples_per_epoch,
+        "hparams": _hparams(pl_module, arg),
+        "datamodule": None if datamodule is None else [_qualname(datamodule), _hparams(datamodule, arg)],
+        "precision": str(trainer.precision),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "world_size": trainer.world_size,
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "memguard": __version__,
+        "tuner": type(tuner).__name__,
+        "probe": type(probe).__name__,
+        "capacity": capacity,
+        "headroom": tuner.headroom,
+        "min_gain": tuner.min_gain,
+        "tolerance": tuner.tolerance,
+        "extra": extra,
+    }
+    return digest(fields)

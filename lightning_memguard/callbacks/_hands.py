@@ -1,0 +1,138 @@
+"""The Trainer's other hands on the batch size, the accumulation and the data, known in one place.
+
+A tuner is not alone in a Trainer: Lightning's ``BatchSizeFinder`` (or another tuner) may set the same batch size,
+``Trainer(accumulate_grad_batches)`` or a ``GradientAccumulationScheduler`` the accumulation, and
+``limit_train_batches`` / ``overfit_batches`` with the loader's length and ``drop_last`` decide how much one epoch
+really runs. What cannot work together is refused here, in ``setup``, before anything is measured; what can is read
+from here, so the search, the checks and the cache see the same thing.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler
+
+from lightning_memguard.callbacks._private import train_loader
+from lightning_memguard.callbacks._trials import deliverable_samples
+from lightning_memguard.core.epoch import EpochLength
+
+
+def _searches_batch_size(callback: Callback) -> bool:
+    from lightning_memguard.callbacks.tuners import _MeasuringTuner
+
+    return isinstance(callback, BatchSizeFinder | _MeasuringTuner)
+
+
+def _rank(callback: Callback) -> tuple[int, str]:
+    """Lightning's finder first, then BatchSizeTuner, then AccumulationTuner: the message reads the same whatever
+    the order in ``callbacks`` and whichever of them refuses first."""
+    from lightning_memguard.callbacks.tuners import AccumulationTuner, BatchSizeTuner
+
+    kinds = (BatchSizeFinder, BatchSizeTuner, AccumulationTuner)
+    rank = next((i for i, kind in enumerate(kinds) if isinstance(callback, kind)), len(kinds))
+    return rank, type(callback).__name__
+
+
+def _name(callback: Callback) -> str:
+    name = type(callback).__name__
+    if isinstance(callback, BatchSizeFinder) and type(callback) is not BatchSizeFinder:
+        return f"{name} (a BatchSizeFinder)"
+    return name
+
+
+def refuse_two_batch_size_searches(trainer: Trainer) -> None:
+    """Two callbacks that each set the batch size at fit start: the last to run would silently overwrite the
+    other's choice (Lightning moves its ``BatchSizeFinder`` first, whatever the order given).
+
+    Raises:
+        ValueError: naming every one of them and what to remove; the same message from each of them.
+    """
+    searches = sorted((c for c in trainer.callbacks if _searches_batch_size(c)), key=_rank)  # type: ignore[attr-defined]
+    if len(searches) < 2:
+        return
+    names = [_name(c) for c in searches]
+    listed = ", ".join(names[:-1]) + f" and {names[-1]}"
+    advice = "keep one of them in `Trainer(callbacks=...)` and remove the other" + ("s" if len(names) > 2 else "")
+    if isinstance(searches[0], BatchSizeFinder):
+        advice += (
+            f" (moving from Lightning's tuner: remove {names[0]}; {names[-1]} replaces it)"
+            if len(names) == 2
+            else f" (moving from Lightning's tuner: remove {names[0]})"
+        )
+    elif len(names) == 2 and names == ["BatchSizeTuner", "AccumulationTuner"]:
+        advice += (
+            " (AccumulationTuner chooses the micro-batch for a fixed effective batch; BatchSizeTuner the batch size"
+            " alone)"
+        )
+    raise ValueError(
+        f"{listed} are {'both' if len(names) == 2 else 'all'} in the Trainer's callbacks and each sets the batch"
+        f" size at fit start: the last to run would silently overwrite the other's choice; {advice}"
+    )
+
+
+def refuse_accumulation_setters(trainer: Trainer, tuner: Callback, own: int | None) -> None:
+    """For a tuner that sets ``accumulate_grad_batches`` itself: nothing else in the Trainer may set it.
+
+    ``own``: the accumulation this tuner set in an earlier ``fit`` of the same Trainer (it is the Trainer's now).
+
+    Raises:
+        ValueError: a ``GradientAccumulationScheduler`` in the callbacks (it resets the accumulation at every epoch
+            start), or ``Trainer(accumulate_grad_batches>1)``.
+    """
+    name = type(tuner).__name__
+    schedulers = [c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]  # type: ignore[attr-defined]
+    if schedulers:
+        scheduling = dict(sorted(schedulers[0].scheduling.items()))
+        raise ValueError(
+            f"GradientAccumulationScheduler(scheduling={scheduling}) and {name} both set `accumulate_grad_batches`:"
+            f" the scheduler would reset {name}'s choice at every epoch start, and optimizer steps would no longer"
+            f" hold the effective batch; remove GradientAccumulationScheduler from `Trainer(callbacks=...)`"
+            f" ({name} keeps the effective batch), or remove {name}"
+        )
+    if trainer.accumulate_grad_batches != 1 and own is None:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) and {name} both set the"
+            f" accumulation; remove `accumulate_grad_batches` from the Trainer ({name} sets it), or remove {name}"
+        )
+
+
+def accumulation_in_force(trainer: Trainer) -> tuple[int, int]:
+    """The accumulation training will start with and the largest it will use: the Trainer's, or a
+    ``GradientAccumulationScheduler``'s (it sets the Trainer's at every epoch start)."""
+    schedulers = [c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]  # type: ignore[attr-defined]
+    if not schedulers:
+        return trainer.accumulate_grad_batches, trainer.accumulate_grad_batches
+    scheduler = schedulers[0]
+    return scheduler.get_accumulate_grad_batches(trainer.current_epoch), max(scheduler.scheduling.values())
+
+
+def train_epoch(trainer: Trainer) -> EpochLength:
+    """One epoch of the (first) train loader on this rank, as the Trainer will run it: the loader must be built.
+
+    The samples are the sampler's (or the dataset's) length, None without one; the batch limit is
+    ``limit_train_batches``, which Lightning sets to ``overfit_batches`` when that is on.
+    """
+    combined = train_loader(trainer)
+    loader = combined.flattened[0] if combined is not None and combined.flattened else None
+    return EpochLength(
+        deliverable_samples(trainer), trainer.limit_train_batches, bool(getattr(loader, "drop_last", False))
+    )
+
+
+def batch_limit(trainer: Trainer) -> str:
+    """The Trainer's argument that limits an epoch, as the user wrote it ("" when none does)."""
+    overfit = getattr(trainer, "overfit_batches", 0)  # set by the Trainer's debugging flags, not declared
+    if overfit:
+        return f"`Trainer(overfit_batches={overfit!r})`"
+    limit = trainer.limit_train_batches
+    if not (isinstance(limit, float) and limit == 1.0):
+        return f"`Trainer(limit_train_batches={trainer.limit_train_batches!r})`"
+    return ""
+
+
+def accumulation_setter(trainer: Trainer) -> str:
+    """What sets the accumulation in this Trainer, as the user wrote it."""
+    schedulers = [c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]  # type: ignore[attr-defined]
+    if schedulers:
+        return f"GradientAccumulationScheduler(scheduling={dict(sorted(schedulers[0].scheduling.items()))})"
+    return f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})`"

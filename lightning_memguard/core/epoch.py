@@ -1,0 +1,94 @@
+"""What one epoch of training really runs: the loader's length, the Trainer's batch limit and ``drop_last``.
+
+The tuners choose a batch size (or a micro-batch and its accumulation) from this, the ladder stops where it says,
+and the cache keys on it: one notion of "samples an epoch really runs", computed as Lightning computes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EpochLength:
+    """One epoch of the train loader on one rank, as the Trainer will run it, at any batch size.
+
+    Attributes:
+        samples: samples the loader's sampler (or dataset) holds per epoch on this rank; None: no length (an
+            iterable dataset).
+        limit: ``Trainer(limit_train_batches)`` (``overfit_batches`` where that is set): an int caps the batches
+            of an epoch, a float keeps that fraction of them (rounded down, as Lightning does).
+        drop_last: the loader drops a last batch smaller than the batch size.
+
+    Example:
+        >>> epoch = EpochLength(100, limit=2)
+        >>> epoch.batches(16), epoch.samples_at(16), epoch.samples_at(64)
+        (2, 32, 100)
+        >>> epoch.holds(4, accumulate=4), epoch.holds(8, accumulate=2)
+        (False, True)
+        >>> EpochLength(100, limit=0.25).largest_batch()  # at 34, 0.25 of its 3 batches is none
+        33
+    """
+
+    samples: int | None
+    limit: int | float = 1.0
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.samples is not None and self.samples < 0:
+            raise ValueError(f"an epoch cannot hold {self.samples} samples")
+        if isinstance(self.limit, bool) or self.limit < 0:
+            raise ValueError(f"the batch limit must be an int or a float >= 0, got {self.limit!r}")
+
+    def batches(self, size: int) -> int | None:
+        """Batches one epoch runs at batch size ``size``; None: unknown (no length, and no int limit)."""
+        if size < 1:
+            raise ValueError(f"a batch size must be >= 1, got {size}")
+        if self.samples is None:
+            return self.limit if isinstance(self.limit, int) else None
+        full = self.samples // size if self.drop_last else -(-self.samples // size)
+        if isinstance(self.limit, int):
+            return min(full, self.limit)
+        return int(full * self.limit)  # Lightning's `_parse_num_batches`, to the same rounding
+
+    def samples_at(self, size: int) -> int | None:
+        """Samples one epoch runs at batch size ``size`` (the last batch may hold fewer); None: unknown."""
+        batches = self.batches(size)
+        if batches is None or self.samples is None:
+            return None
+        return min(batches * size, self.samples)
+
+    def holds(self, size: int, accumulate: int = 1) -> bool:
+        """Whether one epoch runs at least one whole optimizer step: ``accumulate`` full batches of ``size``.
+
+        Lightning steps the optimizer at an epoch's end whatever the accumulation, so in an epoch shorter than
+        that every optimizer step would hold fewer samples than ``size * accumulate``. Unknown counts as holding.
+        """
+        if accumulate < 1:
+            raise ValueError(f"the accumulation must be >= 1, got {accumulate}")
+        batches = self.batches(size)
+        if batches is None:
+            return True
+        if batches < accumulate:
+            return False
+        samples = self.samples_at(size)
+        return samples is None or samples >= size * accumulate
+
+    def largest_batch(self, accumulate: int = 1) -> int | None:
+        """The largest batch size at which one epoch holds a whole optimizer step (0: none); None: no bound known.
+
+        ``holds`` is monotone in the size (fewer and fewer batches, and a step of more and more samples), so this
+        is a bisection.
+        """
+        if self.samples is None:
+            return None if self.holds(1, accumulate) else 0
+        if not self.holds(1, accumulate):
+            return 0
+        low, high = 1, max(self.samples, 1)  # holds(low); above `samples` no step is whole
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.holds(mid, accumulate):
+                low = mid
+            else:
+                high = mid - 1
+        return low
