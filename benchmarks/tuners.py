@@ -5,7 +5,8 @@
 ResNet50, bf16-mixed, channels_last, Lightning Trainer, one call:
 1. oracle: every batch size of the ladder 32..2048 trained for 3 warm-up + 12 timed steps (CUDA events, median);
    BatchSizeTuner on the same ladder: its choice's oracle throughput against the oracle's best, and the wall time
-   of its search against the sweep's;
+   of its search against the sweep's (a choice off the ladder, e.g. the forecast's largest fit, is measured the
+   oracle's way too);
 2. the same on an emulated 16 GB card with sysmem fallback (SysmemSpillEmulator), up to 512, with Lightning's
    BatchSizeFinder (power mode, 4 trials from 64) run the same way beside ours;
 3. AccumulationTuner at effective batch 256 and 1024, with and without the 16 GB emulation, against an oracle
@@ -125,8 +126,12 @@ def main() -> None:
             root,
             cap,
         )
+        if chosen not in by_size:  # a size between the ladder's (the forecast's largest fit): measured the same way
+            by_size[chosen] = measure(chosen, 1, warmup, timed, root, cap)
+            print(label, "off the ladder", by_size[chosen], flush=True)
         entry: dict[str, Any] = {
             "sweep": sweep,
+            "chosen_off_ladder": by_size[chosen] if chosen not in {r["batch"] for r in sweep} else None,
             "sweep_seconds": sweep_s,
             "oracle_best": best,
             "ours": {

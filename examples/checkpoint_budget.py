@@ -23,6 +23,8 @@ def main() -> None:
     device = "cuda" if cuda else "cpu"
     model = torchvision.models.resnet50(num_classes=1000).to(device)
     batch = torch.randn(64 if cuda else 4, 3, 224 if cuda else 64, 224 if cuda else 64, device=device)
+    where = f"{'CUDA' if cuda else 'the CPU'}, batch {len(batch)} at {batch.shape[-1]} px"
+    print(f"measuring resnet50 on {where}, to plan its checkpoints", flush=True)
     with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
         plan = checkpoint_resnet(model, memory_budget=args.budget, example_input=batch, rebuild_bn_relu=args.rebuild)
     print(plan.summary())

@@ -28,7 +28,7 @@ def main() -> None:
     tuner = AccumulationTuner(effective_batch_size=effective, min_micro_batch=8, cache=False)
     trainer = Trainer(
         accelerator="auto", devices=1, precision="bf16-mixed" if cuda else "32-true", max_epochs=args.epochs,
-        callbacks=[MemGuard(), tuner], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        callbacks=[MemGuard(), tuner], logger=False, enable_checkpointing=False,
     )  # fmt: skip
     trainer.fit(model)
     print(f"chose micro-batch {tuner.batch_size} x accumulate_grad_batches {tuner.accumulate_grad_batches}")

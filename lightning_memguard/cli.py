@@ -8,39 +8,85 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
+
+
+@dataclass(frozen=True)
+class DeviceDefaults:
+    """What sweep and plan measure where the command line does not say: on CUDA, sized for a GPU; on the CPU, sized
+    so that ``memguard sweep`` and ``memguard plan --effective-batch 256`` finish well within two minutes on two
+    cores (resnet50 at 224 px takes many minutes there)."""
+
+    device: str  # as the settings line names it
+    model: str
+    image_size: int
+    batch_sizes: str  # sweep
+    steps: int  # sweep: timed optimizer steps per batch size
+    warmup: int  # sweep: untimed optimizer steps before them
+    trial_steps: int  # plan: timed optimizer steps per micro-batch
+    trial_warmup: int  # plan: untimed optimizer steps before them
+
+
+CUDA_DEFAULTS = DeviceDefaults("CUDA", "resnet50", 224, "32,64,128,256", 16, 3, 3, 2)
+CPU_DEFAULTS = DeviceDefaults("the CPU", "resnet18", 32, "8,16,32,64", 6, 2, 1, 1)
+_DEFAULTED = {"model": "--model", "image_size": "--image-size", "batch_sizes": "--batch-sizes", "steps": "--steps",
+              "trial_steps": "--steps"}  # fmt: skip
+
+
+def _on_both(field: str, unit: str = "") -> str:
+    return f"default: {getattr(CUDA_DEFAULTS, field)}{unit} on CUDA, {getattr(CPU_DEFAULTS, field)}{unit} on the CPU"
 
 
 class UsageError(Exception):
     """Bad input: reported on one line with exit code 2."""
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Options show their default; those whose default depends on the device (None here) say so in their help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:  # one line, exit code 2, no usage dump
         self.exit(2, f"memguard: error: {message}\n")
 
 
-def _model_args(p: argparse.ArgumentParser, default_image: int = 224) -> None:
-    p.add_argument("--model", default="resnet50", help="any torchvision classification model name")
-    p.add_argument("--image-size", type=int, default=default_image)
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help=f"any torchvision classification model name ({_on_both('model')})")
+    p.add_argument("--image-size", type=int, default=None, help=f"pixels per side ({_on_both('image_size', ' px')})")
     p.add_argument("--precision", choices=PRECISIONS, default=None, help="default: bf16-mixed on CUDA, else 32-true")
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--emulate-capacity", default=None, help="run on an emulated card with sysmem fallback: '16GB'")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if there is a GPU")
     p.add_argument(
         "--verbose", action="store_true", help="show Lightning's messages and MemGuard's table for every run"
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="memguard", description="Keep GPU training fast and honest about memory.")
+    parser = _Parser(
+        prog="memguard",
+        description="Keep GPU training fast and honest about memory. Sweep and plan measure "
+        f"{CUDA_DEFAULTS.model} at {CUDA_DEFAULTS.image_size} px on CUDA and {CPU_DEFAULTS.model} at "
+        f"{CPU_DEFAULTS.image_size} px on the CPU unless told otherwise.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     demo = sub.add_parser("demo", help="train a ResNet on synthetic images with MemGuard and print its table")
-    demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    demo.add_argument("--epochs", type=int, default=None)
+    demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if there is a GPU")
+    demo.add_argument("--epochs", type=int, default=None, help="default: 3")
     demo.add_argument("--out", default="demo_logs", help="folder for the CSV logs")
 
     doctor = sub.add_parser("doctor", help="this machine's risk of the silent sysmem spill")
@@ -53,19 +99,50 @@ def build_parser() -> argparse.ArgumentParser:
 
     sweep = sub.add_parser("sweep", help="step time, peak memory and throughput per batch size, as a table and a plot")
     _model_args(sweep)
-    sweep.add_argument("--batch-sizes", default="32,64,128,256")
+    sweep.add_argument("--batch-sizes", default=None, help=f"comma-separated ({_on_both('batch_sizes')})")
     sweep.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
-    sweep.add_argument("--accumulate", type=int, default=1)
-    sweep.add_argument("--steps", type=int, default=16, help="timed optimizer steps per batch size")
+    sweep.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    sweep.add_argument(
+        "--steps", type=int, default=None, help=f"timed optimizer steps per batch size ({_on_both('steps')})"
+    )
     _compile_args(sweep)
     sweep.add_argument("--out", default="memguard-sweep", help="folder for sweep.csv and sweep.png")
 
     plan = sub.add_parser("plan", help="measure micro-batch x accumulation for an effective batch; print the choice")
     _model_args(plan)
-    plan.add_argument("--effective-batch", type=int, required=True)
-    plan.add_argument("--min-micro-batch", type=int, default=8)
+    plan.add_argument("--effective-batch", type=int, required=True, help="samples per optimizer step")
+    plan.add_argument("--min-micro-batch", type=int, default=8, help="smallest micro-batch to try")
+    plan.add_argument(
+        "--steps",
+        dest="trial_steps",
+        type=int,
+        default=None,
+        help=f"timed optimizer steps per micro-batch ({_on_both('trial_steps')})",
+    )
     _compile_args(plan)
     return parser
+
+
+def fill_device_defaults(args: argparse.Namespace, cuda: bool) -> list[str]:
+    """Set the options the command line left out (None) to the device's defaults; return their flags."""
+    defaults = CUDA_DEFAULTS if cuda else CPU_DEFAULTS
+    filled = []
+    for name, flag in _DEFAULTED.items():
+        if name in vars(args) and getattr(args, name) is None:
+            setattr(args, name, getattr(defaults, name))
+            filled.append(flag)
+    return filled
+
+
+def _steps(count: int, what: str) -> str:
+    return f"{count} {what}" if count == 1 else f"{count} {what}s"
+
+
+def _settings_line(command: str, cuda: bool, precision: str, what: str, filled: Sequence[str]) -> str:
+    """One line at the start: what this run measures, and which of it are the device's defaults."""
+    device = (CUDA_DEFAULTS if cuda else CPU_DEFAULTS).device
+    note = f" ({device}'s defaults for {', '.join(filled)}; pass them for others)" if filled else ""
+    return f"memguard {command} on {device}: {what}, {precision}{note}"
 
 
 def _compile_args(p: argparse.ArgumentParser) -> None:
@@ -105,6 +182,15 @@ def _check_device(device: str) -> None:
 
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda, but no CUDA GPU is available")
+
+
+def _use_cuda(device: str) -> bool:
+    """Whether the run trains on CUDA (``--device auto``: if there is a GPU); ``--device cuda`` without one is bad
+    input."""
+    import torch
+
+    _check_device(device)
+    return torch.cuda.is_available() if device == "auto" else device == "cuda"
 
 
 def _first_line(err: BaseException) -> str:
@@ -174,11 +260,7 @@ def _capacity(text: str | None) -> int | None:
 
 
 def _precision(arg: str | None, device: str) -> str:
-    import torch
-
-    _check_device(device)
-    cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
-    return arg or ("bf16-mixed" if cuda else "32-true")
+    return arg or ("bf16-mixed" if _use_cuda(device) else "32-true")
 
 
 def _compile_backend(compile_: bool, backend: str | None, device: str) -> str | None:
@@ -221,6 +303,8 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    cuda = _use_cuda(args.device)
+    filled = fill_device_defaults(args, cuda)
     _check_model(args.model)
     sizes = _batch_sizes(args.batch_sizes)
     _positive("--image-size", args.image_size)
@@ -238,16 +322,21 @@ def _sweep(args: argparse.Namespace) -> int:
     from lightning_memguard.core.report import format_sweep_table
     from lightning_memguard.sweep import SweepConfig, default_root, plot, run_one, sweep_title, write_csv
 
+    warmup = (CUDA_DEFAULTS if cuda else CPU_DEFAULTS).warmup
+    what = (f"{args.model} at {args.image_size} px, batch sizes {','.join(map(str, sizes))}, {warmup} warm-up +"
+            f" {_steps(args.steps, 'timed step')} each")  # fmt: skip
+    print(_settings_line("sweep", cuda, precision, what, filled), file=sys.stderr, flush=True)
     cfg = SweepConfig(args.model, sizes, args.image_size, precision, args.channels_last, args.checkpoint,
-                      args.accumulate, args.steps, 3, capacity, args.device, backend)  # fmt: skip
+                      args.accumulate, args.steps, warmup, capacity, args.device, backend)  # fmt: skip
     rows, capacity_gb = [], 0.0
     root = default_root()
-    for batch in tqdm(sizes, desc="memguard sweep", unit="batch size", file=sys.stderr):
-        row, capacity_gb = run_one(cfg, batch, root)
-        rows.append(row)
+    with tqdm(sizes, desc="memguard sweep", unit="batch size", file=sys.stderr) as bar:
+        for batch in bar:
+            bar.set_postfix_str(f"batch {batch}")  # the size being measured, shown while it trains
+            row, capacity_gb = run_one(cfg, batch, root)
+            rows.append(row)
     print(format_sweep_table(rows, capacity_gb))
     write_csv(rows, os.path.join(out, "sweep.csv"))
-    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
     device = torch.cuda.get_device_name() if cuda else "the CPU"
     png = os.path.join(out, "sweep.png")
     if plot(rows, capacity_gb, png, sweep_title(cfg, device)):
@@ -258,6 +347,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    cuda = _use_cuda(args.device)
+    filled = fill_device_defaults(args, cuda)
     _check_model(args.model)
     _positive("--effective-batch", args.effective_batch)
     _positive("--min-micro-batch", args.min_micro_batch)
@@ -267,6 +358,7 @@ def _plan(args: argparse.Namespace) -> int:
             f" micro-batch can be; lower --min-micro-batch to at most {args.effective_batch}"
         )
     _positive("--image-size", args.image_size)
+    _positive("--steps", args.trial_steps)
     capacity = _capacity(args.emulate_capacity)
     precision = _precision(args.precision, args.device)
     backend = _compile_backend(args.compile, args.compile_backend, args.device)
@@ -279,9 +371,10 @@ def _plan(args: argparse.Namespace) -> int:
     import warnings
 
     import torch
-    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch import Callback, LightningModule, Trainer
 
     from lightning_memguard.callbacks import AccumulationTuner
+    from lightning_memguard.core.search import TrialResult
     from lightning_memguard.testing import ImageClassifier, SysmemSpillEmulator
 
     class _Measured(Exception):
@@ -291,10 +384,30 @@ def _plan(args: argparse.Namespace) -> int:
         def on_train_batch_start(self, *args: object) -> None:
             raise _Measured
 
-    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    class ReportingTuner(AccumulationTuner):
+        """Prints each trial's row on stderr as soon as it is measured: on a slow device the search takes a while,
+        and would otherwise be silent until the end."""
+
+        def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            self._trial_started = time.perf_counter()
+            super().on_fit_start(trainer, pl_module)
+
+        def _agree(self, trainer: Trainer, result: TrialResult) -> TrialResult:
+            agreed = super()._agree(trainer, result)
+            took = time.perf_counter() - self._trial_started
+            checkpointed = ", activation checkpointing on" if self.checkpointing else ""
+            print(f"memguard plan: {_trial_row(agreed)}  ({took:.1f} s{checkpointed})", file=sys.stderr, flush=True)
+            self._trial_started = time.perf_counter()
+            return agreed
+
+    warmup = (CUDA_DEFAULTS if cuda else CPU_DEFAULTS).trial_warmup
+    what = (f"{args.model} at {args.image_size} px, micro-batches from {smallest} up to {args.effective_batch},"
+            f" {warmup} warm-up + {_steps(args.trial_steps, 'timed optimizer step')} each")  # fmt: skip
+    print(_settings_line("plan", cuda, precision, what, filled), file=sys.stderr, flush=True)
     emu = SysmemSpillEmulator(capacity=capacity) if capacity else None
-    tuner = AccumulationTuner(args.effective_batch, min_micro_batch=args.min_micro_batch, allow_checkpointing=True,
-                              probe=emu.probe if emu is not None else None, cache=False)  # fmt: skip
+    tuner = ReportingTuner(args.effective_batch, min_micro_batch=args.min_micro_batch, allow_checkpointing=True,
+                           probe=emu.probe if emu is not None else None, cache=False, warmup_steps=warmup,
+                           timed_steps=args.trial_steps)  # fmt: skip
     model = ImageClassifier(args.model, num_classes=1000, image_size=args.image_size, batch_size=args.effective_batch,
                             steps_per_epoch=64, channels_last=args.channels_last)  # fmt: skip
     callbacks: list[Callback] = [c for c in (emu, tuner, StopBeforeTraining()) if c is not None]
@@ -324,15 +437,20 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"compiled ({backend}): the search took {tuner.search_s:.1f} s, {tuner.compile_s:.1f} s of it compiling")
     print("measured:")
     for r in tuner.results:
-        compiled = f"  compiled, {r.compile_s:.1f} s compiling" if r.compiled else ""
-        print(f"  {r.size:>5} x {r.accumulate:<3} {r.outcome:<13} {r.samples_per_sec or 0:>10.1f} samples/s"
-              f"  peak {(r.peak_bytes or 0) / 1e9:.2f} GB{compiled}")  # fmt: skip
+        print(f"  {_trial_row(r)}")
     print("paste:")
     print(f"  model.batch_size = {tuner.batch_size}")
     lines = f"Trainer(accumulate_grad_batches={tuner.accumulate_grad_batches}, callbacks=[MemGuard()"
     lines += ", ActivationCheckpointing()])" if tuner.checkpointing else "])"
     print(f"  {lines}")
     return 0
+
+
+def _trial_row(r: Any) -> str:
+    """One trial of plan's search: micro-batch x accumulation, outcome, throughput, peak memory."""
+    compiled = f"  compiled, {r.compile_s:.1f} s compiling" if r.compiled else ""
+    return (f"{r.size:>5} x {r.accumulate:<3} {r.outcome:<13} {r.samples_per_sec or 0:>10.1f} samples/s"
+            f"  peak {(r.peak_bytes or 0) / 1e9:.2f} GB{compiled}")  # fmt: skip
 
 
 def _nothing_fits(args: argparse.Namespace, results: Sequence[Any], smallest: int) -> str:

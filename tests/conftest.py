@@ -23,6 +23,7 @@ class FakeProbe:
         self.other = other
         self.resets = 0
         self.reads = 0
+        self.allocated_now: int | None = None  # what a step starts from, where a test says
 
     def capacity(self) -> int:
         return self._capacity
@@ -32,7 +33,7 @@ class FakeProbe:
 
     def read(self) -> MemoryReading:
         self.reads += 1
-        return MemoryReading(self.peak, self.peak + 1000, self._capacity, self.other)
+        return MemoryReading(self.peak, self.peak + 1000, self._capacity, self.other, self.allocated_now)
 
 
 class StepClock:

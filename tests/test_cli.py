@@ -6,6 +6,7 @@ import csv
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -183,8 +184,8 @@ def test_batch_one_is_fine_where_batchnorm_sees_more_than_one_value(tmp_path, ca
 
 def test_plan_when_nothing_fits_does_not_advise_what_it_already_did(capsys):
     code = main(["plan", *TINY, "--effective-batch", "4", "--min-micro-batch", "2", "--emulate-capacity", "1MB"])
-    err = capsys.readouterr().err
-    assert code == 1 and err.count("\n") == 1
+    *progress, err = capsys.readouterr().err.splitlines()  # the settings and a line per trial, then the error
+    assert code == 1 and all(line.startswith("memguard plan") for line in progress) and err.startswith("memguard: ")
     assert "nothing fits: not even a micro-batch of 2" in err and "with activation checkpointing as well" in err
     assert "allow_checkpointing" not in err and "checkpoint" not in err.split("; try")[-1]
     assert "--min-micro-batch (now 2)" in err and "--image-size (now 32)" in err
@@ -216,3 +217,133 @@ def test_sweep_verbose_shows_every_runs_messages(tmp_path, caplog):
         assert main(["sweep", *TINY, "--batch-sizes", "2,4", "--steps", "1", "--out", str(tmp_path), "--verbose"]) == 0
     assert caplog.text.count("`Trainer.fit` stopped") == 2
     assert caplog.text.count("MemGuard: peak memory against throughput") == 2
+
+
+# ---------------------------------------------------------------- defaults by device, progress, --help
+
+
+@pytest.fixture
+def sweep_configs(monkeypatch):
+    """The sweep's runs record their config and return a made-up row at once: no training."""
+    from lightning_memguard import sweep
+    from lightning_memguard.core.report import SweepRow
+
+    configs = []
+
+    def run_one(cfg, batch, root):
+        configs.append(cfg)
+        return SweepRow(batch, 10.0, 0.1, batch * 100.0, "ok"), 1.0
+
+    monkeypatch.setattr(sweep, "run_one", run_one)
+    monkeypatch.setattr(sweep, "plot", lambda *args: False)
+    return configs
+
+
+@pytest.mark.parametrize(
+    ("cuda", "expected", "line"),
+    [
+        (False, ("resnet18", 32, (8, 16, 32, 64), 6, 2, "32-true"),
+         "memguard sweep on the CPU: resnet18 at 32 px, batch sizes 8,16,32,64, 2 warm-up + 6 timed steps each,"
+         " 32-true (the CPU's defaults for --model, --image-size, --batch-sizes, --steps; pass them for others)"),
+        (True, ("resnet50", 224, (32, 64, 128, 256), 16, 3, "bf16-mixed"),
+         "memguard sweep on CUDA: resnet50 at 224 px, batch sizes 32,64,128,256, 3 warm-up + 16 timed steps each,"
+         " bf16-mixed (CUDA's defaults for --model, --image-size, --batch-sizes, --steps; pass them for others)"),
+    ],
+    ids=["cpu", "cuda"],
+)  # fmt: skip
+def test_sweep_defaults_follow_the_device(monkeypatch, tmp_path, capsys, sweep_configs, cuda, expected, line):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "Fake GPU")
+    assert main(["sweep", "--out", str(tmp_path)]) == 0
+    cfg = sweep_configs[0]
+    assert (cfg.model, cfg.image_size, cfg.batch_sizes, cfg.steps, cfg.warmup, cfg.precision) == expected
+    assert [c.batch_sizes for c in sweep_configs] == [expected[2]] * len(expected[2])  # one run per batch size
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == line  # the settings, in one line, before anything runs
+    progress = err.replace("\r", "\n")
+    assert f"{len(expected[2])}/{len(expected[2])}" in progress and f"batch {expected[2][-1]}" in progress
+
+
+def test_given_values_win_over_the_device_defaults(monkeypatch, tmp_path, capsys, sweep_configs):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["sweep", "--out", str(tmp_path), "--model", "resnet34", "--image-size", "48", "--batch-sizes", "4,2"]
+    assert main([*argv, "--steps", "3"]) == 0
+    cfg = sweep_configs[0]
+    assert (cfg.model, cfg.image_size, cfg.batch_sizes, cfg.steps) == ("resnet34", 48, (2, 4), 3)
+    assert "defaults" not in capsys.readouterr().err.splitlines()[0]
+    sweep_configs.clear()
+    assert main(["sweep", "--out", str(tmp_path), "--model", "resnet34"]) == 0  # the rest from the CPU's defaults
+    cfg = sweep_configs[0]
+    assert (cfg.model, cfg.image_size, cfg.batch_sizes, cfg.steps) == ("resnet34", 32, (8, 16, 32, 64), 6)
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.endswith("(the CPU's defaults for --image-size, --batch-sizes, --steps; pass them for others)")
+
+
+def test_plan_defaults_follow_the_device(monkeypatch, capsys):
+    from lightning.pytorch import Trainer
+
+    seen = {}
+
+    def fit(trainer, model):  # what plan would measure, without measuring it
+        (tuner,) = [c for c in trainer.callbacks if hasattr(c, "effective_batch_size")]
+        seen.update(arch=model.hparams.arch, image_size=model.hparams.image_size, warmup=tuner.warmup_steps,
+                    steps=tuner.timed_steps, precision=trainer.precision)  # fmt: skip
+        raise RuntimeError("not measured in this test")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(Trainer, "fit", fit)
+    assert main(["plan", "--effective-batch", "256"]) == 1
+    assert seen == {"arch": "resnet18", "image_size": 32, "warmup": 1, "steps": 1, "precision": "32-true"}
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "memguard plan on the CPU: resnet18 at 32 px, micro-batches from 8 up to 256, 1 warm-up + 1 timed optimizer"
+        " step each, 32-true (the CPU's defaults for --model, --image-size, --steps; pass them for others)"
+    )
+    assert main(["plan", "--effective-batch", "64", "--model", "resnet34", "--image-size", "40", "--steps", "5"]) == 1
+    assert seen == {"arch": "resnet34", "image_size": 40, "warmup": 1, "steps": 5, "precision": "32-true"}
+    assert "defaults" not in capsys.readouterr().err.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("command", "shown"),
+    [
+        ("sweep", ["default: resnet50 on CUDA, resnet18 on the CPU", "default: 224 px on CUDA, 32 px on the CPU",
+                   "default: 32,64,128,256 on CUDA, 8,16,32,64 on the CPU", "default: 16 on CUDA, 6 on the CPU",
+                   "(default: memguard-sweep)", "default: bf16-mixed on CUDA, else 32-true"]),
+        ("plan", ["default: resnet50 on CUDA, resnet18 on the CPU", "default: 224 px on CUDA, 32 px on the CPU",
+                  "default: 3 on CUDA, 1 on the CPU", "smallest micro-batch to try (default: 8)"]),
+    ],
+)  # fmt: skip
+def test_help_shows_the_defaults_on_cuda_and_on_the_cpu(command, shown, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "300")  # no line breaks inside a default
+    with pytest.raises(SystemExit, match="0"):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in shown:
+        assert default in text
+    assert "default: None" not in text and "default: False" not in text
+
+
+def test_plan_prints_a_progress_line_per_trial_as_it_goes(monkeypatch, capsys):
+    from lightning_memguard.callbacks._trials import TrialSession
+
+    seen_before_each_trial = []
+    run = TrialSession.run
+
+    def spy(self, size, accumulate=1, steps=None):
+        seen_before_each_trial.append(capsys.readouterr().err)
+        return run(self, size, accumulate, steps)
+
+    monkeypatch.setattr(TrialSession, "run", spy)
+    assert main(["plan", *TINY, "--effective-batch", "16", "--min-micro-batch", "4", "--steps", "1"]) == 0
+    seen_before_each_trial.append(capsys.readouterr().err)
+    progress = [[line for line in text.splitlines() if line.startswith("memguard plan: ")] for text in
+                seen_before_each_trial]  # fmt: skip
+    assert "memguard plan on the CPU: resnet18 at 32 px" in seen_before_each_trial[0]  # the settings come first
+    assert progress[0] == []
+    trials = len(seen_before_each_trial) - 1
+    assert trials >= 2
+    for i, lines in enumerate(progress[1:]):  # before the next trial starts, the last one's line is out
+        assert len(lines) == 1, seen_before_each_trial
+        size, accumulate = 4 * 2**i, 4 // 2**i
+        assert re.match(rf"memguard plan: +{size} x {accumulate} +ok +[\d.]+ samples/s  peak [\d.]+ GB  \([\d.]+ s\)$",
+                        lines[0])  # fmt: skip

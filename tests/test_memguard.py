@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import warnings
 
 import pytest
 import torch
@@ -180,10 +181,36 @@ def test_bad_arguments_fail_at_once(kwargs, error, match):
         MemGuard(**kwargs)
 
 
-def test_prevent_needs_cuda(tmp_path):
-    trainer = Trainer(**trainer_kwargs(tmp_path, callbacks=[MemGuard(prevent=True)]))
-    with pytest.raises(ValueError, match="`prevent=True` caps the CUDA allocator, but this Trainer runs on 'cpu'"):
+def test_prevent_on_the_cpu_warns_once_and_guards_without_a_cap(tmp_path, fake_probe, monkeypatch):
+    """One script for the laptop and the GPU box: no allocator cap on the CPU, said once; the spill is still caught."""
+    capped = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *args: capped.append(args))
+    fake_probe.peak = 17 * 10**9  # above the 16 GB card from the start
+    guard = MemGuard(prevent=True, probe=fake_probe, warmup_steps=0)
+    trainer = Trainer(**trainer_kwargs(tmp_path, callbacks=[guard]))
+    with (
+        pytest.warns(UserWarning, match=r"prevent=True\) caps the CUDA allocator, and this Trainer runs on 'cpu'"),
+        pytest.raises(SysmemSpillError, match="peak 17.00 GB against 16.00 GB"),
+    ):
         trainer.fit(TinyModel())
+    assert capped == []
+
+
+def test_barebones_trainers_are_guarded_without_logging(tmp_path, fake_probe):
+    """Lightning refuses `self.log` under barebones (a warning at every call): MemGuard keeps its table only."""
+    guard = MemGuard(probe=fake_probe)
+    kwargs = trainer_kwargs(tmp_path, max_epochs=2, callbacks=[guard], barebones=True)
+    for key in ("enable_progress_bar", "enable_model_summary", "enable_checkpointing", "logger"):
+        kwargs.pop(key, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(**kwargs).fit(TinyModel(batch_size=8, n=64))
+    assert not [w for w in caught if "barebones" in str(w.message)]
+    assert [e.epoch for e in guard.epochs] == [0, 1]
+
+    fake_probe.peak = 17 * 10**9  # and a spill is still stopped
+    with pytest.raises(SysmemSpillError):
+        Trainer(**kwargs).fit(TinyModel(batch_size=8, n=64))
 
 
 def test_capacity_argument_overrides_the_probe(tmp_path, fake_probe):
@@ -248,3 +275,23 @@ def test_a_slow_host_with_unchanged_memory_at_the_capacity_is_no_spill(tmp_path,
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[Slow(), guard]))
     trainer.fit(TinyModel(batch_size=2, n=64))
     assert guard.spill is None and trainer.global_step == 32
+
+
+def test_the_spill_message_says_what_would_fit_from_the_runs_own_readings(tmp_path, fake_probe):
+    """A step starts from 1 GB and batch 64 peaks at 17 GB on a 16 GB card: 250 MB a sample, so at most 56 samples
+    leave the 5 % headroom; the effective batch of 64 x 2 fits as 32 x 4, without checkpointing."""
+    fake_probe.peak, fake_probe.allocated_now = 17 * 10**9 - 1000, 10**9  # (the fake's reserved peak adds 1000)
+    guard = MemGuard(probe=fake_probe, warmup_steps=0)
+    trainer = Trainer(**trainer_kwargs(tmp_path, callbacks=[guard], accumulate_grad_batches=2))
+    with pytest.raises(SysmemSpillError) as caught:
+        trainer.fit(TinyModel(batch_size=64, n=256))
+    message = str(caught.value)
+    assert "a step starts from 1.00 GB, and each sample adds 250.0 MB): a batch of at most 56 fits" in message
+    assert "the effective batch of 128 fits as 32 x accumulate_grad_batches=4" in message
+    assert "activation checkpointing is not needed" in message
+
+    fake_probe.allocated_now = 15 * 10**9 + 500 * 10**6  # no room beside what a step starts from
+    with pytest.raises(SysmemSpillError, match="not even a batch of one fits .* activation checkpointing"):
+        Trainer(**trainer_kwargs(tmp_path, callbacks=[MemGuard(probe=fake_probe, warmup_steps=0)])).fit(
+            TinyModel(batch_size=64, n=256)
+        )

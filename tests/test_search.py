@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 from lightning_memguard.core.search import (
+    PREDICTED,
+    AccumulationSearch,
+    Forecast,
     SizeSearch,
     TrialResult,
     accumulation_candidates,
@@ -122,3 +125,66 @@ def test_classify_trial():
     assert classify_trial(10 * GB, 16 * GB, 0.05, 30.0, 100.0, 2.5) == "ok"  # slow far from the capacity: just slow
     assert classify_trial(int(15.6 * GB), 16 * GB, 0.05, 30.0, 100.0, 2.5) == "spill"  # collapsed at the capacity
     assert classify_trial(10 * GB, 16 * GB, 0.05, 90.0, 100.0, 2.5) == "ok"
+
+
+# ---------------------------------------------------------------- predicting before probing
+
+
+def affine_card(base: int, per_sample: int, capacity: int = 16 * GB, ran: list[int] | None = None):
+    """A card whose peak is ``base + per_sample * size`` and whose throughput rises with the size; above the
+    capacity it spills (and the size is recorded in ``ran``, as every size run)."""
+
+    def card(size):
+        if ran is not None:
+            ran.append(size)
+        peak = base + per_sample * size
+        if peak > capacity:
+            return 50.0, peak, "spill"
+        return 1000.0 * size / (size + 320), peak, "ok" if peak <= capacity * 0.95 else "over_headroom"
+
+    return card
+
+
+def test_a_size_the_measured_line_puts_clearly_above_the_capacity_is_not_run_and_the_largest_fit_is():
+    """1 GB resting + 50 MB a sample on a 16 GB card: 512 would need 26.6 GB. It is not run; 280, the largest
+    multiple of 8 predicted to leave the 5 % headroom (15.2 GB), is run instead, fits, and is the choice."""
+    ran: list[int] = []
+    search = SizeSearch([64, 128, 256, 512, 1024], forecast=Forecast(16 * GB, 0.05), min_gain=0.0)
+    run(search, affine_card(GB, 50 * 10**6, ran=ran))
+    assert ran == [64, 128, 256, 280]
+    rows = [(r.size, r.outcome, r.peak_bytes) for r in search.results]
+    assert rows[3] == (512, PREDICTED, 1 * GB + 512 * 50 * 10**6)  # the figure it was judged by
+    assert search.result.size == 280
+    # the same card measured size by size (no forecast) spills at 512 and ends on the same choice, or a smaller one
+    blind = SizeSearch([64, 128, 256, 512, 1024], min_gain=0.0)
+    run(blind, affine_card(GB, 50 * 10**6))
+    assert ("spill" in [r.outcome for r in blind.results]) and blind.result.size <= 280
+
+
+def test_a_size_near_the_capacity_is_still_measured():
+    """Within the margin the line is not trusted: 300 is predicted at 16.0 GB on a 16 GB card, and is run."""
+    ran: list[int] = []
+    search = SizeSearch([75, 150, 300], forecast=Forecast(16 * GB, 0.05), min_gain=0.0)
+    run(search, affine_card(GB, 50 * 10**6, ran=ran))
+    assert ran == [75, 150, 300]
+    assert PREDICTED not in [r.outcome for r in search.results]
+
+
+def test_one_measured_size_predicts_nothing():
+    forecast = Forecast(16 * GB, 0.05)
+    one = [TrialResult(64, 1.0, 4 * GB, 100.0, "ok")]
+    assert forecast.peak(one, 4096) is None and not forecast.clearly_over(one, 4096)
+    flat = [*one, TrialResult(128, 1.0, 4 * GB, 100.0, "ok")]  # no rise: no line
+    assert forecast.largest_fit(flat) is None and not forecast.clearly_over(flat, 10**6)
+
+
+def test_the_accumulation_search_does_not_run_a_micro_batch_predicted_to_spill():
+    ran: list[int] = []
+    search = AccumulationSearch([32, 64, 128, 256, 512], forecast=Forecast(16 * GB, 0.05))
+    card = affine_card(GB, 50 * 10**6, ran=ran)
+    while (size := search.propose()) is not None:
+        rate, peak, outcome = card(size)
+        search.observe(TrialResult(size, 1.0, peak, rate, outcome))
+    assert ran == [32, 64, 128, 256]
+    assert [(r.size, r.outcome) for r in search.results][-1] == (512, PREDICTED)
+    assert search.result.size == 256

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import warnings
 
 import pytest
 import torch
@@ -456,9 +457,9 @@ def test_the_search_on_a_fake_card_is_exact_whatever_this_machines_speed(tmp_pat
         (8, "ok"),
         (16, "ok"),
         (32, "ok"),
-        (64, "spill"),
-        (48, "spill"),
+        (64, "predicted_over"),  # 6.4 GB predicted on a 4 GB card: not run (nor 48, predicted at 4.8 GB)
     ]
+    assert tuner.results[-1].peak_bytes == pytest.approx(6.4e9, rel=1e-6) and tuner.results[-1].samples_per_sec is None
     assert [r.samples_per_sec for r in tuner.results[:4]] == pytest.approx(
         [n / (0.01 + 0.001 * n) for n in (4, 8, 16, 32)], abs=1e-3
     )
@@ -466,13 +467,37 @@ def test_the_search_on_a_fake_card_is_exact_whatever_this_machines_speed(tmp_pat
 
 
 @pytest.mark.parametrize("tuner_cls", [BatchSizeTuner, AccumulationTuner])
-def test_a_budgeted_checkpointing_listed_after_a_tuner_is_refused(tmp_path, tuner_cls):
-    """It changes the model at fit start: after the tuner, the tuner would measure a model that does not train."""
-    tuner = BatchSizeTuner(cache=False, **QUICK) if tuner_cls is BatchSizeTuner else AccumulationTuner(16, cache=False)
+def test_a_budgeted_checkpointing_listed_after_a_tuner_plans_first(tmp_path, tuner_cls, monkeypatch):
+    """Listed after the tuner, the checkpointing still plans before the tuner measures, so the tuner measures the
+    checkpointed model, which is the one that trains; the plan is made once."""
+    from lightning_memguard.checkpointing import policy
+
+    settings = dict(cache=False, probe=FakeProbe(), **QUICK)
+    if tuner_cls is BatchSizeTuner:
+        tuner = BatchSizeTuner(init_size=4, max_size=8, **settings)
+    else:
+        tuner = AccumulationTuner(8, **settings)
     checkpointing = ActivationCheckpointing(memory_budget=0.6)
-    trainer = Trainer(**trainer_kwargs(tmp_path, callbacks=[tuner, checkpointing]))
-    with pytest.raises(ValueError, match="comes after .*Tuner in `callbacks`.*list ActivationCheckpointing first"):
-        trainer.fit(ImageClassifier("resnet18", image_size=16, batch_size=4, steps_per_epoch=2, pool_size=8))
+    applied, measured_checkpointed = [], []
+    real_plan, real_search = policy.checkpoint_blocks, tuner._search
+
+    def plan(model, units, memory_budget, **kwargs):  # the plan's measuring is tested elsewhere: every block here
+        applied.append(memory_budget)
+        kwargs.pop("example_input")
+        return real_plan(model, units, **kwargs)
+
+    def search(trainer, *args, **kwargs):
+        measured_checkpointed.append(bool(checkpointing.blocks))
+        return real_search(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(policy, "checkpoint_blocks", plan)
+    monkeypatch.setattr(tuner, "_search", search)
+    model = ImageClassifier("resnet18", image_size=16, batch_size=4, steps_per_epoch=2, pool_size=8)
+    model.example_input_array = torch.randn(4, 3, 16, 16)
+    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[tuner, checkpointing])).fit(model)
+    assert applied == [0.6]
+    assert measured_checkpointed == [True]
+    assert any(is_checkpointed(module) for module in model.modules())
 
 
 def test_when_nothing_fits_with_checkpointing_on_the_advice_does_not_repeat_it(tmp_path):
@@ -482,3 +507,20 @@ def test_when_nothing_fits_with_checkpointing_on_the_advice_does_not_repeat_it(t
     trainer = Trainer(**trainer_kwargs(tmp_path, callbacks=[tuner]))
     with pytest.raises(RuntimeError, match="lower `min_micro_batch`$"):
         trainer.fit(model)
+
+
+def test_lightning_says_nothing_about_the_trials_as_if_they_were_the_run(tmp_path, caplog):
+    """No "`Trainer.fit` stopped: `max_steps=...` reached" per trial, and the logging-interval warning at most once
+    (for the run), not once per trial."""
+    model = ImageClassifier("resnet18", image_size=16, batch_size=4, steps_per_epoch=4, pool_size=16)
+    tuner = BatchSizeTuner(init_size=2, max_size=8, cache=False, probe=FakeProbe(), **QUICK)
+    kwargs = trainer_kwargs(tmp_path, max_epochs=1, callbacks=[tuner], log_every_n_steps=50)
+    kwargs["logger"] = True
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(**kwargs).fit(model)
+    assert len(tuner.results) >= 2
+    assert "stopped: `max_steps" not in caplog.text
+    assert "`max_epochs=1` reached" in caplog.text  # the run's own end is still said
+    assert len([w for w in caught if "logging interval" in str(w.message)]) <= 1
+    assert not [w for w in caught if "weights_only" in str(w.message)] and "weights_only" not in caplog.text

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from copy import deepcopy
 from typing import Any
 
@@ -156,9 +158,13 @@ def get_batch_size(trainer: Trainer, batch_arg_name: str) -> int:
     return int(lightning_getattr(trainer.lightning_module, batch_arg_name))  # type: ignore[arg-type]
 
 
-def reload_train_dataloader(trainer: Trainer) -> None:
-    drop_loaders(trainer)  # the train loader is built again now, the validation one when validation first runs
-    trainer.fit_loop.setup_data()
+def reload_train_dataloader(trainer: Trainer, *, for_the_run: bool = False) -> None:
+    """Build the train loader again now (the validation one when validation first runs). Lightning's remarks on a
+    loader (its worker count, an epoch shorter than the logging interval) are made only ``for_the_run``: once, for
+    the loader the run trains with, not for every loader a tuner builds to measure."""
+    drop_loaders(trainer)
+    with nullcontext() if for_the_run else _about_the_run_only():
+        trainer.fit_loop.setup_data()
 
 
 @contextmanager
@@ -352,7 +358,7 @@ class TrialSession:
         self.probe.reset_peak()
         out_of_memory = False
         try:
-            with _ranks_agree_on_oom(t):
+            with _ranks_agree_on_oom(t), _about_the_run_only():
                 t.fit_loop.run()
         except (torch.OutOfMemoryError, RuntimeError) as err:
             if not (isinstance(err, torch.OutOfMemoryError) or is_oom_error(err)):
@@ -378,6 +384,32 @@ class TrialSession:
         return TrialResult(
             size, round(step_s * 1e3, 4), peak, round(rate, 3), outcome, accumulate, compiled, round(compile_s, 3)
         )
+
+
+class _Drop(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+@contextmanager
+def _about_the_run_only() -> Iterator[None]:
+    """What Lightning says of each trial as if it were the run is not shown: "`Trainer.fit` stopped: `max_steps=5`
+    reached", the logging interval longer than a trial's epoch, the loader's worker count (said once, when the
+    loader is built again for the run)."""
+    drop = _Drop("`Trainer.fit` stopped:")
+    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    log.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"The number of training batches .* logging interval")
+            warnings.filterwarnings("ignore", message=r".*does not have many workers")
+            yield
+    finally:
+        log.removeFilter(drop)
 
 
 def _check_delivered(epochs: list[list[int]], size: int, batch_arg_name: str) -> None:

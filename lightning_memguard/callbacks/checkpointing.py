@@ -23,6 +23,8 @@ class ActivationCheckpointing(Callback):
     checkpointed, adjacent ones as one run (see :func:`~lightning_memguard.checkpointing.checkpoint_blocks`).
     ``state_dict`` keys of the model do not change; the chosen runs are kept in the callback's state, so a resumed
     run re-applies them without measuring again. Under DDP rank zero measures and every rank applies its plan.
+    Its place in ``callbacks`` does not matter: a tuner listed before it has it plan first, and measures the
+    model as it will train.
 
     On a compiled module (``fit(torch.compile(module))``) a budget is measured compiled and may use compile's own
     ``activation_memory_budget`` (see :func:`~lightning_memguard.checkpointing.checkpoint_blocks`); the setting
@@ -64,6 +66,7 @@ class ActivationCheckpointing(Callback):
         rebuild_config: RebuildConfig | None = None,
     ):
         self.policy = CheckpointingPolicy(units, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config)
+        self._planned = False  # in this fit, by on_fit_start or by a tuner listed before it
 
     units = property(lambda self: self.policy.units)
     memory_budget = property(lambda self: self.policy.memory_budget)
@@ -89,6 +92,7 @@ class ActivationCheckpointing(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self._planned = False
         if self.memory_budget is None:  # before the optimizer is built; the same on every rank
             self.policy.apply(pl_module)
             rank_zero_info(f"ActivationCheckpointing: {self.policy.summary()}")
@@ -99,8 +103,14 @@ class ActivationCheckpointing(Callback):
             )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.memory_budget is None:
+        self.prepare(trainer, pl_module)
+
+    def prepare(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Plan and apply the budget now, once per fit. The tuners call it when they come first in ``callbacks``,
+        so that they measure the model as it will train, whatever the order."""
+        if self.memory_budget is None or self._planned:
             return
+        self._planned = True
         resumed = self.runs is not None
         strategy = trainer.strategy
         self.policy.apply(

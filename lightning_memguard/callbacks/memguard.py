@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_memguard import _compiler
 from lightning_memguard.callbacks._agreement import StopVote
 from lightning_memguard.callbacks._files import checkpoint_folder, write_checkpoint
+from lightning_memguard.core.advice import FitAdvice
 from lightning_memguard.core.checks import (
     MIN_CAPACITY,
     PROBE_NEEDS,
@@ -82,7 +83,8 @@ class MemGuard(Callback):
             ``spill_checkpoint``).
         prevent: cap PyTorch's CUDA allocator at the capacity less what other processes hold (from NVML; under
             WDDM the device's used memory less this run's) and ``prevent_margin``, so an overflow is a real,
-            immediate out-of-memory error instead of a spill.
+            immediate out-of-memory error instead of a spill. On a device without that allocator (the CPU) it
+            warns once and guards without the cap, so one script runs on a laptop and on a GPU box.
         probe: the memory reader, an instance (``CpuProbe()``, see :mod:`lightning_memguard.probes`); default: the
             one for the Trainer's device.
         preflight: at fit start, try to allocate more than the card's physical memory; if that succeeds, the
@@ -172,6 +174,8 @@ class MemGuard(Callback):
         self._timeline: StepTimeline | None = None
         self._vote: StopVote | None = None
         self._restored_detector: dict[str, Any] = {}  # the detector's state from a checkpoint
+        self._allocated_now: int | None = None  # what a step starts from, at the last reading
+        self._capping = False  # prevent=True on a device whose allocator can be capped (CUDA)
         self._prevent_fraction: float | None = None
         self._prevent_others: int | None = None
         self._loader_paths: list[tuple[Any, ...]] | None = None  # where each loader's batch sits in a combined batch
@@ -191,8 +195,12 @@ class MemGuard(Callback):
         self._start_fit()
         device = trainer.strategy.root_device
         self._probe = self._user_probe if self._user_probe is not None else probe_for(device)
-        if self.prevent and device.type != "cuda":
-            raise ValueError(f"`prevent=True` caps the CUDA allocator, but this Trainer runs on {device.type!r}")
+        self._capping = self.prevent and device.type == "cuda"
+        if self.prevent and not self._capping:  # one script for the laptop and the GPU box
+            rank_zero_warn(
+                f"MemGuard(prevent=True) caps the CUDA allocator, and this Trainer runs on {device.type!r}: no cap;"
+                " guarding as usual"
+            )
         if device.type == "cuda" and self._user_probe is None:
             self._notice_platform()
 
@@ -209,7 +217,7 @@ class MemGuard(Callback):
         probe.read()  # the first reading sets up NVML (milliseconds): here, not inside a training step
         if self.preflight:
             self._run_preflight(probe)
-        if self.prevent:
+        if self._capping:
             self._cap_allocator(trainer.strategy.root_device, capacity, probe)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -270,6 +278,8 @@ class MemGuard(Callback):
         bar = {"peak/cap": round(record.peak_allocated_gb / record.capacity_gb, 3), "samples/s": record.samples_per_sec}
         # every rank holds the same merged figures: "max" of equal values passes them on exactly
         sync = trainer.world_size > 1
+        if trainer.barebones:  # no logging there (Lightning warns at every `log`): the table at fit end remains
+            values, bar = {}, {}
         for key, value in values.items():
             pl_module.log(key, value, on_step=False, on_epoch=True, sync_dist=sync, reduce_fx="max", batch_size=1)
         for key, value in bar.items():
@@ -324,6 +334,7 @@ class MemGuard(Callback):
         self._vote = None
         self._restored_detector = {}
         self._shared_spill = None
+        self._allocated_now = None
 
     def _close_step_early(self) -> None:
         """Validation, a checkpoint or the epoch's end comes before the next batch: the open step is timed up to now
@@ -335,6 +346,8 @@ class MemGuard(Callback):
     def _read_and_judge(self, trainer: Trainer) -> MemoryReading:
         """Read memory and, while watching for a spill, let the detector judge the latest steps by it."""
         reading = self._require_probe().read()
+        if reading.allocated_now is not None:  # read between steps: what the next step starts from
+            self._allocated_now = reading.allocated_now
         timeline = self._timeline
         if timeline is not None:
             report = timeline.judge(reading.used, trainer.global_step, reading.other_processes)
@@ -404,6 +417,9 @@ class MemGuard(Callback):
         batch = (self._timeline.batch if self._timeline is not None else 0) or None
         if report is not None:
             message = format_spill_message(report, batch, self.checkpoint_path)
+            advice = self._advice(report, batch, trainer.accumulate_grad_batches)
+            if advice is not None:
+                message += "\n" + advice.sentence()
         elif spilling is not None:  # the numbers of the rank that spilled, on every rank (and in rank zero's warning)
             rank, theirs = spilling
             message = (
@@ -422,6 +438,15 @@ class MemGuard(Callback):
         if not trainer.should_stop:
             rank_zero_warn(message + "\nMemGuard stopped the Trainer.", category=RuntimeWarning)
         trainer.should_stop = True
+
+    def _advice(self, report: SpillReport, batch: int | None, accumulate: int) -> FitAdvice | None:
+        """What would fit, from this run's readings: what a step starts from and the spilling step's peak."""
+        if batch is None or self._allocated_now is None:
+            return None
+        return FitAdvice.from_run(
+            report.used_bytes, self._allocated_now, report.other_bytes or 0, report.capacity, self.headroom, batch,
+            accumulate,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ platform, preflight, prevention
 

@@ -48,8 +48,10 @@ from lightning_memguard.core.search import (
     OK,
     OOM,
     OVER_HEADROOM,
+    PREDICTED,
     SPILL,
     AccumulationSearch,
+    Forecast,
     SizeSearch,
     TrialResult,
     accumulation_candidates,
@@ -61,18 +63,14 @@ from lightning_memguard.probes import MemoryProbe, probe_for
 _SEVERITY = (OK, OVER_HEADROOM, SPILL, OOM)  # the worst outcome on any rank is everyone's
 
 
-def _require_checkpointing_first(trainer: Trainer, tuner: Callback) -> None:
-    """A budgeted ActivationCheckpointing changes the model at fit start: after the tuner it would be measured
-    without it, and train with it."""
+def _checkpointing_first(trainer: Trainer, pl_module: LightningModule) -> None:
+    """A budgeted ActivationCheckpointing changes the model at fit start; where it comes after a tuner in
+    ``callbacks`` it plans now, so the tuner measures the model as it will train, whatever the order."""
     from lightning_memguard.callbacks.checkpointing import ActivationCheckpointing
 
-    callbacks = list(trainer.callbacks)  # type: ignore[attr-defined]
-    later = [c for c in callbacks[callbacks.index(tuner) + 1 :] if isinstance(c, ActivationCheckpointing)]
-    if any(c.memory_budget is not None for c in later):
-        raise ValueError(
-            f"ActivationCheckpointing(memory_budget=...) comes after {type(tuner).__name__} in `callbacks`, so the"
-            " tuner would measure the model before it is checkpointed; list ActivationCheckpointing first"
-        )
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, ActivationCheckpointing):
+            callback.prepare(trainer, pl_module)
 
 
 def _epoch_fields(epoch: EpochLength) -> list[Any]:
@@ -155,7 +153,6 @@ class _MeasuringTuner(Callback):
         if stage != "fit":
             return
         require_module_dataloaders(trainer, type(self).__name__, self.batch_arg_name)
-        _require_checkpointing_first(trainer, self)
         refuse_two_batch_size_searches(trainer)
 
     def _skipped(self, trainer: Trainer) -> bool:
@@ -175,6 +172,10 @@ class _MeasuringTuner(Callback):
     def _probe_and_capacity(self, trainer: Trainer) -> tuple[MemoryProbe, int]:
         probe = self.probe if self.probe is not None else probe_for(trainer.strategy.root_device)
         return probe, self.capacity if self.capacity is not None else probe.capacity()
+
+    def _forecast(self, trainer: Trainer) -> Forecast:
+        """Sizes the measured ones put clearly above the capacity are not run (see :class:`Forecast`)."""
+        return Forecast(self._probe_and_capacity(trainer)[1], self.headroom)
 
     def _session(self, trainer: Trainer) -> TrialSession:
         probe, capacity = self._probe_and_capacity(trainer)
@@ -243,10 +244,25 @@ class _MeasuringTuner(Callback):
         started = clock()
         self._sigint = sigint_handler()  # put back in on_exception if Ctrl+C ends the search
         with self._session(trainer) as trials:
-            while (size := search.propose()) is not None:
+            said = 0  # the search's rows told so far
+            while True:
+                size = search.propose()
+                for i, row in enumerate(search.results[said:], said):
+                    if row.outcome == PREDICTED:  # rows of sizes not run, added by propose()
+                        if accumulate_for:
+                            row = search.results[i] = replace(row, accumulate=accumulate_for(row.size))
+                        rank_zero_info(
+                            f"{type(self).__name__}: size {row.size} not run: predicted peak"
+                            f" {(row.peak_bytes or 0) / 1e9:.2f} GB, clearly above the capacity"
+                            f"{f'; trying {size} instead' if size is not None else ''}"
+                        )
+                said = len(search.results)
+                if size is None:
+                    break
                 accumulate = accumulate_for(size) if accumulate_for else 1
                 result = self._agree(trainer, trials.run(size, accumulate))
                 search.observe(result)
+                said = len(search.results)
                 trials.best_rate = search.best_rate  # near the capacity, a collapse against it makes a spill
                 rank_zero_info(
                     f"{type(self).__name__}: size {size} x {accumulate}: {result.outcome}, "
@@ -303,7 +319,7 @@ class _MeasuringTuner(Callback):
         set_batch_size(trainer, self.batch_arg_name, self.batch_size)
         if self.accumulate_grad_batches is not None:
             trainer.accumulate_grad_batches = self.accumulate_grad_batches
-        reload_train_dataloader(trainer)
+        reload_train_dataloader(trainer, for_the_run=True)
 
     def _apply_model(self, pl_module: LightningModule) -> None:
         """What the choice changed in the model, made again (AccumulationTuner: activation checkpointing)."""
@@ -461,6 +477,7 @@ class BatchSizeTuner(_MeasuringTuner):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         require_batch_size_attribute(trainer, self.batch_arg_name)
+        _checkpointing_first(trainer, pl_module)
         if self._skipped(trainer):
             return
         start, most = accumulation_in_force(trainer)  # the Trainer's own, or its GradientAccumulationScheduler's
@@ -483,9 +500,8 @@ class BatchSizeTuner(_MeasuringTuner):
 
         def search() -> None:
             ladder = capped_ladder(power_ladder(self.init_size, self.max_size), epoch, most)
-            chosen = self._search(
-                trainer, SizeSearch(ladder, self.mode, self.min_gain, self.tolerance), lambda size: start
-            )  # measured at the accumulation training starts with: each row says it
+            sizes = SizeSearch(ladder, self.mode, self.min_gain, self.tolerance, forecast=self._forecast(trainer))
+            chosen = self._search(trainer, sizes, lambda size: start)  # at the accumulation training starts with
             if chosen is None:
                 raise RuntimeError(
                     f"BatchSizeTuner: no batch size from {self.init_size} up fits on this device without spilling"
@@ -614,6 +630,7 @@ class AccumulationTuner(_MeasuringTuner):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         require_batch_size_attribute(trainer, self.batch_arg_name)
+        _checkpointing_first(trainer, pl_module)
         self._world_size = trainer.world_size
         if self._skipped(trainer):
             return
@@ -628,17 +645,16 @@ class AccumulationTuner(_MeasuringTuner):
             self._forget()
             self._restored = False
 
+        def micro_batches() -> AccumulationSearch:
+            return AccumulationSearch([m for m, _ in pairs], self.min_gain, self.tolerance, self._forecast(trainer))
+
         def search() -> None:
-            chosen = self._search(
-                trainer, AccumulationSearch([m for m, _ in pairs], self.min_gain, self.tolerance), steps_for.get
-            )
+            chosen = self._search(trainer, micro_batches(), steps_for.get)
             if chosen is None and self.allow_checkpointing:
                 plan = checkpoint_blocks(pl_module)
                 self.checkpointing = True
                 rank_zero_info(f"AccumulationTuner: nothing fit; activation checkpointing on ({plan.summary()})")
-                chosen = self._search(
-                    trainer, AccumulationSearch([m for m, _ in pairs], self.min_gain, self.tolerance), steps_for.get
-                )
+                chosen = self._search(trainer, micro_batches(), steps_for.get)
             if chosen is None:
                 raise RuntimeError(
                     f"AccumulationTuner: not even a micro-batch of {pairs[0][0]} fits on this device without"

@@ -30,11 +30,11 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lightning_memguard.core.search import OK, OOM, OVER_HEADROOM, SPILL, TrialResult
+from lightning_memguard.core.search import OK, OOM, OVER_HEADROOM, PREDICTED, SPILL, TrialResult
 
 CACHE_FILE = "tuner-cache.json"
 _TMP_PREFIX, _TMP_SUFFIX = ".tuner-cache-", ".tmp"
-_OUTCOMES = (OK, OOM, SPILL, OVER_HEADROOM)
+_OUTCOMES = (OK, OOM, SPILL, OVER_HEADROOM, PREDICTED)
 
 
 def cache_folder(cache_dir: str | os.PathLike[str] | None) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 from lightning_memguard.core.epoch import EpochLength
 
 OK, OOM, SPILL, OVER_HEADROOM = "ok", "oom", "spill", "over_headroom"
+PREDICTED = "predicted_over"  # not run: the memory line fitted to the measured sizes puts it above the capacity
 MODES = ("throughput", "max_fit")
 
 
@@ -21,7 +22,8 @@ class TrialResult:
         step_ms: median time of one step, None if the trial failed before it was timed.
         peak_bytes: peak memory of the trial (plus other processes' use), None if unknown.
         samples_per_sec: ``size`` over the median step time.
-        outcome: ``"ok"``, ``"oom"``, ``"spill"`` or ``"over_headroom"``.
+        outcome: ``"ok"``, ``"oom"``, ``"spill"`` or ``"over_headroom"``; ``"predicted_over"`` for a size that was
+            not run because :class:`Forecast` put it clearly above the capacity (``peak_bytes`` is the prediction).
         accumulate: gradient-accumulation steps used with this size (1 for a plain batch size).
         compiled: the model ran under ``torch.compile`` (its steps are the compiled graph's, compile time apart).
         compile_s: seconds of the trial's steps in which ``torch.compile`` compiled; not in ``step_ms``.
@@ -83,6 +85,60 @@ def classify_trial(
         collapsed = best_rate is not None and samples_per_sec is not None and samples_per_sec < best_rate / collapse
         return SPILL if collapsed else OVER_HEADROOM
     return OK
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Peak memory predicted from the sizes measured so far, so that a size that would clearly spill is not run.
+
+    Peak memory is close to affine in the batch size: the resting model plus a part per sample. The line through
+    the two largest sizes that fit (their peaks) predicts the next; a size whose predicted peak is above the
+    capacity by more than ``margin`` (a fraction of it) is not run, and the largest size predicted to leave the
+    ``headroom`` is tried in its place. One trial of a spilling size can cost more than all the others together.
+
+    Example:
+        >>> forecast = Forecast(capacity=16 * 10**9, headroom=0.05)
+        >>> fits = [TrialResult(64, 1.0, 5 * 10**9, 1.0, "ok"), TrialResult(128, 1.0, 9 * 10**9, 1.0, "ok")]
+        >>> forecast.peak(fits, 256) / 1e9, forecast.clearly_over(fits, 256), forecast.largest_fit(fits, 8)
+        (17.0, False, 224)
+        >>> forecast.clearly_over(fits, 512)
+        True
+    """
+
+    capacity: int
+    headroom: float
+    margin: float = 0.1
+
+    @staticmethod
+    def _line(results: Sequence[TrialResult]) -> tuple[float, float] | None:
+        """(resting bytes, bytes per sample) through the two largest sizes that fit, if they rise."""
+        peaks = {r.size: r.peak_bytes for r in results if r.fits and r.peak_bytes}
+        if len(peaks) < 2:
+            return None
+        small, large = sorted(peaks)[-2:]
+        per_sample = (peaks[large] - peaks[small]) / (large - small)  # type: ignore[operator]
+        return (peaks[large] - per_sample * large, per_sample) if per_sample > 0 else None  # type: ignore[operator]
+
+    def peak(self, results: Sequence[TrialResult], size: int) -> float | None:
+        line = self._line(results)
+        return None if line is None else line[0] + line[1] * size
+
+    def clearly_over(self, results: Sequence[TrialResult], size: int) -> bool:
+        peak = self.peak(results, size)
+        return peak is not None and peak > self.capacity * (1 + self.margin)
+
+    def largest_fit(self, results: Sequence[TrialResult], granularity: int = 1) -> int | None:
+        """The largest multiple of ``granularity`` predicted to leave the headroom free (None without a line)."""
+        line = self._line(results)
+        if line is None:
+            return None
+        base, per_sample = line
+        size = int((self.capacity * (1 - self.headroom) - base) // per_sample)
+        return size // granularity * granularity or None
+
+    def skipped(self, results: Sequence[TrialResult], size: int, accumulate: int = 1) -> TrialResult:
+        """The row of a size not run: its predicted peak, no timing."""
+        return TrialResult(size, None, int(self.peak(results, size) or 0), None, PREDICTED, accumulate)
 
 
 def power_ladder(start: int, stop: int, factor: int = 2) -> list[int]:
@@ -156,6 +212,8 @@ class SizeSearch:
         tolerance: sizes within this fraction of the best throughput count as equal (the smaller wins).
         refine: try one size between the best fit and the first failure.
         granularity: refined sizes are multiples of this.
+        forecast: sizes it puts clearly above the capacity are not run (a ``"predicted_over"`` row); the largest
+            size it predicts to fit is tried instead.
 
     Example:
         >>> search = SizeSearch([32, 64, 128, 256])
@@ -174,6 +232,7 @@ class SizeSearch:
         tolerance: float = 0.01,
         refine: bool = True,
         granularity: int = 8,
+        forecast: Forecast | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
@@ -185,6 +244,7 @@ class SizeSearch:
         self.tolerance = tolerance
         self.refine = refine
         self.granularity = granularity
+        self.forecast = forecast
         self.results: list[TrialResult] = []
         self._next = 0
         self._climbing = True
@@ -200,14 +260,34 @@ class SizeSearch:
         if self._pending is not None:
             return self._pending
         if self._climbing and self._next < len(self.candidates):
-            self._pending = self.candidates[self._next]
-            return self._pending
+            size = self.candidates[self._next]
+            if not self._predicted_over(size):
+                self._pending = size
+                return self._pending
+            self._climbing = False  # larger sizes are further above; the largest predicted to fit instead
+            instead = self.forecast.largest_fit(self.results, self.granularity) if self.forecast else None
+            if instead is not None and self._untried_fit_between(instead, size):
+                self._pending = instead
+                return self._pending
         self._climbing = False
         midpoint = self._refinement()
         if midpoint is not None:
             self._refined = True
-            self._pending = midpoint
+            if not self._predicted_over(midpoint, record=False):
+                self._pending = midpoint
         return self._pending
+
+    def _predicted_over(self, size: int, record: bool = True) -> bool:
+        """Whether the forecast rules ``size`` out (a size of the ladder gets a row saying so)."""
+        if self.forecast is None or not self.forecast.clearly_over(self.results, size):
+            return False
+        if record:
+            self.results.append(self.forecast.skipped(self.results, size))
+        return True
+
+    def _untried_fit_between(self, size: int, above: int) -> bool:
+        fits = [r.size for r in self.results if r.fits]
+        return size not in {r.size for r in self.results} and max(fits, default=0) < size < above
 
     def observe(self, result: TrialResult) -> None:
         if self._pending is None or result.size != self._pending:
@@ -267,7 +347,8 @@ class AccumulationSearch:
     be chosen (slower than the best by more than that margin): larger ones are not expected to be faster again.
 
     ``propose()``, ``observe(result)``, ``result``, ``results`` and ``best_rate`` as for :class:`SizeSearch`; it
-    never returns a size it did not run.
+    never returns a size it did not run. With a ``forecast``, a micro-batch it puts clearly above the capacity is
+    not run (a ``"predicted_over"`` row), nor any larger one.
 
     Args:
         candidates: the micro-batches, e.g. from :func:`accumulation_candidates`.
@@ -283,12 +364,19 @@ class AccumulationSearch:
         ([4, 8, 16], 16)
     """
 
-    def __init__(self, candidates: Sequence[int], min_gain: float = 0.05, tolerance: float = 0.01) -> None:
+    def __init__(
+        self,
+        candidates: Sequence[int],
+        min_gain: float = 0.05,
+        tolerance: float = 0.01,
+        forecast: Forecast | None = None,
+    ) -> None:
         if not candidates or any(int(c) != c or c < 1 for c in candidates):
             raise ValueError(f"`candidates` must be positive integers, got {list(candidates)!r}")
         self.candidates = sorted(set(int(c) for c in candidates))
         self.min_gain = min_gain
         self.tolerance = tolerance
+        self.forecast = forecast
         self.results: list[TrialResult] = []
         self._next = 0
         self._climbing = True
@@ -304,7 +392,12 @@ class AccumulationSearch:
 
     def propose(self) -> int | None:
         if self._pending is None and self._climbing and self._next < len(self.candidates):
-            self._pending = self.candidates[self._next]
+            size = self.candidates[self._next]
+            if self.forecast is not None and self.forecast.clearly_over(self.results, size):
+                self.results.append(self.forecast.skipped(self.results, size))  # not run; nor larger ones
+                self._climbing = False
+            else:
+                self._pending = size
         return self._pending
 
     def observe(self, result: TrialResult) -> None:

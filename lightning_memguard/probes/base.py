@@ -17,12 +17,15 @@ class MemoryReading:
         other_processes: memory that other processes hold on the same device now; None where it cannot be known
             (NVML unavailable). Under WDDM it is the device's used memory less this process's PyTorch memory, so it
             also counts this process's CUDA context.
+        allocated_now: memory held by tensors when read; between steps, what a step starts from (the weights,
+            gradients and optimizer state); None where the probe cannot say.
     """
 
     peak_allocated: int
     peak_reserved: int
     capacity: int
     other_processes: int | None = 0
+    allocated_now: int | None = None
 
     @property
     def used(self) -> int:

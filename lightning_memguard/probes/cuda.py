@@ -68,6 +68,7 @@ class CudaProbe:
             peak_reserved=int(reserved.get("peak", 0)),
             capacity=self.capacity(),
             other_processes=self.other_processes(int(reserved.get("current", 0))),
+            allocated_now=int(allocated.get("current", 0)),
         )
 
     def other_processes(self, own_reserved: int | None = None) -> int | None:

@@ -118,6 +118,7 @@ class SysmemSpillEmulator(Callback):
         self._batch: Any = None
         self._warned_unseen = False
         self.peak = 0  # the highest per-step figure (peak plus spilled) since the probe's last reset
+        self.step_base: int | None = None  # what the last step started from: weights, gradients, optimizer, batch
         self.spilled_bytes = 0  # spilled during the last step
         self.total_spilled_bytes = 0
         self.probe = EmulatedProbe(self)
@@ -195,6 +196,7 @@ class SysmemSpillEmulator(Callback):
         else:
             base = self._cpu_base(trainer)
         self._step = _Step(device, base, self._transient, self._existing_storages)
+        self.step_base = base
         self.spilled_bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
@@ -294,7 +296,7 @@ class EmulatedProbe:
 
     def read(self) -> MemoryReading:
         peak = self._emu.peak
-        return MemoryReading(peak, peak, self._emu.capacity)
+        return MemoryReading(peak, peak, self._emu.capacity, allocated_now=self._emu.step_base)
 
     def overallocation_succeeds(self) -> bool:
         """On a card with sysmem fallback, allocating more than the card has succeeds."""

@@ -1,0 +1,76 @@
+"""What would fit, from a spilling run's own readings: the numbers a spill message gives after the verdict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_memguard.core.units import to_gb
+
+
+@dataclass(frozen=True)
+class FitAdvice:
+    """The largest batch that would leave ``headroom`` free, and the accumulation that keeps the effective batch.
+
+    Peak memory is close to affine in the batch size: what a step starts from (``resting``: the weights, gradients
+    and optimizer state) plus a part per sample. One spilling step at a known batch size fixes both.
+
+    Attributes:
+        per_sample: bytes one sample adds to the peak.
+        largest_batch: the largest batch predicted to leave the headroom free (0: not even one sample).
+        micro_batch, accumulate: a split of the run's effective batch (``batch x accumulate``) whose micro-batch is
+            at most ``largest_batch``, accumulating as little as possible (None when none fits).
+    """
+
+    resting: int
+    per_sample: float
+    largest_batch: int
+    effective_batch: int
+    micro_batch: int | None
+    accumulate: int | None
+
+    @classmethod
+    def from_run(
+        cls, peak: int, resting: int, others: int, capacity: int, headroom: float, batch: int, accumulate: int = 1
+    ) -> FitAdvice | None:
+        """None where the readings cannot say (no batch, or a peak not above what the step started from).
+
+        Example:
+            >>> advice = FitAdvice.from_run(26_600_000_000, 1_000_000_000, 0, 16 * 10**9, 0.05, 512)
+            >>> advice.largest_batch, advice.micro_batch, advice.accumulate
+            (284, 256, 2)
+        """
+        own = peak - others
+        if batch < 1 or own <= resting:
+            return None
+        per_sample = (own - resting) / batch
+        room = capacity * (1 - headroom) - others - resting
+        largest = max(0, int(room // per_sample))
+        effective = batch * accumulate
+        micro = max((m for m in range(1, min(largest, effective) + 1) if effective % m == 0), default=None)
+        return cls(resting, per_sample, largest, effective, micro, None if micro is None else effective // micro)
+
+    def sentence(self) -> str:
+        """The advice in words, with its figures.
+
+        Example:
+            >>> words = FitAdvice(10**9, 50 * 10**6, 284, 512, 256, 2).sentence()
+            >>> "each sample adds 50.0 MB): a batch of at most 284 fits" in words
+            True
+            >>> "512 fits as 256 x accumulate_grad_batches=2" in words, "checkpointing is not needed" in words
+            (True, True)
+        """
+        start = (
+            f"From this run's readings (a step starts from {to_gb(self.resting):.2f} GB, and each sample adds"
+            f" {self.per_sample / 1e6:.1f} MB): "
+        )
+        if self.largest_batch < 1 or self.micro_batch is None:
+            return start + (
+                "not even a batch of one fits beside what a step starts from; activation checkpointing"
+                " (ActivationCheckpointing), a smaller model or lower precision is needed."
+            )
+        return start + (
+            f"a batch of at most {self.largest_batch} fits; the effective batch of {self.effective_batch} fits as"
+            f" {self.micro_batch} x accumulate_grad_batches={self.accumulate}"
+            f" (AccumulationTuner(effective_batch_size={self.effective_batch}) measures the fastest split);"
+            " activation checkpointing is not needed."
+        )
