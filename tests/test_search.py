@@ -166,7 +166,7 @@ def test_a_size_near_the_capacity_is_still_measured():
     ran: list[int] = []
     search = SizeSearch([75, 150, 300], forecast=Forecast(16 * GB, 0.05), min_gain=0.0)
     run(search, affine_card(GB, 50 * 10**6, ran=ran))
-    assert ran == [75, 150, 300]
+    assert ran[:3] == [75, 150, 300]  # (then the refinement between 150 and 300, as without a forecast)
     assert PREDICTED not in [r.outcome for r in search.results]
 
 

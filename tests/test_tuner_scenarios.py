@@ -235,7 +235,8 @@ def test_a_cached_choice_that_no_longer_fits_is_measured_again(tmp_path):
     with pytest.warns(UserWarning, match=r"earlier choice \(batch size 16 x 1\) no longer fits: spill, peak 6.40 GB"):
         trainer.fit(model)
     assert not again.from_cache
-    assert [(r.size, r.outcome) for r in again.results] == [(4, "ok"), (8, "ok"), (16, "spill")]
+    # measured again: 4 and 8 fix the memory line, which puts 16 at 6.4 GB on the 4 GB card: not run
+    assert [(r.size, r.outcome) for r in again.results] == [(4, "ok"), (8, "ok"), (16, "predicted_over")]
     assert again.batch_size == model.batch_size == 8
 
 
@@ -384,7 +385,7 @@ def test_a_spilling_trial_ends_after_its_first_step_even_with_min_steps(tmp_path
     clock, counter = BatchClock(), BatchCounter()
     tuner = BatchSizeTuner(
         init_size=4, max_size=16, probe=PerSample(model, capacity=int(1e9)), cache=False, clock=clock,
-        warmup_steps=2, timed_steps=4,
+        warmup_steps=2, timed_steps=4, predict=False,  # the spilling trial runs (with the forecast it would not)
     )  # fmt: skip
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, min_steps=50, callbacks=[clock, counter, tuner]))
     trainer.fit(model)
@@ -397,7 +398,7 @@ def test_a_spilling_micro_batch_ends_after_its_first_optimizer_step(tmp_path):
     clock, counter = BatchClock(), BatchCounter()
     tuner = AccumulationTuner(
         32, min_micro_batch=8, probe=PerSample(model, capacity=int(2e9)), cache=False, clock=clock,
-        warmup_steps=2, timed_steps=4,
+        warmup_steps=2, timed_steps=4, predict=False,  # the spilling trial runs (with the forecast it would not)
     )  # fmt: skip
     Trainer(**trainer_kwargs(tmp_path, max_epochs=1, limit_train_batches=4, callbacks=[clock, counter, tuner])).fit(
         model

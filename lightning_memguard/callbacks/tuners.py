@@ -95,6 +95,7 @@ class _MeasuringTuner(Callback):
         cache: bool,
         cache_dir: str | os.PathLike[str] | None,
         clock: Callable[[], float] | None,
+        predict: bool = True,
     ) -> None:
         self.capacity = None if capacity is None else check_size("capacity", capacity, MIN_CAPACITY)
         if probe is not None:
@@ -104,6 +105,8 @@ class _MeasuringTuner(Callback):
         if not batch_arg_name:
             raise ValueError(f"`batch_arg_name` must be a non-empty string, got {batch_arg_name!r}")
         check_bool("cache", cache)
+        check_bool("predict", predict)
+        self.predict = predict
         if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
             raise TypeError(f"`cache_dir` must be a path (str or os.PathLike) or None, got {cache_dir!r}")
         if cache_dir is not None and not os.fspath(cache_dir):
@@ -173,9 +176,17 @@ class _MeasuringTuner(Callback):
         probe = self.probe if self.probe is not None else probe_for(trainer.strategy.root_device)
         return probe, self.capacity if self.capacity is not None else probe.capacity()
 
-    def _forecast(self, trainer: Trainer) -> Forecast:
-        """Sizes the measured ones put clearly above the capacity are not run (see :class:`Forecast`)."""
-        return Forecast(self._probe_and_capacity(trainer)[1], self.headroom)
+    def _forecast(self, trainer: Trainer) -> Forecast | None:
+        """Sizes the measured ones put clearly above the capacity are not run (see :class:`Forecast`). Under DDP
+        the smallest card's capacity counts on every rank, as every rank's trials count (and ranks must propose
+        alike)."""
+        if not self.predict:
+            return None
+        capacity = self._probe_and_capacity(trainer)[1]
+        if trainer.world_size > 1:
+            mine = torch.tensor([capacity], dtype=torch.float64, device=trainer.strategy.root_device)
+            capacity = int(trainer.strategy.all_gather(mine).min())
+        return Forecast(capacity, self.headroom)
 
     def _session(self, trainer: Trainer) -> TrialSession:
         probe, capacity = self._probe_and_capacity(trainer)
@@ -408,6 +419,10 @@ class BatchSizeTuner(_MeasuringTuner):
         cache_dir: the cache's folder, ``~`` expanded (default ``~/.cache/lightning-memguard``); it holds
             ``tuner-cache.json``. A folder that cannot be written, or a ``tuner-cache.json`` that is a folder, is
             reported with a warning and left as it is.
+        predict: peak memory is close to affine in the batch size: a size the two largest measured ones put more
+            than 10 % above the capacity is not run (a ``"predicted_over"`` row with the predicted peak), and the
+            largest size predicted to fit is tried instead. ``False`` runs every size of the ladder (for a model
+            whose memory is far from affine in the batch).
         clock: seconds for timing the trials (default ``time.perf_counter``; tests inject their own).
 
     Raises:
@@ -463,6 +478,7 @@ class BatchSizeTuner(_MeasuringTuner):
         cache: bool = True,
         cache_dir: str | os.PathLike[str] | None = None,
         clock: Callable[[], float] | None = None,
+        predict: bool = True,
     ) -> None:
         if not isinstance(mode, str) or mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
@@ -472,7 +488,7 @@ class BatchSizeTuner(_MeasuringTuner):
         super().__init__(
             capacity=capacity, headroom=headroom, probe=probe, batch_arg_name=batch_arg_name,
             warmup_steps=warmup_steps, timed_steps=timed_steps, min_gain=min_gain, tolerance=tolerance,
-            cache=cache, cache_dir=cache_dir, clock=clock,
+            cache=cache, cache_dir=cache_dir, clock=clock, predict=predict,
         )  # fmt: skip
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -588,6 +604,7 @@ class AccumulationTuner(_MeasuringTuner):
         cache: bool = True,
         cache_dir: str | os.PathLike[str] | None = None,
         clock: Callable[[], float] | None = None,
+        predict: bool = True,
     ) -> None:
         self.effective_batch_size = check_int("effective_batch_size", effective_batch_size, 1)
         self.min_micro_batch = check_int("min_micro_batch", min_micro_batch, 1)
@@ -602,7 +619,7 @@ class AccumulationTuner(_MeasuringTuner):
         super().__init__(
             capacity=capacity, headroom=headroom, probe=probe, batch_arg_name=batch_arg_name,
             warmup_steps=warmup_steps, timed_steps=timed_steps, min_gain=min_gain, tolerance=tolerance,
-            cache=cache, cache_dir=cache_dir, clock=clock,
+            cache=cache, cache_dir=cache_dir, clock=clock, predict=predict,
         )  # fmt: skip
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
