@@ -15,6 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_memguard import _compiler
 from lightning_memguard.callbacks import MemGuard
+from lightning_memguard.core.files import written_atomically
 from lightning_memguard.core.report import SweepRow
 from lightning_memguard.testing import ImageClassifier, StepTimer, SysmemSpillEmulator
 
@@ -137,7 +138,7 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
 
 
 def write_csv(rows: Sequence[SweepRow], path: str) -> None:
-    with open(path, "w", encoding="utf-8", newline="") as f:
+    with written_atomically(path) as temporary, open(temporary, "w", encoding="utf-8", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(SweepRow.__dataclass_fields__))
         writer.writeheader()
         for row in rows:
@@ -175,8 +176,11 @@ def plot(rows: Sequence[SweepRow], capacity_gb: float, path: str, title: str) ->
     ax.legend(handles, [str(h.get_label()) for h in handles], fontsize=8, loc="upper left")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with written_atomically(path) as temporary:
+            fig.savefig(temporary, dpi=120, format="png")
+    finally:
+        plt.close(fig)
     return True
 
 

@@ -290,3 +290,32 @@ def test_ctrl_c_during_a_trial_or_at_any_step_of_the_restore_keeps_the_original_
     again = Trainer(**trainer_kwargs(tmp_path, max_steps=3, callbacks=[clock, tuner]))
     again.fit(model)  # the model trains normally afterwards
     assert again.global_step == 3
+
+
+def test_the_sweeps_table_and_picture_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """`memguard sweep` writes sweep.csv and sweep.png: a failure halfway (a full disk) leaves neither, nor a
+    temporary file, and an earlier complete file stays as it was."""
+    from lightning_memguard import sweep
+    from lightning_memguard.core.report import SweepRow
+
+    rows = [SweepRow(32, 10.0, 1.0, 3200.0, "ok"), SweepRow(64, 18.0, 2.0, 3555.0, "ok")]
+    table, picture = tmp_path / "sweep.csv", tmp_path / "sweep.png"
+    sweep.write_csv(rows, str(table))
+    earlier = table.read_text(encoding="utf-8")
+
+    def no_space(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(SweepRow, "to_dict", no_space)  # the rows cannot be written
+    with pytest.raises(OSError, match="No space left"):
+        sweep.write_csv(rows, str(table))
+    assert table.read_text(encoding="utf-8") == earlier
+    monkeypatch.undo()
+
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kwargs: no_space(self))
+    with pytest.raises(OSError, match="No space left"):
+        sweep.plot(rows, 16.0, str(picture), "sweep")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.csv"]
