@@ -44,7 +44,8 @@ def cache_key(
     - ``modules``: a hash of every submodule's name and class (a checkpointed or rebuilt block changes it);
     - ``checkpointing``: the settings of the ActivationCheckpointing callbacks;
     - ``compiled``: whether the model runs under ``torch.compile``;
-    - ``input``, ``batch``: ``example_input_array``'s shape; the first train batch's shapes and dtypes;
+    - ``input``, ``batch``: ``example_input_array``'s shape; the shapes and dtypes of each train loader's first
+      batch;
     - ``samples_per_epoch``: the samples one epoch of the train loader runs (the search caps sizes at it);
     - ``hparams``, ``datamodule``: the module's hyperparameters but the batch size; the datamodule's class and
       hyperparameters;

@@ -2,9 +2,10 @@
 
 A tuner is not alone in a Trainer: Lightning's ``BatchSizeFinder`` (or another tuner) may set the same batch size,
 ``Trainer(accumulate_grad_batches)`` or a ``GradientAccumulationScheduler`` the accumulation, and
-``limit_train_batches`` / ``overfit_batches`` with the loader's length and ``drop_last`` decide how much one epoch
-really runs. What cannot work together is refused here, in ``setup``, before anything is measured; what can is read
-from here, so the search, the checks and the cache see the same thing.
+``limit_train_batches`` / ``overfit_batches`` with the loaders' lengths and ``drop_last`` decide how much one epoch
+really runs, an int ``val_check_interval`` how few batches it may run. What cannot work together is refused here, in
+``setup``, before anything is measured; what can is read from here, so the search, the checks and the cache see the
+same thing.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler
 
-from lightning_memguard.callbacks._private import train_loader
-from lightning_memguard.callbacks._trials import deliverable_samples
+from lightning_memguard.callbacks._private import train_loader, validation_by_time
+from lightning_memguard.callbacks._trials import loader_samples
 from lightning_memguard.core.epoch import EpochLength
 
 
@@ -107,16 +108,37 @@ def accumulation_in_force(trainer: Trainer) -> tuple[int, int]:
 
 
 def train_epoch(trainer: Trainer) -> EpochLength:
-    """One epoch of the (first) train loader on this rank, as the Trainer will run it: the loader must be built.
+    """One epoch of the train loaders on this rank, as the Trainer will run it: the loaders must be built.
 
-    The samples are the sampler's (or the dataset's) length, None without one; the batch limit is
+    The samples are the sampler's (or the dataset's) length, None without one, of the shortest loader where several
+    make each batch (a ``CombinedLoader``: every one must deliver whole batches); the batch limit is
     ``limit_train_batches``, which Lightning sets to ``overfit_batches`` when that is on.
     """
     combined = train_loader(trainer)
-    loader = combined.flattened[0] if combined is not None and combined.flattened else None
-    return EpochLength(
-        deliverable_samples(trainer), trainer.limit_train_batches, bool(getattr(loader, "drop_last", False))
-    )
+    loaders = combined.flattened if combined is not None else []
+    lengths = [(loader_samples(loader), bool(getattr(loader, "drop_last", False))) for loader in loaders]
+    return EpochLength.of_loaders(lengths, trainer.limit_train_batches, validation_every(trainer))
+
+
+def validation_every(trainer: Trainer) -> int | None:
+    """An int ``val_check_interval`` that Lightning holds every epoch to: with ``check_val_every_n_epoch`` set and
+    validation on, it refuses an epoch of fewer batches (``FitLoop.setup_data``). None where no such rule holds: a
+    fraction, a time, or batches counted across epochs (``check_val_every_n_epoch=None``)."""
+    if validation_by_time(trainer):  # then the Trainer has no `val_check_interval` in batches
+        return None
+    interval = trainer.val_check_interval
+    if isinstance(interval, bool) or not isinstance(interval, int):
+        return None
+    if trainer.check_val_every_n_epoch is None or not trainer.limit_val_batches > 0:
+        return None
+    return interval
+
+
+def train_loaders_named(trainer: Trainer) -> str:
+    """The train loader(s) an epoch is judged by, as a message names them."""
+    combined = train_loader(trainer)
+    count = len(combined.flattened) if combined is not None else 1
+    return "the train loader" if count <= 1 else f"the shortest train loader (of {count})"
 
 
 def batch_limit(trainer: Trainer) -> str:

@@ -35,6 +35,11 @@ def train_loader(trainer: Trainer) -> CombinedLoader | None:
     return trainer.fit_loop._combined_loader
 
 
+def validation_by_time(trainer: Trainer) -> bool:
+    """Whether ``val_check_interval`` is a time (``Trainer._val_check_time_interval``), not batches."""
+    return getattr(trainer, "_val_check_time_interval", None) is not None
+
+
 def drop_loaders(trainer: Trainer) -> None:
     """Forget the built train and validation loaders (``_combined_loader``), so the next setup builds them anew."""
     loop = trainer.fit_loop

@@ -14,12 +14,11 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers.logger import DummyLogger
-from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.memory import garbage_collection_cuda, is_oom_error
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 
 from lightning_memguard import _compiler
+from lightning_memguard.callbacks._batches import Path, loader_name, loader_parts, loader_paths, samples_in
 from lightning_memguard.callbacks._private import (
     drop_loaders,
     loader_passed_to_fit,
@@ -37,7 +36,8 @@ class _AgreedOutOfMemory(torch.OutOfMemoryError):
 
 
 class _StepClock(Callback):
-    """Times each training batch of a trial and counts the samples it really holds.
+    """Times each training batch of a trial and counts the samples it really holds, every loader's where several
+    make one batch (a ``CombinedLoader``).
 
     On CUDA it waits for the device so each time is the real one. After the first optimizer step it reads memory
     once: a trial whose peak already leaves no headroom (or is above the capacity: a spill) does not fit, whatever
@@ -63,7 +63,9 @@ class _StepClock(Callback):
         self.size = size
         self.clock = clock
         self.probe, self.capacity, self.headroom, self.accumulate = probe, capacity, headroom, accumulate
-        self.marks: list[tuple[float, int | None]] = []  # (time, samples) at each batch start; (time, None): epoch end
+        # (time, samples of each loader's part) at each batch start; (time, None): an epoch's end
+        self.marks: list[tuple[float, tuple[int, ...] | None]] = []
+        self.paths: list[Path] | None = None  # where each loader's part sits in a batch; None: a single loader
         self.compiled: list[bool] = []  # per batch: whether torch.compile compiled during it
         self._compiles = _compiler.CompileWatch()
         self.extended = 0
@@ -75,9 +77,13 @@ class _StepClock(Callback):
             torch.cuda.synchronize()
         return self.clock()
 
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.paths = loader_paths(trainer.train_dataloader)
+
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        samples = _samples_in(batch)  # a batch whose size cannot be read counts as the size set
-        self.marks.append((self._now(), self.size if samples is None else samples))
+        parts = [samples_in(part) for part in loader_parts(batch, self.paths)]
+        # a part whose size cannot be read counts as the size set
+        self.marks.append((self._now(), tuple(self.size if n is None else n for n in parts)))
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -103,9 +109,9 @@ class _StepClock(Callback):
         """(seconds, samples, compiled) of each optimizer step: ``accumulate`` batches, each timed to the next
         mark; ``compiled``: torch.compile compiled during one of them."""
         batches = [
-            (self.marks[i + 1][0] - t, n)
-            for i, (t, n) in enumerate(self.marks[:-1])
-            if n is not None  # an epoch's end closes its last batch; the gap to the next epoch is not a batch
+            (self.marks[i + 1][0] - t, sum(parts))
+            for i, (t, parts) in enumerate(self.marks[:-1])
+            if parts is not None  # an epoch's end closes its last batch; the gap to the next epoch is not a batch
         ]
         compiled = self.compiled[: len(batches)]
         a = self.accumulate
@@ -114,21 +120,15 @@ class _StepClock(Callback):
             for i in range(0, len(batches) - a + 1, a)
         ]
 
-    def sizes_by_epoch(self) -> list[list[int]]:
-        epochs: list[list[int]] = [[]]
-        for _, n in self.marks:
-            if n is None:
+    def sizes_by_epoch(self) -> list[list[tuple[int, ...]]]:
+        """Each epoch's batches, each as the samples of every loader's part."""
+        epochs: list[list[tuple[int, ...]]] = [[]]
+        for _, parts in self.marks:
+            if parts is None:
                 epochs.append([])
             else:
-                epochs[-1].append(n)
+                epochs[-1].append(parts)
         return [e for e in epochs if e]
-
-
-def _samples_in(batch: Any) -> int | None:
-    try:
-        return extract_batch_size(batch)
-    except (MisconfigurationException, RecursionError):
-        return None
 
 
 def require_batch_size_attribute(trainer: Trainer, batch_arg_name: str) -> None:
@@ -177,12 +177,8 @@ def rng_kept() -> Iterator[None]:
         set_rng_states(states)
 
 
-def deliverable_samples(trainer: Trainer) -> int | None:
-    """Samples one epoch of the (first) train loader holds on this rank; None when it has no length."""
-    combined = train_loader(trainer)
-    if combined is None or not combined.flattened:
-        return None
-    loader = combined.flattened[0]
+def loader_samples(loader: Any) -> int | None:
+    """Samples one epoch of a train loader holds on this rank; None when it has no length."""
     for source in (getattr(loader, "sampler", None), getattr(loader, "dataset", None)):
         try:
             return len(source)  # type: ignore[arg-type]
@@ -192,13 +188,18 @@ def deliverable_samples(trainer: Trainer) -> int | None:
 
 
 def first_batch_signature(trainer: Trainer) -> list[Any] | None:
-    """Shape (without the batch dimension) and dtype of every tensor in the first train batch: what sets memory."""
+    """Shape (without the batch dimension) and dtype of every tensor in the first batch of each train loader: what
+    sets memory."""
     combined = train_loader(trainer)
     if combined is None or not combined.flattened:
         return None
-    try:
-        batch = next(iter(combined.flattened[0]))
-    except StopIteration:
+    batches = []
+    for loader in combined.flattened:
+        try:
+            batches.append(next(iter(loader)))
+        except StopIteration:
+            continue
+    if not batches:
         return None
     signature: list[Any] = []
 
@@ -212,7 +213,8 @@ def first_batch_signature(trainer: Trainer) -> list[Any] | None:
             for item in obj:
                 visit(item)
 
-    visit(batch)
+    for batch in batches:
+        visit(batch)
     return signature
 
 
@@ -372,7 +374,7 @@ class TrialSession:
         compiled = compiled or compile_s > 0
         if out_of_memory:
             return TrialResult(size, None, None, None, OOM, accumulate, compiled, round(compile_s, 3))
-        _check_delivered(clock.sizes_by_epoch(), size, self.batch_arg_name)
+        _check_delivered(clock.sizes_by_epoch(), clock.paths, size, self.batch_arg_name)
         reading = self.probe.read()
         peak = reading.used
         ran = [(s, n) for s, n, c in measured if not c]
@@ -412,15 +414,25 @@ def _about_the_run_only() -> Iterator[None]:
         log.removeFilter(drop)
 
 
-def _check_delivered(epochs: list[list[int]], size: int, batch_arg_name: str) -> None:
-    """Every batch holds ``size`` samples; only an epoch's last one may hold fewer (the rest of the dataset)."""
-    for sizes in epochs:
-        if any(n != size for n in sizes[:-1]) or sizes[-1] > size:
+def _check_delivered(
+    epochs: list[list[tuple[int, ...]]], paths: list[Path] | None, size: int, batch_arg_name: str
+) -> None:
+    """Every loader's batches hold ``size`` samples; one may hold fewer only where that loader's pass over its data
+    ends: at the epoch's end, or where a shorter loader starts again (``max_size_cycle``) with a whole batch. A
+    loader that has run out (``max_size``) holds none and is not judged."""
+    for batches in epochs:
+        for i in range(len(batches[0])):
+            sizes = [parts[i] for parts in batches if parts[i]]
+            ends = all(n == size or after == size for n, after in zip(sizes, sizes[1:], strict=False))
+            if ends and all(n <= size for n in sizes):
+                continue
             seen = sorted(set(sizes))
+            loader = "the train loader" if paths is None else f"the train loader {loader_name(paths[i])}"
+            built = "the DataLoader" if paths is None else "every train DataLoader"
             raise ValueError(
-                f"the train loader delivered batches of {seen} samples while `{batch_arg_name}` was set to {size}:"
-                f" it does not build its batches from `{batch_arg_name}`, so no size can be measured or set; build"
-                f" the DataLoader in `train_dataloader()` with `batch_size=self.{batch_arg_name}`"
+                f"{loader} delivered batches of {seen} samples while `{batch_arg_name}` was set to {size}: it does"
+                f" not build its batches from `{batch_arg_name}`, so no size can be measured or set; build {built}"
+                f" in `train_dataloader()` with `batch_size=self.{batch_arg_name}`"
             )
 
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 import os
 import platform
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memguard import _compiler
 from lightning_memguard.callbacks._agreement import StopVote
+from lightning_memguard.callbacks._batches import loader_parts, loader_paths, samples_in
 from lightning_memguard.callbacks._files import checkpoint_folder, write_checkpoint
 from lightning_memguard.core.advice import FitAdvice
 from lightning_memguard.core.checks import (
@@ -46,7 +46,6 @@ from lightning_memguard.core.units import to_gb
 from lightning_memguard.probes import MemoryProbe, MemoryReading, probe_for
 
 _ON_SPILL = ("raise", "stop", "warn")
-_SEQUENCES = (list, tuple)  # batches whose first element is sized directly
 
 
 class MemGuard(Callback):
@@ -64,7 +63,7 @@ class MemGuard(Callback):
     time; all ranks together under DDP) and ``memguard/step_ms`` (median time of one training batch). The progress
     bar shows the last epoch's ``peak/cap`` (peak as a share of capacity) and ``samples/s``. At the end of ``fit``
     rank zero prints a table with one row per epoch, with the logged (all-rank) figures. Several loaders in one batch
-    (a ``CombinedLoader``) count all their samples.
+    (a ``CombinedLoader``) count all their samples (one that has run out, under ``mode="max_size"``, none).
 
     Each ``fit`` starts afresh (no earlier spill, table or reference), unless it resumes from a checkpoint that holds
     MemGuard's state. A spill found in the last steps of an epoch is acted on at that epoch's end, so the last
@@ -221,7 +220,7 @@ class MemGuard(Callback):
             self._cap_allocator(trainer.strategy.root_device, capacity, probe)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._loader_paths = _loader_paths(trainer.train_dataloader)
+        self._loader_paths = loader_paths(trainer.train_dataloader)
         if self._timeline is not None:
             self._timeline.start_epoch()
         self._require_probe().reset_peak()
@@ -356,16 +355,13 @@ class MemGuard(Callback):
         return reading
 
     def _batch_size(self, batch: Any) -> int:
+        """Samples in a training batch: every loader's, where several make one (a CombinedLoader; one that has run
+        out counts none); a part that cannot be sized counts as one sample."""
         paths = self._loader_paths
         if paths is None:
-            return _samples_in(batch)
-        total = 0  # several loaders make one batch (CombinedLoader): all their samples count
-        for path in paths:
-            part = batch
-            for key in path:
-                part = part[key]
-            total += _samples_in(part)
-        return total
+            samples = samples_in(batch)
+            return 1 if samples is None else samples
+        return sum(1 if n is None else n for n in map(samples_in, loader_parts(batch, paths)))
 
     def _merge_ranks(self, trainer: Trainer, record: EpochRecord) -> EpochRecord:
         if trainer.world_size <= 1:
@@ -507,36 +503,3 @@ class MemGuard(Callback):
         if self._probe is None:
             self._probe = self._user_probe if self._user_probe is not None else probe_for(torch.device("cpu"))
         return self._probe
-
-
-def _samples_in(batch: Any) -> int:
-    """Samples in one loader's batch. The common batches, (inputs, targets) or a tensor, are sized without
-    Lightning's general traversal: this runs every step."""
-    first = batch[0] if batch.__class__ in _SEQUENCES and batch else batch
-    if first.__class__ is torch.Tensor:
-        shape = first.shape
-        if shape:
-            return shape[0]
-    try:
-        return extract_batch_size(batch)
-    except Exception:  # a batch Lightning cannot size counts as one sample per step
-        return 1
-
-
-def _loader_paths(iterables: Any) -> list[tuple[Any, ...]] | None:
-    """Where each loader's batch sits in a training batch when several loaders make one, as a ``CombinedLoader``
-    (or a dict or list of loaders) nests them; None for a single loader, whose batch is the whole batch."""
-    paths: list[tuple[Any, ...]] = []
-
-    def walk(node: Any, path: tuple[Any, ...]) -> None:
-        if isinstance(node, Mapping):
-            for key, child in node.items():
-                walk(child, (*path, key))
-        elif isinstance(node, list | tuple) and node and not all(isinstance(c, int | float | str) for c in node):
-            for i, child in enumerate(node):
-                walk(child, (*path, i))
-        else:
-            paths.append(path)
-
-    walk(iterables, ())
-    return paths if paths and paths != [()] else None

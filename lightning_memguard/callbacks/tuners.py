@@ -20,6 +20,7 @@ from lightning_memguard.callbacks._hands import (
     refuse_accumulation_setters,
     refuse_two_batch_size_searches,
     train_epoch,
+    train_loaders_named,
 )
 from lightning_memguard.callbacks._state import restore_sigint_handler, sigint_handler
 from lightning_memguard.callbacks._trials import (
@@ -75,7 +76,7 @@ def _checkpointing_first(trainer: Trainer, pl_module: LightningModule) -> None:
 
 def _epoch_fields(epoch: EpochLength) -> list[Any]:
     """One epoch as the cache key holds it: what decides which sizes (and accumulations) can run."""
-    return [epoch.samples, epoch.limit, epoch.drop_last]
+    return [epoch.samples, epoch.limit, epoch.drop_last, epoch.val_check]
 
 
 class _MeasuringTuner(Callback):
@@ -197,7 +198,8 @@ class _MeasuringTuner(Callback):
 
     def _epoch(self, trainer: Trainer) -> EpochLength:
         """One epoch of the train loader as the Trainer will run it (``limit_train_batches``, ``overfit_batches``,
-        ``drop_last``), on the rank whose loader holds the fewest samples."""
+        ``drop_last``, the shortest of a ``CombinedLoader``'s loaders, an int ``val_check_interval``), on the rank
+        whose loader holds the fewest samples."""
         with rng_kept():
             reload_train_dataloader(trainer)
             epoch = train_epoch(trainer)
@@ -410,12 +412,12 @@ class BatchSizeTuner(_MeasuringTuner):
         min_gain: stop climbing when a doubling gains less than this fraction of throughput.
         tolerance: sizes within this fraction of the best throughput are equal; the smaller is chosen.
         cache: reuse a choice stored for the same model (as it trains: checkpointed blocks included), input (the
-            first train batch's shapes), samples one epoch of the train loader runs, datamodule, precision, device,
-            capacity, tuner settings and versions (torch, Lightning, this library); the fields are listed in
-            ``lightning_memguard.callbacks._cache.cache_key``. A cached choice is re-checked against one epoch of
-            the train loader and on its first optimizer step, and measured again if it no longer fits. An entry or
-            a file that is not what the tuners write (hand-edited, truncated, another shape) is a miss with one
-            warning, never an error; processes writing the cache at once each keep their entries (a lock file).
+            shapes of each train loader's first batch), samples one epoch of the train loader runs, datamodule,
+            precision, device, capacity, tuner settings and versions (torch, Lightning, this library); the fields are
+            listed in ``lightning_memguard.callbacks._cache.cache_key``. A cached choice is re-checked against one
+            epoch of the train loader and on its first optimizer step, and measured again if it no longer fits. An
+            entry or a file that is not what the tuners write (hand-edited, truncated, another shape) is a miss with
+            one warning, never an error; processes writing the cache at once each keep their entries (a lock file).
         cache_dir: the cache's folder, ``~`` expanded (default ``~/.cache/lightning-memguard``); it holds
             ``tuner-cache.json``. A folder that cannot be written, or a ``tuner-cache.json`` that is a folder, is
             reported with a warning and left as it is.
@@ -431,17 +433,20 @@ class BatchSizeTuner(_MeasuringTuner):
             subclass, ``AccumulationTuner``, a second ``BatchSizeTuner``: the last to run would overwrite the
             other's choice); at fit start, an accumulation (``Trainer(accumulate_grad_batches)`` or a
             ``GradientAccumulationScheduler``) of more batches than one epoch runs at any batch size; in a trial, a
-            loader whose batches do not hold the size set (it ignores ``batch_arg_name``).
+            train loader (any of a ``CombinedLoader``'s, named) whose batches do not hold the size set (it ignores
+            ``batch_arg_name``).
 
     Under ``fast_dev_run`` or ``limit_train_batches=0`` nothing is measured or set (``fast_dev_run`` warns), as
     Lightning's ``BatchSizeFinder`` does. Sizes at which one epoch, as the Trainer will run it
     (``limit_train_batches`` as an int or a fraction, ``overfit_batches``, the loader's length and ``drop_last``),
-    would not hold a whole optimizer step are not tried: the largest size that does takes their place (with no
-    limit and no accumulation, the whole epoch as one batch). A loader without length is not capped. Throughput
-    counts the samples really delivered. With an accumulation in force (``Trainer(accumulate_grad_batches)``, or a
-    ``GradientAccumulationScheduler``: its value for the first epoch, the cap at its largest) every trial runs at
-    it, and each row of ``results`` says so. The search runs before ``Trainer(max_time=...)`` starts counting, as
-    Lightning's ``BatchSizeFinder`` does.
+    would not hold a whole optimizer step, or would run fewer batches than an int ``val_check_interval`` (with
+    ``check_val_every_n_epoch`` set, Lightning refuses that), are not tried: the largest size that does takes their
+    place (with no limit and no accumulation, the whole epoch as one batch). A loader without length is not capped;
+    of a ``CombinedLoader``'s loaders (``max_size_cycle``, ``min_size``, ``max_size``), each built from
+    ``batch_arg_name``, the shortest caps. Throughput counts the samples really delivered, every loader's. With an
+    accumulation in force (``Trainer(accumulate_grad_batches)``, or a ``GradientAccumulationScheduler``: its value
+    for the first epoch, the cap at its largest) every trial runs at it, and each row of ``results`` says so. The
+    search runs before ``Trainer(max_time=...)`` starts counting, as Lightning's ``BatchSizeFinder`` does.
 
     Under ``torch.compile`` (``fit(torch.compile(model))``, a compiled submodule, ``module.compile()``) each size
     tried compiles a graph of its own, static in its shapes, as training at that size alone would (a model compiled
@@ -547,10 +552,12 @@ class AccumulationTuner(_MeasuringTuner):
     ``allow_checkpointing=True``, activation checkpointing is turned on and the search runs again.
 
     A micro-batch is a candidate only if one epoch, as the Trainer will run it (``limit_train_batches`` as an int or
-    a fraction, ``overfit_batches``, the loader's length and ``drop_last``), holds a whole optimizer step of it:
-    Lightning steps the optimizer at every epoch's end, so in a shorter epoch each step would hold less than the
-    effective batch (the others are left out, and logged). A loader without length is taken to hold one, unless an
-    int ``limit_train_batches`` says otherwise. The search runs before ``Trainer(max_time=...)`` starts counting.
+    a fraction, ``overfit_batches``, the loader's length and ``drop_last``; the shortest of a ``CombinedLoader``'s
+    loaders), holds a whole optimizer step of it: Lightning steps the optimizer at every epoch's end, so in a
+    shorter epoch each step would hold less than the effective batch; and only if the epoch runs at least the
+    batches of an int ``val_check_interval``, which Lightning requires (the others are left out, and logged). A
+    loader without length is taken to hold one, unless an int ``limit_train_batches`` says otherwise. The search runs
+    before ``Trainer(max_time=...)`` starts counting.
 
     Args:
         effective_batch_size: samples per optimizer step, all devices together.
@@ -569,8 +576,9 @@ class AccumulationTuner(_MeasuringTuner):
             ``min_micro_batch``, anything else that sets the accumulation (``Trainer(accumulate_grad_batches)``, a
             ``GradientAccumulationScheduler``) or the batch size (Lightning's ``BatchSizeFinder``,
             ``BatchSizeTuner``), manual optimization or a DataLoader passed to ``fit``; at fit start, an effective
-            batch of which one epoch holds no whole optimizer step at any micro-batch; in a trial, a loader that
-            ignores the batch-size attribute. A choice made with checkpointing turned on turns it on again when it
+            batch of which one epoch holds no whole optimizer step (or fewer batches than an int
+            ``val_check_interval``) at any micro-batch; in a trial, a train loader that ignores the batch-size
+            attribute. A choice made with checkpointing turned on turns it on again when it
             is re-applied (resume, cache, a second ``fit``).
 
     Under ``torch.compile`` each micro-batch tried gets its own static graph and compiling steps are not timed, as
@@ -700,25 +708,29 @@ class AccumulationTuner(_MeasuringTuner):
         )
 
     def _pairs(self, trainer: Trainer, epoch: EpochLength) -> list[tuple[int, int]]:
-        """(micro-batch, accumulation) pairs of the per-device batch of which one epoch runs a whole optimizer step.
+        """(micro-batch, accumulation) pairs of the per-device batch of which one epoch runs a whole optimizer step,
+        and at least the batches an int ``val_check_interval`` asks of it.
 
         Lightning steps the optimizer at an epoch's end whatever the accumulation: in an epoch of fewer batches
-        every step would hold less than the effective batch. Those pairs are left out; if none is left, nothing is.
+        every step would hold less than the effective batch. And it refuses to train when an epoch runs fewer
+        batches than an int ``val_check_interval``. Those pairs are left out; if none is left, nothing is.
 
         Raises:
-            ValueError: one epoch runs no whole optimizer step at any micro-batch.
+            ValueError: one epoch runs no whole optimizer step (or too few batches for validation) at any
+                micro-batch.
         """
         per_device = self.per_device_batch
         candidates = accumulation_candidates(per_device, self.min_micro_batch)
-        pairs = [(m, a) for m, a in candidates if epoch.holds(m, a)]
+        whole = [(m, a) for m, a in candidates if replace(epoch, val_check=None).holds(m, a)]
+        pairs = [(m, a) for m, a in whole if epoch.holds(m, a)]
         limit = batch_limit(trainer)
         need = (
             f"`effective_batch_size` {self.effective_batch_size} needs {per_device} samples per device for one"
             " optimizer step"
         )
-        if not pairs:
+        if not whole:
             if epoch.samples is not None and epoch.samples < per_device:
-                where, advice = f"an epoch of the train loader holds only {epoch.samples}", ""
+                where, advice = f"an epoch of {train_loaders_named(trainer)} holds only {epoch.samples}", ""
             else:
                 most = max(epoch.samples_at(m) or 0 for m, _ in candidates)
                 where = f"with {limit or 'the batch limit'} an epoch runs at most {most} samples"
@@ -729,11 +741,28 @@ class AccumulationTuner(_MeasuringTuner):
                 if advice
                 else f"{need}, but {where} per device: every step would be smaller than the effective batch"
             )
-        left = [f"{m} x {a}" for m, a in candidates if (m, a) not in pairs]
-        if left:
+        validation = (
+            f"`Trainer(val_check_interval={epoch.val_check})` validates every {epoch.val_check} batches of an epoch"
+        )
+        if not pairs:
+            raise ValueError(
+                f"{validation}, and Lightning refuses an epoch of fewer, but one epoch runs at most"
+                f" {epoch.batches(whole[0][0])} batches at the micro-batches `effective_batch_size`"
+                f" {self.effective_batch_size} and `min_micro_batch` {self.min_micro_batch} allow; lower"
+                " `val_check_interval`, count it across epochs with `check_val_every_n_epoch=None`, or lower"
+                " `min_micro_batch`"
+            )
+        short = [f"{m} x {a}" for m, a in candidates if (m, a) not in whole]
+        if short:
             rank_zero_info(
-                f"AccumulationTuner: {', '.join(left)} left out: {need}, and one epoch"
+                f"AccumulationTuner: {', '.join(short)} left out: {need}, and one epoch"
                 f"{' with ' + limit if limit else ''} runs fewer batches than that at those micro-batches"
+            )
+        few = [f"{m} x {a}" for m, a in whole if (m, a) not in pairs]
+        if few:
+            rank_zero_info(
+                f"AccumulationTuner: {', '.join(few)} left out: {validation}, and one epoch runs fewer at those"
+                " micro-batches (Lightning would refuse to train)"
             )
         return pairs
 

@@ -6,6 +6,7 @@ and the cache keys on it: one notion of "samples an epoch really runs", computed
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -19,6 +20,9 @@ class EpochLength:
         limit: ``Trainer(limit_train_batches)`` (``overfit_batches`` where that is set): an int caps the batches
             of an epoch, a float keeps that fraction of them (rounded down, as Lightning does).
         drop_last: the loader drops a last batch smaller than the batch size.
+        val_check: validation runs every this many batches of an epoch (an int ``Trainer(val_check_interval)``
+            with ``check_val_every_n_epoch`` set): Lightning refuses to train when an epoch runs fewer batches, so
+            no size may make it; None: no such rule (a fraction, a time, batches counted across epochs).
 
     Example:
         >>> epoch = EpochLength(100, limit=2)
@@ -28,17 +32,43 @@ class EpochLength:
         (False, True)
         >>> EpochLength(100, limit=0.25).largest_batch()  # at 34, 0.25 of its 3 batches is none
         33
+        >>> EpochLength(64, val_check=3).largest_batch()  # at 32, two batches: validation every 3 never comes
+        31
     """
 
     samples: int | None
     limit: int | float = 1.0
     drop_last: bool = False
+    val_check: int | None = None
 
     def __post_init__(self) -> None:
         if self.samples is not None and self.samples < 0:
             raise ValueError(f"an epoch cannot hold {self.samples} samples")
         if isinstance(self.limit, bool) or self.limit < 0:
             raise ValueError(f"the batch limit must be an int or a float >= 0, got {self.limit!r}")
+        if self.val_check is not None and self.val_check < 1:
+            raise ValueError(f"validation must come every >= 1 batches, got {self.val_check!r}")
+
+    @classmethod
+    def of_loaders(
+        cls, loaders: Sequence[tuple[int | None, bool]], limit: int | float = 1.0, val_check: int | None = None
+    ) -> EpochLength:
+        """One epoch of several loaders that make each batch together (a ``CombinedLoader``), all built with the
+        same batch size: ``loaders`` holds each one's (samples, drop_last).
+
+        Every loader must deliver whole batches, so the one with the fewest samples bounds the size, taken to drop
+        its last batch if any loader does: this epoch never claims more than each loader runs. (Under
+        ``max_size_cycle`` a longer loader runs more batches; a size is judged by the shortest all the same.)
+        Loaders without length bound nothing.
+
+        Example:
+            >>> EpochLength.of_loaders([(64, False), (40, False)])
+            EpochLength(samples=40, limit=1.0, drop_last=False, val_check=None)
+            >>> EpochLength.of_loaders([(None, False), (40, True)], limit=2).largest_batch(accumulate=2)
+            20
+        """
+        known = [samples for samples, _ in loaders if samples is not None]
+        return cls(min(known) if known else None, limit, any(drop for _, drop in loaders), val_check)
 
     def batches(self, size: int) -> int | None:
         """Batches one epoch runs at batch size ``size``; None: unknown (no length, and no int limit)."""
@@ -59,17 +89,19 @@ class EpochLength:
         return min(batches * size, self.samples)
 
     def holds(self, size: int, accumulate: int = 1) -> bool:
-        """Whether one epoch runs at least one whole optimizer step: ``accumulate`` full batches of ``size``.
+        """Whether one epoch runs at least one whole optimizer step: ``accumulate`` full batches of ``size``, and
+        at least ``val_check`` batches.
 
         Lightning steps the optimizer at an epoch's end whatever the accumulation, so in an epoch shorter than
-        that every optimizer step would hold fewer samples than ``size * accumulate``. Unknown counts as holding.
+        that every optimizer step would hold fewer samples than ``size * accumulate``; and it refuses an epoch
+        of fewer batches than an int ``val_check_interval``. Unknown counts as holding.
         """
         if accumulate < 1:
             raise ValueError(f"the accumulation must be >= 1, got {accumulate}")
         batches = self.batches(size)
         if batches is None:
             return True
-        if batches < accumulate:
+        if batches < max(accumulate, self.val_check or 1):
             return False
         samples = self.samples_at(size)
         return samples is None or samples >= size * accumulate
