@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_memguard import _compiler
-from lightning_memguard.checkpointing import surgery
+from lightning_memguard.checkpointing import families, surgery
 from lightning_memguard.checkpointing.rebuild import (
     DEFAULT_CONFIG,
     RebuildConfig,
@@ -33,7 +33,6 @@ from lightning_memguard.checkpointing.wrap import (
     is_checkpointed,
     plain_sequential,
     preserved_state,
-    stock_resnet,
 )
 from lightning_memguard.core.checkpoint_plan import (
     BlockProfile,
@@ -70,6 +69,8 @@ class CheckpointPlan:
         compiled: the budget was measured under ``torch.compile``; then ``activation_memory_budget`` is compile's
             own setting chosen with the blocks (None: compile's default; apply it with :meth:`compiling`), and
             ``compile_candidates`` the combinations measured (setting, blocks, graph splits, peak, step time).
+        lower: where a budget was not met, what else would lower the peak below the floor reached (a smaller batch,
+            the rebuild, compile's lower settings), as :meth:`summary` says it.
     """
 
     blocks: list[str]
@@ -85,6 +86,7 @@ class CheckpointPlan:
     compiled: bool = False
     activation_memory_budget: float | None = None
     compile_candidates: list[dict[str, Any]] = field(default_factory=list)
+    lower: list[str] = field(default_factory=list)
 
     def compiling(self) -> contextlib.AbstractContextManager[None]:
         """Set compile's ``activation_memory_budget`` as this plan chose it (nothing if it kept compile's default):
@@ -98,6 +100,17 @@ class CheckpointPlan:
         return self.measured_bytes <= self.budget_bytes
 
     def summary(self) -> str:
+        """One line: what was checkpointed and rebuilt, and with a budget its figures (in GB, MB, kB or bytes, by the
+        baseline's size); a budget not met says so, with the floor reached and what would go lower.
+
+        Example:
+            >>> plan = CheckpointPlan(["a"], 2, [["a"]], baseline_bytes=12_000_000, budget_bytes=4_000_000,
+            ...                       measured_bytes=6_500_000, lower=["a smaller batch"])
+            >>> print(plan.summary())  # doctest: +NORMALIZE_WHITESPACE
+            checkpointed 1 of 2 blocks in 1 run(s); budget 4.0 MB of baseline 12.0 MB, measured 6.5 MB; budget not
+            met: the floor reached is 6.5 MB (54 % of baseline) with 1 of 2 blocks checkpointed; lower would take a
+            smaller batch
+        """
         text = f"checkpointed {len(self.blocks)} of {self.candidates} blocks in {len(self.runs)} run(s)"
         if self.rebuilt:
             text += f", BatchNorm + ReLU rebuilt in {len(self.rebuilt)}"
@@ -107,11 +120,37 @@ class CheckpointPlan:
             if self.graph_splits:
                 text += f" and a graph per container ({', '.join(self.graph_splits)})"
         if self.budget_bytes is not None:
-            text += f"; budget {self.budget_bytes / 1e9:.3f} GB of baseline {self.baseline_bytes / 1e9:.3f} GB"  # type: ignore[operator]
+            size = _sizes(self.baseline_bytes or self.budget_bytes)
+            text += f"; budget {size(self.budget_bytes)} of baseline {size(self.baseline_bytes or 0)}"
             if self.predicted_bytes is not None:
-                text += f", predicted {self.predicted_bytes / 1e9:.3f} GB"
-            text += f", measured {self.measured_bytes / 1e9:.3f} GB"  # type: ignore[operator]
+                text += f", predicted {size(self.predicted_bytes)}"
+            text += f", measured {size(self.measured_bytes or 0)}"
+            if self.held is False:
+                text += (
+                    f"; budget not met: the floor reached is {size(self.measured_bytes or 0)}"
+                    f" ({round(100 * (self.measured_bytes or 0) / max(self.baseline_bytes or 1, 1))} % of baseline)"
+                    f" with {len(self.blocks)} of {self.candidates} blocks checkpointed"
+                )
+                if self.lower:
+                    text += f"; lower would take {' or '.join(self.lower)}"
         return text
+
+
+_UNITS = ((10**9, "GB", 3), (10**6, "MB", 1), (10**3, "kB", 1))
+
+
+def _sizes(reference: int) -> Callable[[int], str]:
+    """Formats byte counts in one unit chosen by ``reference`` (the largest figure): GB with three decimals, MB or kB
+    with one, else bytes.
+
+    Example:
+        >>> _sizes(2_500_000_000)(800_000_000), _sizes(12_345_678)(4_000_000), _sizes(900)(512)
+        ('0.800 GB', '4.0 MB', '512 B')
+    """
+    for scale, unit, digits in _UNITS:
+        if reference >= scale:
+            return lambda n, scale=scale, unit=unit, digits=digits: f"{n / scale:.{digits}f} {unit}"  # type: ignore[misc]
+    return lambda n: f"{n} B"
 
 
 def _default_loss(output: Any) -> torch.Tensor:
@@ -285,7 +324,7 @@ class _StepMeter:
 
 def _can_rebuild(link: Link) -> bool:
     if link.stem:
-        return stem_rebuildable(*(m for _, m in link.modules[1:]))
+        return len(link.modules) == 4 and stem_rebuildable(*(m for _, m in link.modules[1:]))
     return any(rebuildable(m) for _, m in link.modules)
 
 
@@ -311,19 +350,14 @@ def model_chain(model: nn.Module, found: list[tuple[str, nn.Module]]) -> tuple[l
     """The links to plan over and which neighbours may share a run.
 
     Blocks that are consecutive children of one ``nn.Sequential`` (with ``nn.Sequential``'s own forward) may share
-    a run, so a stage's output (what feature extractors read) is always its own. In a torchvision ResNet (with
-    torchvision's forward) the stem (conv1, bn1, relu, maxpool) is a link too, on its own.
+    a run, so a stage's output (what feature extractors read) is always its own. In a model whose adapter names a
+    stem (torchvision's and timm's ResNets with their own forward: conv1, bn1, relu / act1, maxpool) the stem is a
+    link too, on its own, before the block it runs before.
     """
-    stems: dict[str, Link] = {}  # first block's name -> the stem link before it
     names = {name for name, _ in found}
-    for prefix, module in model.named_modules():
-        if not stock_resnet(module):
-            continue
-        dot = f"{prefix}." if prefix else ""
-        first = f"{dot}layer1.0"
-        if first in names:
-            stem = tuple((f"{dot}{part}", getattr(module, part)) for part in ("conv1", "bn1", "relu", "maxpool"))
-            stems[first] = Link(f"{dot}stem", stem, stem=True)
+    stems = {
+        stem.before: Link(name, stem.modules, stem=True) for name, stem in families.stems(model) if stem.before in names
+    }  # first block's name -> the stem link before it
     links: list[Link] = []
     joinable: list[bool] = []
     modules = dict(model.named_modules())
@@ -383,8 +417,11 @@ def checkpoint_blocks(
 ) -> CheckpointPlan:
     """Checkpoint a block-structured model in place (``use_reentrant=False``); ``state_dict`` keys do not change.
 
-    The model is seen as a chain of links: its blocks, and in a torchvision ResNet also its stem (conv1, bn1, relu,
-    maxpool). Without a budget, every link is checkpointed on its own.
+    The model is seen as a chain of links: its blocks, and in a torchvision or timm ResNet also its stem (conv1, bn1,
+    relu, maxpool). Blocks are found (``units="auto"``) by the model's family where :mod:`.families` knows it (timm,
+    Hugging Face transformers, torchvision's ResNets), else by structure. A Hugging Face model is called with
+    ``use_cache=False`` while it trains with blocks checkpointed, as its own switch does. Without a budget, every
+    link is checkpointed on its own.
     With ``memory_budget`` (a fraction in (0, 1] of the un-checkpointed peak, or bytes such as ``"6GB"``), each
     link's saved activations and forward time are measured on ``example_input``; the links that free the most
     memory per millisecond of recomputation are chosen until the predicted peak fits, and chosen neighbours of one
@@ -393,11 +430,11 @@ def checkpoint_blocks(
     recomputed). The peak is then measured: links are added if it does not fit, and given back, least valuable
     first, while it still fits.
 
-    With ``rebuild_bn_relu=True``, torchvision BasicBlocks, Bottlenecks and ResNet stems that are not checkpointed
-    keep their convolution outputs and rebuild the ReLU outputs after bn1 (and bn2), and their own outputs where
-    the next block is rebuilt too, in backward, one element-wise pass each, instead of keeping them; in blocks
-    that are not checkpointed, torchvision Conv2dNormActivation units (MobileNet, EfficientNet, RegNet) keep their
-    convolution outputs and rebuild their BatchNorm and activation outputs (see
+    With ``rebuild_bn_relu=True``, BasicBlocks, Bottlenecks and ResNet stems (torchvision's and timm's) that are not
+    checkpointed keep their convolution outputs and rebuild the ReLU outputs after bn1 (and bn2), and their own
+    outputs where the next block is rebuilt too, in backward, one element-wise pass each, instead of keeping them;
+    in blocks that are not checkpointed, torchvision Conv2dNormActivation units (MobileNet, EfficientNet, RegNet)
+    keep their convolution outputs and rebuild their BatchNorm and activation outputs (see
     :mod:`lightning_memguard.checkpointing.rebuild`): less memory for far less recomputation than a whole block.
     Units outside the blocks (a stem, a head) are left as they are here; ``rebuild_bn_relu(model)`` reaches them.
     Without a budget, that is all that happens (no block is checkpointed); with one, the rebuild comes first and
@@ -441,8 +478,9 @@ def checkpoint_blocks(
 
     Raises:
         ValueError: no blocks found, a budget without an example input, a budget out of range, ``compile_settings``
-            outside (0, 1], or ``rebuild_bn_relu`` on a model with no torchvision BasicBlock, Bottleneck, ResNet stem
-            or Conv2dNormActivation unit (with ``nn.BatchNorm2d``) among its blocks.
+            outside (0, 1], ``rebuild_bn_relu`` on a model with no BasicBlock, Bottleneck or ResNet stem (torchvision's
+            or timm's) or Conv2dNormActivation unit (with ``nn.BatchNorm2d``) among its blocks, or a Hugging Face
+            model that declares ``supports_gradient_checkpointing = False`` with ``units="auto"``.
         TypeError: ``model`` not an ``nn.Module``, ``units`` of the wrong kind, ``loss_fn`` not callable,
             ``bn_correct`` or ``rebuild_bn_relu`` not a bool, ``rebuild_config`` not a ``RebuildConfig``.
 
@@ -467,8 +505,8 @@ def checkpoint_blocks(
     links, joinable = model_chain(model, find_units(model, units))
     if rebuild_bn_relu and not any(_can_rebuild(link) for link in links):
         raise ValueError(
-            "`rebuild_bn_relu` needs torchvision BasicBlock or Bottleneck blocks, a ResNet stem or Conv2dNormActivation"
-            f" units (with nn.BatchNorm2d) among its blocks, and {type(model).__name__} has none"
+            f"`rebuild_bn_relu` needs {families.rebuild_description()} (with nn.BatchNorm2d)"
+            f" among its blocks, and {type(model).__name__} has none"
         )
     if memory_budget is None and rebuild_bn_relu:
         applied = surgery.apply(model, rebuilt=links, config=config)
@@ -547,7 +585,7 @@ def _search(
 
 def _finished(plan: CheckpointPlan) -> CheckpointPlan:
     if not plan.held:
-        warnings.warn(f"memory budget not met; the lowest peak found: {plan.summary()}", UserWarning, stacklevel=4)
+        warnings.warn(f"memory budget not met; the plan: {plan.summary()}", UserWarning, stacklevel=4)
     return plan
 
 
@@ -646,8 +684,16 @@ def _plan_compiled(
             compiled=True,
             activation_memory_budget=pick["activation_memory_budget"],
             compile_candidates=candidates,
+            lower=_lower_compiled(settings),
         )
     )
+
+
+def _lower_compiled(settings: tuple[float, ...]) -> list[str]:
+    """What would lower a compiled plan's floor: a smaller batch, compile's lower settings."""
+    lowest = min(settings, default=None)
+    below = f"below {lowest}" if lowest is not None else "such as 0.5"
+    return ["a smaller batch", f"compile's activation_memory_budget {below} (`compile_settings`)"]
 
 
 def _plan(
@@ -682,6 +728,9 @@ def _plan(
             rebuilt=rebuilt, bn_correct=bn_correct, config=config,
         )  # fmt: skip
     final_runs = best_runs(chosen, profiles, start, joinable, meter.cuda)
+    lower = ["a smaller batch"]
+    if not rebuild_bn_relu and any(_can_rebuild(link) for link in links):
+        lower.append("rebuild_bn_relu=True (the rebuild, in the links left unchecked)")
     return _finished(
         CheckpointPlan(
             blocks=_in_model_order(applied.checkpointed, links),  # what was really changed, in model order
@@ -693,6 +742,7 @@ def _plan(
             predicted_bytes=predict_peak(start, profiles, final_runs, meter.cuda),
             measured_bytes=measured,
             profiles=profiles,
+            lower=lower,
         )
     )
 

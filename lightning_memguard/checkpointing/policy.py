@@ -29,8 +29,8 @@ class CheckpointingPolicy:
         memory_budget: a float in (0, 1] (a fraction of the un-checkpointed peak), a size of at least 1 MB (an int
             or a string such as ``"6GB"``), or None (every block).
         bn_correct: recomputation leaves BatchNorm running statistics alone.
-        rebuild_bn_relu: the cheap recomputation of torchvision ResNet blocks and Conv2dNormActivation units (see
-            ``checkpoint_blocks``).
+        rebuild_bn_relu: the cheap recomputation of ResNet blocks (torchvision's, timm's) and Conv2dNormActivation
+            units (see ``checkpoint_blocks``).
         rebuild_config: how the rebuild makes its tensors (``RebuildConfig(fused=..., chain_kept=...)``); None:
             the defaults.
 

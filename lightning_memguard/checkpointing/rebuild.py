@@ -10,7 +10,12 @@ input (the block before's rebuilt output, or a tensor kept anyway) or a BatchNor
 rebuilt one after another, each let go after its last use. BatchNorm's running statistics are untouched (the
 rebuild never updates them). Gradients match the plain model's bit for bit on the CPU, to rounding on CUDA. A
 torchvision ResNet's stem gets the same: the output of its ``relu(bn1(.))``, kept by the ReLU and by the
-max-pooling after it, is rebuilt once for both, and the max-pooling's indices are kept as 16-bit integers.
+max-pooling after it, is rebuilt once for both, and the max-pooling's indices are kept as 16-bit integers. timm's
+ResNet family (resnet50d, SE-ResNeXt, ResNet-RS, ...: the same conv / BatchNorm / ReLU blocks, with a deep stem or
+not) gets all of it too; a block whose last BatchNorm output is changed before the residual sum (by
+squeeze-excitation or drop path) keeps its own output. Which modules are a family's blocks, stems, tails and units,
+and what runs after a block, the adapters of :mod:`.families` say; this module decides which layer types it can
+rebuild (``nn.BatchNorm2d``, an in-place ``nn.ReLU``; for units also ReLU6, SiLU and Hardswish).
 
 torchvision's Conv-BN-activation units (``Conv2dNormActivation``: MobileNet, EfficientNet, RegNet) get the same: a
 plain unit keeps three tensors of one size, the convolution output (by BatchNorm), the BatchNorm output (by an
@@ -48,14 +53,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_memguard import _compiler
-from lightning_memguard.checkpointing import _fused
+from lightning_memguard.checkpointing import _fused, families
 from lightning_memguard.checkpointing.wrap import (
     Swap,
     SwappedModule,
     is_checkpointed,
     plain_sequential,
-    stock_resnet,
-    swap_chain,
     wrapped_by_someone_else,
 )
 from lightning_memguard.core.checks import check_instance
@@ -395,7 +398,8 @@ class RebuiltBatchNormReLU(RebuildMixin):
 
 
 class RebuiltStemReLU(RebuildMixin):
-    """Mixin for the in-place ReLU of a torchvision ResNet's stem (conv1, bn1, relu, maxpool): its output, kept by
+    """Mixin for the in-place ReLU of a ResNet's stem (conv1, bn1, relu, maxpool; as the model's adapter names it:
+    torchvision's, timm's with its ``act1``): its output, kept by
     the ReLU and by the max-pooling after it, is saved as a recipe (of ``memguard_bn``'s output, following
     ``memguard_rebuild``)."""
 
@@ -464,21 +468,17 @@ _ACTIVATIONS: dict[type[nn.Module], Callable[[torch.Tensor], torch.Tensor] | Non
 
 
 def unit_parts(module: nn.Module) -> tuple[nn.Module, nn.BatchNorm2d, nn.Module | None] | None:
-    """The convolution, BatchNorm and activation (None without one) of a torchvision Conv2dNormActivation with
-    ``nn.Sequential``'s forward, when they are layers the rebuild knows: an ``nn.Conv2d``, an ``nn.BatchNorm2d``,
-    then an in-place ``nn.ReLU``, an ``nn.ReLU6``, ``nn.SiLU`` or ``nn.Hardswish``, or nothing (None otherwise)."""
-    from torchvision.ops.misc import Conv2dNormActivation
-
-    original: Any = swap_chain(type(module))[1]
-    if not isinstance(module, Conv2dNormActivation) or original.forward is not nn.Sequential.forward:
+    """The convolution, BatchNorm and activation (None without one) of a convolution-norm-activation unit that an
+    adapter of :mod:`.families` describes (torchvision's Conv2dNormActivation), when they are layers the rebuild
+    knows: an ``nn.Conv2d``, an ``nn.BatchNorm2d``, then an in-place ``nn.ReLU``, an ``nn.ReLU6``, ``nn.SiLU`` or
+    ``nn.Hardswish``, or nothing (None otherwise)."""
+    parts = families.unit(module)
+    if parts is None or not isinstance(parts.conv, nn.Conv2d) or type(parts.norm) is not nn.BatchNorm2d:
         return None
-    parts = list(module._modules.values())
-    if len(parts) not in (2, 3) or not isinstance(parts[0], nn.Conv2d) or type(parts[1]) is not nn.BatchNorm2d:
-        return None
-    act = parts[2] if len(parts) == 3 else None
+    act = parts.activation
     if act is not None and (type(act) not in _ACTIVATIONS or (type(act) is nn.ReLU and not act.inplace)):
         return None
-    return parts[0], parts[1], act  # type: ignore[return-value]
+    return parts.conv, parts.norm, act  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
@@ -497,12 +497,13 @@ def _out_of_place(act: nn.Module) -> Iterator[None]:
 
 
 class RebuiltConvNormActivation(RebuildMixin):
-    """Mixin for a torchvision Conv2dNormActivation (see :func:`unit_parts`). Of the three tensors of one size that
-    a plain unit keeps for backward, the convolution output (kept by BatchNorm) stays; the BatchNorm output (kept by
-    the activation) and the activation output (kept by whatever runs next on it: the next unit, a convolution or
-    SqueezeExcitation marked :class:`TakesRecipes`) are saved as recipes and rebuilt in backward from it and the
-    batch's statistics, each once, when first needed. A ReLU keeps only its output: it is rebuilt with BatchNorm in
-    one pass, as in a ResNet. ``memguard_rebuild`` is the :class:`RebuildConfig` its recipes follow."""
+    """Mixin for a convolution-norm-activation unit whose children are its convolution, BatchNorm and activation, run
+    one after another (torchvision's Conv2dNormActivation; see :func:`unit_parts`). Of the three tensors of one size
+    that a plain unit keeps for backward, the convolution output (kept by BatchNorm) stays; the BatchNorm output (kept
+    by the activation) and the activation output (kept by whatever runs next on it: the next unit, a convolution or
+    SqueezeExcitation marked :class:`TakesRecipes`) are saved as recipes and rebuilt in backward from it and the batch's
+    statistics, each once, when first needed. A ReLU keeps only its output: it is rebuilt with BatchNorm in one pass, as
+    in a ResNet. ``memguard_rebuild`` is the :class:`RebuildConfig` its recipes follow."""
 
     memguard_prefix = "RebuiltCNA"
 
@@ -569,16 +570,18 @@ def _outside_checkpoints(model: nn.Module) -> Iterator[nn.Module]:
         stack.extend(reversed(list(module.children())))
 
 
-def stem_modules(resnet: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
-    """The stem's BatchNorm, ReLU and max-pooling of a torchvision ResNet with torchvision's forward, when they are
-    the stock layers the stem rebuild knows (None otherwise)."""
-    if not stock_resnet(resnet):
+def stem_modules(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
+    """The stem's BatchNorm, ReLU and max-pooling of a model whose adapter names a stem (torchvision's and timm's
+    ResNets), when they are the stock layers the stem rebuild knows (None otherwise)."""
+    stem = families.stem_of(model)
+    if stem is None or len(stem.modules) != 4:
         return None
-    parts: tuple[nn.Module, nn.Module, nn.Module] = (resnet.bn1, resnet.relu, resnet.maxpool)  # type: ignore[assignment]
+    parts: tuple[nn.Module, nn.Module, nn.Module] = tuple(m for _, m in stem.modules[1:])  # type: ignore[assignment]
     return parts if stem_rebuildable(*parts) else None
 
 
 def stem_rebuildable(bn: nn.Module, relu: nn.Module, pool: nn.Module) -> bool:
+    """Whether a stem's norm layer, activation and pooling are the layers the stem rebuild knows."""
     return type(bn) is nn.BatchNorm2d and isinstance(relu, nn.ReLU) and isinstance(pool, nn.MaxPool2d)
 
 
@@ -615,8 +618,9 @@ def unit_swaps(module: nn.Module, config: RebuildConfig) -> list[Swap]:
 def rebuild_swaps(module: nn.Module, config: RebuildConfig) -> list[Swap]:
     """What rebuilding ``module`` and everything in it that is not checkpointed (a checkpoint recomputes what is
     inside it whole) takes: the swaps of each torchvision ResNet stem, each BasicBlock or Bottleneck and each
-    Conv2dNormActivation, made by :func:`.surgery.apply`. A new kind of block is taught here: a mixin above, a
-    function like :func:`block_swaps`, and one line below."""
+    Conv2dNormActivation (and the same of other families, as :mod:`.families` describes them), made by
+    :func:`.surgery.apply`. A new kind of block is taught here: a mixin above, a function like :func:`block_swaps`,
+    and one line below; a new family whose blocks have the same shape needs only its adapter."""
     swaps: list[Swap] = []
     for sub in _outside_checkpoints(module):
         stem = stem_modules(sub)
@@ -628,57 +632,48 @@ def rebuild_swaps(module: nn.Module, config: RebuildConfig) -> list[Swap]:
 
 
 def rebuildable(module: nn.Module) -> bool:
-    """Whether :func:`rebuild_bn_relu` applies to this block: a torchvision BasicBlock or Bottleneck with
-    ``nn.BatchNorm2d``, or a module that is or holds a Conv2dNormActivation it knows (see :func:`unit_parts`)."""
+    """Whether :func:`rebuild_bn_relu` applies to this block: a residual block (torchvision's or timm's BasicBlock or
+    Bottleneck) with ``nn.BatchNorm2d`` layers each followed by an in-place ``nn.ReLU``, or a module that is or holds
+    a convolution-norm-activation unit it knows (see :func:`unit_parts`)."""
     return _eligible(module) is not None or any(unit_parts(m) is not None for m in module.modules())
 
 
-def _eligible(module: nn.Module) -> tuple[nn.Module, ...] | None:
-    """The BatchNorms whose ReLU outputs can be rebuilt, for a torchvision BasicBlock or Bottleneck."""
-    from torchvision.models.resnet import BasicBlock, Bottleneck
+def _in_place_relu(module: nn.Module) -> bool:
+    return type(module) is nn.ReLU and module.inplace  # type: ignore[return-value]
 
-    if isinstance(module, Bottleneck):
-        bns: tuple[nn.Module, ...] = (module.bn1, module.bn2)
-    elif isinstance(module, BasicBlock):
-        bns = (module.bn1,)
-    else:
+
+def _eligible(module: nn.Module) -> tuple[nn.Module, ...] | None:
+    """The BatchNorms whose ReLU outputs can be rebuilt in a residual block an adapter of :mod:`.families` describes
+    (torchvision's or timm's BasicBlock or Bottleneck): every one of its norm layers that feeds an activation is an
+    ``nn.BatchNorm2d`` (not a frozen or other norm layer), each followed by an in-place ``nn.ReLU``."""
+    pairs = families.norm_activations(module)
+    if not pairs or not all(type(bn) is nn.BatchNorm2d and _in_place_relu(act) for bn, act in pairs):
         return None
-    return bns if all(type(bn) is nn.BatchNorm2d for bn in bns) else None  # not a frozen or other norm layer
+    return tuple(bn for bn, _ in pairs)
 
 
 def _tail(block: nn.Module) -> tuple[nn.Module, nn.Module | None] | None:
-    """For a torchvision BasicBlock or Bottleneck with torchvision's forward, whose output is its last BatchNorm's,
-    added to in place and made non-negative in place: that BatchNorm and its shortcut's (None without one)."""
-    from torchvision.models.resnet import BasicBlock, Bottleneck
-
-    forward = getattr(type(block), "_memguard_original", type(block)).forward
-    name = "bn3" if forward is Bottleneck.forward else "bn2" if forward is BasicBlock.forward else None
-    last = getattr(block, name) if name is not None else None
-    if type(last) is not nn.BatchNorm2d or not getattr(block.relu, "inplace", False):
+    """For a residual block with its family's forward (see :meth:`.families.Family.tail`), whose output is its last
+    BatchNorm's, added to in place and made non-negative in place by an in-place ReLU: that BatchNorm and its
+    shortcut's (None without one)."""
+    tail = families.tail(block)
+    if tail is None or type(tail.norm) is not nn.BatchNorm2d or not _in_place_relu(tail.activation):
         return None
-    shortcut = block.downsample
-    if shortcut is None:
-        return last, None
-    if type(shortcut) is nn.Sequential and len(shortcut) == 2 and type(shortcut[1]) is nn.BatchNorm2d:
-        return last, shortcut[1]
-    return None
+    if tail.shortcut is not None and type(tail.shortcut) is not nn.BatchNorm2d:
+        return None
+    return tail.norm, tail.shortcut
 
 
 def _following(model: nn.Module) -> dict[int, nn.Module]:
     """What runs next on each module's output, where the model's structure says so: the next child of an
-    ``nn.Sequential``, and in a torchvision ResNet the next stage's first block after a stage's last."""
+    ``nn.Sequential``, and in a model of a known family what its adapter says (in a ResNet the next stage's first
+    block after a stage's last, the pooling after the last block)."""
     after: dict[int, nn.Module] = {}
     for module in model.modules():
         if plain_sequential(module):
             children = list(module.children())
             after.update((id(a), b) for a, b in zip(children, children[1:], strict=False))
-        if stock_resnet(module):
-            stages = [getattr(module, f"layer{i}") for i in range(1, 5)]
-            for a, b in zip(stages, stages[1:], strict=False):
-                if len(a) and len(b):
-                    after[id(a[-1])] = b[0]
-            if len(stages[-1]):
-                after[id(stages[-1][-1])] = module.get_submodule("avgpool")
+    after.update(families.following(model))
     return after
 
 
@@ -689,7 +684,7 @@ def _keeps_nothing(module: nn.Module) -> bool:
 
 def _takes_recipes(module: nn.Module | None) -> bool:
     """Whether a block's output may be saved as a recipe, given what runs next on it: a rebuilt block (not
-    checkpointed, with torchvision's forward, which does not change its input in place), or a module that keeps
+    checkpointed, with its family's forward, which does not change its input in place), or a module that keeps
     nothing of it."""
     if isinstance(module, RebuiltBatchNormReLU):
         return not is_checkpointed(module) and _tail(module) is not None
@@ -701,8 +696,8 @@ def output_tails(model: nn.Module) -> list[tuple[nn.Module, tuple[nn.Module, nn.
     and its shortcut's or None), or None where it keeps its output.
 
     A block's output, ``relu(last_bn(.) + shortcut)``, is rebuilt where the block after it is rebuilt and not
-    checkpointed (it then saves that output as a recipe too), and in a torchvision ResNet the last block's, which
-    the average pooling does not keep. Rebuilding a stage's outputs in backward needs the one before, back to the
+    checkpointed (it then saves that output as a recipe too), and in a ResNet the last block's, which the average
+    pooling does not keep. Rebuilding a stage's outputs in backward needs the one before, back to the
     stage's first block, whose shortcut has its own BatchNorm: they are built in turn and each is let go after its
     last use. A block whose output goes anywhere else keeps it. Depends on which blocks are rebuilt or checkpointed:
     :func:`.surgery.link_outputs` sets it after every change.
@@ -711,7 +706,7 @@ def output_tails(model: nn.Module) -> list[tuple[nn.Module, tuple[nn.Module, nn.
     out: list[tuple[nn.Module, tuple[nn.Module, nn.Module | None] | None]] = []
     for module in model.modules():
         if isinstance(module, RebuiltBatchNormReLU):
-            tail = _tail(module)
+            tail = _tail(module) if not is_checkpointed(module) else None  # a checkpoint recomputes it whole
             out.append((module, tail if tail is not None and _takes_recipes(after.get(id(module))) else None))
     return out
 

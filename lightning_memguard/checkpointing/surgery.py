@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
+from lightning_memguard.checkpointing import families
 from lightning_memguard.checkpointing.rebuild import (
     DEFAULT_CONFIG,
     RebuildConfig,
@@ -40,7 +41,9 @@ from lightning_memguard.checkpointing.wrap import (
     RunOutput,
     Swap,
     SwappedModule,
+    TrainingKeywords,
     is_checkpointed,
+    keyword_positions,
     swap_chain,
     swapped_class,
     wrapped_by_someone_else,
@@ -64,6 +67,9 @@ ATTRIBUTES: dict[str, tuple[type[SwappedModule], ...]] = {
     "memguard_rebuild": (RebuiltBatchNormReLU, RebuiltStemReLU, RebuiltConvNormActivation),
     # on a container of checkpointed blocks that begins a compiled graph of its own: its module name (a str)
     "memguard_split": (GraphSplit,),
+    # on a module whose forward gets keyword arguments while blocks inside it are checkpointed (a Hugging Face base
+    # model: use_cache=False): (name, position, value) each; set and cleared by link_switches after every change
+    "memguard_keywords": (TrainingKeywords,),
 }
 """Every attribute this library puts in a module's ``__dict__``, and the mixins that carry it: it is set only with
 one of them and goes when the module's last one does. Teaching the rebuild a new block type adds its lines here.
@@ -72,8 +78,8 @@ Mixins that carry none: :class:`.wrap.CheckpointedMember` outside a run, :class:
 unit's in-place activation runs out of place for one call (its own ``inplace`` flag, set back when the call ends),
 and which tensors have recipes is kept beside the model (``rebuild._RECIPES``, weakly, with each tensor's version)."""
 
-CHECKPOINT: tuple[type[SwappedModule], ...] = (CheckpointedUnit, CheckpointedMember, GraphSplit)
-"""The checkpointing mixins (a graph split goes with them)."""
+CHECKPOINT: tuple[type[SwappedModule], ...] = (CheckpointedUnit, CheckpointedMember, GraphSplit, TrainingKeywords)
+"""The checkpointing mixins (a graph split and a family's keyword arguments go with them)."""
 REBUILD: tuple[type[SwappedModule], ...] = (RebuildMixin,)
 """The rebuild's mixins (each a subclass of this)."""
 
@@ -120,21 +126,25 @@ def apply(
     changed. With ``split_graphs``, where the checkpointed links lie in more than one container below the model (a
     ResNet's stages), each such container begins a compiled graph of its own (:class:`.wrap.GraphSplit`).
 
-    A run with a module already checkpointed, or wrapped by other code, is left alone, with one warning for each
-    kind. If anything raises, the model is as it was before the call (classes and attributes) and the error passes.
+    A run with a module already checkpointed, or wrapped by other code (or checkpointed by its family's own switch:
+    timm's ``set_grad_checkpointing()``, Hugging Face's ``gradient_checkpointing_enable()``), is left alone, with one
+    warning for each kind. If anything raises, the model is as it was before the call (classes and attributes) and the
+    error passes.
     """
     with restored_on_failure(model):
         if replacing is not None:
             for module, mixin in reversed(replacing.swaps):
                 _take_off(module, (mixin,))
         swaps: list[tuple[nn.Module, type[SwappedModule]]] = []
-        done = _checkpoint(runs, bn_correct, swaps)
+        done = _checkpoint(runs, bn_correct, swaps, families.switched_on(model) if runs else set())
         splits = _split(model, runs, done, swaps) if split_graphs else []
         names = []
         for link in rebuilt:
-            if link.stem:
+            if link.stem and len(link.modules) == 4:
                 _, (_, bn), (_, relu), (_, pool) = link.modules  # conv1, bn1, relu, maxpool
                 found = stem_swaps(bn, relu, pool, config)
+            elif link.stem:
+                found = []
             else:
                 found = [swap for _, module in link.modules for swap in rebuild_swaps(module, config)]
             for swap in found:
@@ -142,12 +152,18 @@ def apply(
             if found:
                 names.append(link.name)
         link_outputs(model)
+        link_switches(model)
         return Applied(runs=done, rebuilt=names, splits=splits, swaps=swaps)
 
 
 def _checkpoint(
-    runs: Sequence[Sequence[Link]], bn_correct: bool, swaps: list[tuple[nn.Module, type[SwappedModule]]]
+    runs: Sequence[Sequence[Link]],
+    bn_correct: bool,
+    swaps: list[tuple[nn.Module, type[SwappedModule]]],
+    switched: Container[int] = (),
 ) -> list[list[str]]:
+    """Checkpoint each run (one checkpoint per run), except those already checkpointed, wrapped by other code, or
+    holding a block whose family's own switch checkpoints it (``switched``, by ``id``); return the runs done."""
     done: list[list[str]] = []
     ours: list[str] = []
     theirs: list[str] = []
@@ -156,7 +172,7 @@ def _checkpoint(
         if any(is_checkpointed(m) for m in modules):
             ours.append(run[0].name)
             continue
-        if any(wrapped_by_someone_else(m) for m in modules):
+        if any(wrapped_by_someone_else(m) or id(m) in switched for m in modules):
             theirs.append(run[0].name)
             continue
         head, members = modules[0], modules[1:]
@@ -278,10 +294,29 @@ def link_outputs(model: nn.Module) -> int:
     return count + len(takers)
 
 
+def link_switches(model: nn.Module) -> int:
+    """Give each module whose forward must get keyword arguments while blocks inside it are checkpointed (as the
+    adapters of :mod:`.families` say: a Hugging Face base model's ``use_cache=False``) those arguments
+    (:class:`.wrap.TrainingKeywords`) where a block inside it is checkpointed, and take them where none is any more;
+    return how many modules have them. :func:`apply` and the removals call it after every change."""
+    wanted: dict[int, tuple[nn.Module, dict[str, Any]]] = {}
+    for module, keywords in families.switches(model):
+        if any(is_checkpointed(m) for m in module.modules()):
+            wanted[id(module)] = (module, keywords)
+    for module in model.modules():
+        if id(module) not in wanted and isinstance(module, TrainingKeywords):
+            _take_off(module, (TrainingKeywords,))
+    for module, keywords in wanted.values():
+        if not isinstance(module, TrainingKeywords):
+            _give(Swap(module, TrainingKeywords, {"memguard_keywords": keyword_positions(module, keywords)}), [])
+    return len(wanted)
+
+
 def _remove(model: nn.Module, kinds: tuple[type[SwappedModule], ...]) -> int:
     with restored_on_failure(model):
         count = sum(_take_off(module, kinds) for module in model.modules())
         link_outputs(model)
+        link_switches(model)
         return count
 
 
@@ -296,12 +331,12 @@ def remove_rebuild(model: nn.Module) -> int:
 
 
 def rebuild_bn_relu(model: nn.Module, *, fused: bool = True, chain_kept: int = 2) -> int:
-    """Rebuild BatchNorm + ReLU outputs in backward in every torchvision Bottleneck (after bn1 and bn2), BasicBlock
-    (after bn1) and ResNet stem (after bn1) of ``model`` that is not checkpointed, and the BatchNorm and activation
-    outputs of every torchvision Conv2dNormActivation (:func:`.rebuild.unit_parts` says which) not inside a
-    checkpointed module, in place; return how many blocks, stems and units changed. The output of a block that feeds
-    another rebuilt block is rebuilt too (see :func:`link_outputs`): in a ResNet, every block's; a unit's output is
-    saved as its recipe also by the module that runs next on it.
+    """Rebuild BatchNorm + ReLU outputs in backward in every Bottleneck (after bn1 and bn2), BasicBlock (after bn1) and
+    ResNet stem (after bn1) of torchvision's or timm's ResNet family in ``model`` that is not checkpointed, and the
+    BatchNorm and activation outputs of every torchvision Conv2dNormActivation (:func:`.rebuild.unit_parts` says which)
+    not inside a checkpointed module, in place; return how many blocks, stems and units changed. The output of a block
+    that feeds another rebuilt block is rebuilt too (see :func:`link_outputs`): in a ResNet, every block's; a unit's
+    output is saved as its recipe also by the module that runs next on it.
 
     ``state_dict`` keys do not change; :func:`remove_rebuild` undoes it.
 

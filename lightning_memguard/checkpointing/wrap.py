@@ -5,6 +5,8 @@ mixins that do it, the swapped classes they make, and finding a model's blocks. 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_memguard import _compiler
+from lightning_memguard.checkpointing import families
 
 Units = str | set[type[nn.Module]] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
 
@@ -186,6 +189,40 @@ class GraphSplit(SwappedModule):
         return _compiler.graph_apart(part)(super().forward, *args, **kwargs)
 
 
+class TrainingKeywords(SwappedModule):
+    """Mixin for a module whose forward must get some keyword arguments while it trains with blocks inside it
+    checkpointed (a Hugging Face model: ``use_cache=False``, as its own switch sets it; its family's adapter says
+    which, :meth:`.families.Family.while_checkpointed`). ``memguard_keywords`` holds ``(name, position, value)`` for
+    each, ``position`` being the argument's index among the forward's positional parameters (None: keyword only), so
+    an argument given by position is replaced there. In evaluation, or without gradients, calls are as given;
+    nothing else (a configuration) is changed. The swapped class keeps its class's name (Hugging Face writes it into
+    a saved configuration)."""
+
+    memguard_prefix = ""
+    memguard_unit = False  # it checkpoints nothing itself
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.training and torch.is_grad_enabled():
+            for name, position, value in self.__dict__["memguard_keywords"]:
+                if position is not None and position < len(args):
+                    args = (*args[:position], value, *args[position + 1 :])
+                else:
+                    kwargs[name] = value
+        return super().forward(*args, **kwargs)
+
+
+def keyword_positions(module: nn.Module, keywords: dict[str, Any]) -> tuple[tuple[str, int | None, Any], ...]:
+    """``keywords`` as :class:`TrainingKeywords` carries them: each name with its index among the positional
+    parameters of ``module``'s own forward (None where it has none), and its value."""
+    bound = types.MethodType(swap_chain(type(module))[1].forward, module)  # its own forward, without self
+    parameters = inspect.signature(bound).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p.name for p in parameters if p.kind in kinds]
+    return tuple(
+        (name, positional.index(name) if name in positional else None, value) for name, value in keywords.items()
+    )
+
+
 _SUBCLASSES: dict[tuple[type, type], type] = {}
 
 
@@ -203,17 +240,6 @@ def swapped_class(cls: type[nn.Module], mixin: type[nn.Module]) -> type:
     return sub
 
 
-def stock_resnet(module: nn.Module) -> bool:
-    """A torchvision ResNet whose forward is torchvision's: stem, then the four stages, each feeding the next."""
-    from torchvision.models import ResNet
-
-    return (
-        isinstance(module, ResNet)
-        and type(module).forward is ResNet.forward
-        and type(module)._forward_impl is ResNet._forward_impl
-    )
-
-
 def plain_sequential(module: nn.Module) -> bool:
     """``module`` runs its children one after another: an ``nn.Sequential`` whose class (under any of this library's
     mixins, such as :class:`GraphSplit`) keeps ``nn.Sequential.forward``."""
@@ -221,6 +247,7 @@ def plain_sequential(module: nn.Module) -> bool:
 
 
 def is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``module`` runs under one of this library's checkpoints (a run's head or member)."""
     return isinstance(module, CheckpointedUnit | CheckpointedMember)
 
 
@@ -242,12 +269,17 @@ class Swap(NamedTuple):
     attributes: dict[str, Any]
 
 
-_FOREIGN_WRAPPERS = ("CheckpointWrapper", "ActivationWrapper", "OffloadWrapper")
+_FOREIGN_WRAPPERS = families.FOREIGN_WRAPPERS
 
 
 def wrapped_by_someone_else(module: nn.Module) -> bool:
-    """Whether another library wraps ``module`` (a known wrapper class, or a forward set on the instance)."""
-    return "forward" in module.__dict__ or type(module).__name__ in _FOREIGN_WRAPPERS
+    """Whether another library wraps ``module`` (a known wrapper class, or a forward set on the instance), or its
+    family's own switch checkpoints it (a Hugging Face layer after ``gradient_checkpointing_enable()``)."""
+    return (
+        "forward" in module.__dict__
+        or type(module).__name__ in _FOREIGN_WRAPPERS
+        or families.checkpointed_by_family(module)
+    )
 
 
 def check_units(units: Any) -> Units:
@@ -373,20 +405,25 @@ def _matches(units: Units, name: str, module: nn.Module) -> bool:
 def find_units(model: nn.Module, units: Any = "auto") -> list[tuple[str, nn.Module]]:
     """The outermost submodules that ``units`` selects, in order of registration.
 
-    ``"auto"`` finds blocks by structure: the classes a Hugging Face model names in ``_no_split_modules``, where it
-    declares them; else the outermost modules that repeat (the same class twice or more, with submodules of their
-    own) as elements of an ``nn.Sequential`` or ``nn.ModuleList`` chain, nested chains flattened, of the classes
-    that carry most of the model's parameters (largest first until more than half, and any with at least a tenth of
-    the largest's): a ResNet's Bottlenecks, MobileNet's InvertedResiduals, EfficientNet's MBConvs, a transformer's
-    layers, but not a few small heads repeated beside them.
+    ``"auto"`` asks the adapters of :mod:`.families` first: where ``model`` is or holds models of known families
+    (torchvision's and timm's ResNets, timm's ConvNeXt, ViT / DeiT / EVA, Swin, EfficientNet / MobileNet, Hugging
+    Face transformers), their blocks, in order. Else it finds blocks by structure: the classes a model names in
+    ``_no_split_modules``, where it declares them; else the outermost modules that repeat (the same class twice or
+    more, with submodules of their own) as elements of an ``nn.Sequential`` or ``nn.ModuleList`` chain, nested
+    chains flattened, of the classes that carry most of the model's parameters (largest first until more than half,
+    and any with at least a tenth of the largest's): a ResNet's Bottlenecks, MobileNet's InvertedResiduals,
+    EfficientNet's MBConvs, a transformer's layers, but not a few small heads repeated beside them.
 
     Raises:
         TypeError: if ``units`` is of the wrong kind.
-        ValueError: if nothing in the model matches.
+        ValueError: if nothing in the model matches, or a model of a known family refuses checkpointing (a Hugging
+            Face model declaring ``supports_gradient_checkpointing = False``) and ``units`` is ``"auto"``.
     """
     units = check_units(units)
     found: list[tuple[str, nn.Module]] = []
     if units == "auto":
+        found = families.blocks(model) or []
+    if units == "auto" and not found:
         declared = _declared(model)
         if declared:
             units = lambda name, module: _base_class(module).__name__ in declared  # noqa: E731
