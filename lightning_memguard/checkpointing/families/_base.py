@@ -156,3 +156,22 @@ def stock(module: nn.Module, cls: type, *methods: str) -> bool:
     """Whether ``module`` is a ``cls`` whose ``methods`` are ``cls``'s own (not overridden by a subclass)."""
     own = type(module)
     return isinstance(module, cls) and all(getattr(own, m, None) is getattr(cls, m, None) for m in methods)
+
+
+def stage_successors(stages: list[Any]) -> dict[int, nn.Module]:
+    """What follows each stage's last block (stages are ``nn.Sequential``): the next stage's first."""
+    after: dict[int, nn.Module] = {}
+    for a, b in zip(stages, stages[1:], strict=False):
+        if len(a) and len(b):
+            after[id(a[-1])] = b[0]
+    return after
+
+
+def staged_blocks(module: nn.Module, stages: str) -> list[Named]:
+    """The blocks of every stage of ``module.<stages>``, each stage holding them in ``.blocks`` (timm's layout)."""
+    container: Any = module.get_submodule(stages)
+    return [
+        block
+        for name, stage in container.named_children()
+        for block in elements(f"{stages}.{name}.blocks", stage.blocks)
+    ]

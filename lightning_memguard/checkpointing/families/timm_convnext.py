@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memguard.checkpointing.families._base import Family, Named, elements, flagged, loaded
+from lightning_memguard.checkpointing.families._base import Family, Named, flagged, loaded, staged_blocks
 
 
 class TimmConvNeXt(Family):
@@ -19,12 +19,7 @@ class TimmConvNeXt(Family):
         return convnext is not None and isinstance(module, convnext.ConvNeXt)
 
     def blocks(self, module: nn.Module) -> list[Named]:
-        stages: Any = module.stages
-        return [
-            block
-            for name, stage in stages.named_children()
-            for block in elements(f"stages.{name}.blocks", stage.blocks)
-        ]
+        return staged_blocks(module, "stages")
 
     def switched_on(self, module: nn.Module) -> bool:
         stages: Any = module.stages

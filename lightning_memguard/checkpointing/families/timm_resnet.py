@@ -22,6 +22,7 @@ from lightning_memguard.checkpointing.families._base import (
     flagged,
     loaded,
     original_class,
+    stage_successors,
     stock,
 )
 
@@ -54,10 +55,7 @@ class TimmResNet(Family):
 
     def following(self, module: nn.Module) -> dict[int, nn.Module]:
         stages = [getattr(module, stage) for stage in STAGES]
-        after: dict[int, nn.Module] = {}
-        for a, b in zip(stages, stages[1:], strict=False):
-            if len(a) and len(b):
-                after[id(a[-1])] = b[0]
+        after = stage_successors(stages)
         pool: Any = module.global_pool
         layers = loaded("timm.layers")
         if len(stages[-1]) and layers is not None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memguard.checkpointing.families._base import Family, Named, elements, flagged, loaded
+from lightning_memguard.checkpointing.families._base import Family, Named, flagged, loaded, staged_blocks
 
 
 class TimmSwin(Family):
@@ -18,12 +18,7 @@ class TimmSwin(Family):
         return swin is not None and isinstance(module, swin.SwinTransformer)
 
     def blocks(self, module: nn.Module) -> list[Named]:
-        stages: Any = module.layers
-        return [
-            block
-            for name, stage in stages.named_children()
-            for block in elements(f"layers.{name}.blocks", stage.blocks)
-        ]
+        return staged_blocks(module, "layers")
 
     def switched_on(self, module: nn.Module) -> bool:
         stages: Any = module.layers

@@ -7,7 +7,16 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memguard.checkpointing.families._base import Family, Named, Stem, Tail, elements, original_class, stock
+from lightning_memguard.checkpointing.families._base import (
+    Family,
+    Named,
+    Stem,
+    Tail,
+    elements,
+    original_class,
+    stage_successors,
+    stock,
+)
 
 STAGES = ("layer1", "layer2", "layer3", "layer4")
 
@@ -37,10 +46,7 @@ class TorchvisionResNet(Family):
 
     def following(self, module: nn.Module) -> dict[int, nn.Module]:
         stages = [getattr(module, stage) for stage in STAGES]
-        after: dict[int, nn.Module] = {}
-        for a, b in zip(stages, stages[1:], strict=False):
-            if len(a) and len(b):
-                after[id(a[-1])] = b[0]
+        after = stage_successors(stages)
         if len(stages[-1]):
             after[id(stages[-1][-1])] = module.get_submodule("avgpool")
         return after
