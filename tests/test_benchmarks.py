@@ -1,9 +1,12 @@
 """The benchmark scripts' own logic: compile.py --merge keeps budgets measured over several device calls, and
-compile_peak.py reads what is alive at a step's peak from the allocator's events."""
+compile_peak.py reads what is alive at a step's peak from the allocator's events, families.py checks the
+issue's goals and runs every row."""
 
 import importlib.util
 import json
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,3 +102,45 @@ def test_the_savings_goal_finds_where_ours_is_slower_than_compiles_own_setting_a
     assert goal["points"][-1] == {"saving": 0.57, "compile": None, "ours": None}  # neither saves 57 %
     budgets[0]["train_peak_bytes"] = 600  # the same memory as compile's 0.8, and faster: met everywhere
     assert _benchmark("compile").savings_goal(frontier, budgets)["shortfalls"] == []
+
+
+def test_families_goals_compare_ours_with_the_family_switch_and_say_unmet_budgets():
+    families = _benchmark("families")
+    rows = {
+        "plain": {"step_ms": 100.0, "activation_peak_gb": 10.0},
+        "family_switch": {"step_ms": 200.0, "activation_peak_gb": 4.0},
+        "ours_every_block": {"step_ms": 203.0, "activation_peak_gb": 4.0},
+        "ours_budget_0.6": {"step_ms": 120.0, "activation_peak_gb": 6.0, "held": True, "summary": "..."},
+        "ours_budget_0.4": {"step_ms": 150.0, "activation_peak_gb": 5.0, "held": False, "summary": "budget not met"},
+    }
+    families.compare(rows)
+    assert rows["ours_budget_0.6"]["saved_pct"] == 40.0 and rows["family_switch"]["time_cost_pct"] == 100.0
+    goals = families.goals("convnext_tiny", rows)
+    assert goals["saves_at_least_as_much"] and goals["within_2pct_step_time"] and goals["met"]  # 1.5 % slower
+    assert goals["within_2_points_of_switch_saving"]
+    assert goals["budgets_held_or_said"] == {"ours_budget_0.6": True, "ours_budget_0.4": True}
+    rows["ours_every_block"].update(step_ms=205.0, activation_peak_gb=4.1)
+    families.compare(rows)
+    goals = families.goals("gpt2", rows)
+    assert not goals["saves_at_least_as_much"] and not goals["within_2pct_step_time"] and not goals["met"]
+
+
+def test_families_smoke_runs_every_row_of_a_language_model_and_writes_them(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    import torch
+
+    out = tmp_path / "families.json"
+    argv = ["families.py", "--smoke", "--models", "llama", "--out", str(out)]
+    monkeypatch.setattr("sys.argv", argv)
+    threads = torch.get_num_threads()
+    try:
+        _benchmark("families").main()
+    finally:
+        torch.set_num_threads(threads)  # the smoke run takes one thread
+    result = json.loads(out.read_text())
+    rows = result["models"]["llama"]["rows"]
+    assert list(rows) == ["plain", "family_switch", "ours_every_block", "ours_budget_0.6", "ours_budget_0.4"]
+    assert not [r["error"] for r in rows.values() if "error" in r]
+    assert all("tokens_per_sec" in r and "saved_pct" in r for name, r in rows.items() if name != "plain")
+    assert "summary" in rows["ours_budget_0.4"] and "met" in result["models"]["llama"]["goals"]
+    assert result["environment"]["torch"]
