@@ -174,7 +174,6 @@ class MemGuard(Callback):
         self._vote: StopVote | None = None
         self._restored_detector: dict[str, Any] = {}  # the detector's state from a checkpoint
         self._allocated_now: int | None = None  # what a step starts from, at the last reading
-        self._capping = False  # prevent=True on a device whose allocator can be capped (CUDA)
         self._prevent_fraction: float | None = None
         self._prevent_others: int | None = None
         self._loader_paths: list[tuple[Any, ...]] | None = None  # where each loader's batch sits in a combined batch
@@ -194,8 +193,7 @@ class MemGuard(Callback):
         self._start_fit()
         device = trainer.strategy.root_device
         self._probe = self._user_probe if self._user_probe is not None else probe_for(device)
-        self._capping = self.prevent and device.type == "cuda"
-        if self.prevent and not self._capping:  # one script for the laptop and the GPU box
+        if self.prevent and device.type != "cuda":  # one script for the laptop and the GPU box
             rank_zero_warn(
                 f"MemGuard(prevent=True) caps the CUDA allocator, and this Trainer runs on {device.type!r}: no cap;"
                 " guarding as usual"
@@ -216,7 +214,7 @@ class MemGuard(Callback):
         probe.read()  # the first reading sets up NVML (milliseconds): here, not inside a training step
         if self.preflight:
             self._run_preflight(probe)
-        if self._capping:
+        if self.prevent and trainer.strategy.root_device.type == "cuda":  # (elsewhere: said in setup)
             self._cap_allocator(trainer.strategy.root_device, capacity, probe)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
