@@ -193,7 +193,35 @@ def capped_ladder(sizes: Sequence[int], deliverable: int | EpochLength | None, a
     return kept
 
 
-class SizeSearch:
+class _Climb:
+    """What both searches share: the sizes climbed, the results so far, the size proposed and not yet observed."""
+
+    def __init__(self, candidates: Sequence[int], min_gain: float, tolerance: float, forecast: Forecast | None) -> None:
+        if not candidates or any(int(c) != c or c < 1 for c in candidates):
+            raise ValueError(f"`candidates` must be positive integers, got {list(candidates)!r}")
+        self.candidates = sorted(set(int(c) for c in candidates))
+        self.min_gain = min_gain
+        self.tolerance = tolerance
+        self.forecast = forecast
+        self.results: list[TrialResult] = []
+        self._next = 0
+        self._climbing = True
+        self._pending: int | None = None
+
+    @property
+    def best_rate(self) -> float | None:
+        rates = [r.samples_per_sec for r in self.results if r.fits and r.samples_per_sec is not None]
+        return max(rates) if rates else None
+
+    def _take(self, result: TrialResult) -> None:
+        """Record the measurement of the size proposed."""
+        if self._pending is None or result.size != self._pending:
+            raise ValueError(f"observed size {result.size}, but the search proposed {self._pending}")
+        self._pending = None
+        self.results.append(result)
+
+
+class SizeSearch(_Climb):
     """Tries sizes from small to large and stops as soon as more would not pay.
 
     ``propose()`` gives the next size to run (None when done), ``observe(result)`` takes its measurement, and
@@ -236,25 +264,11 @@ class SizeSearch:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
-        if not candidates or any(int(c) != c or c < 1 for c in candidates):
-            raise ValueError(f"`candidates` must be positive integers, got {list(candidates)!r}")
-        self.candidates = sorted(set(int(c) for c in candidates))
+        super().__init__(candidates, min_gain, tolerance, forecast)
         self.mode = mode
-        self.min_gain = min_gain
-        self.tolerance = tolerance
         self.refine = refine
         self.granularity = granularity
-        self.forecast = forecast
-        self.results: list[TrialResult] = []
-        self._next = 0
-        self._climbing = True
         self._refined = False
-        self._pending: int | None = None
-
-    @property
-    def best_rate(self) -> float | None:
-        rates = [r.samples_per_sec for r in self.results if r.fits and r.samples_per_sec is not None]
-        return max(rates) if rates else None
 
     def propose(self) -> int | None:
         if self._pending is not None:
@@ -290,11 +304,8 @@ class SizeSearch:
         return size not in {r.size for r in self.results} and max(fits, default=0) < size < above
 
     def observe(self, result: TrialResult) -> None:
-        if self._pending is None or result.size != self._pending:
-            raise ValueError(f"observed size {result.size}, but the search proposed {self._pending}")
-        self._pending = None
         previous = [r for r in self.results if r.fits]
-        self.results.append(result)
+        self._take(result)
         if not self._climbing:
             return
         self._next += 1
@@ -334,7 +345,7 @@ class SizeSearch:
         return min(close, key=lambda r: (r.peak_bytes if r.peak_bytes is not None else r.size, r.size))
 
 
-class AccumulationSearch:
+class AccumulationSearch(_Climb):
     """Tries micro-batches from the smallest up and keeps the one that accumulates least unless another is clearly
     faster.
 
@@ -371,21 +382,7 @@ class AccumulationSearch:
         tolerance: float = 0.01,
         forecast: Forecast | None = None,
     ) -> None:
-        if not candidates or any(int(c) != c or c < 1 for c in candidates):
-            raise ValueError(f"`candidates` must be positive integers, got {list(candidates)!r}")
-        self.candidates = sorted(set(int(c) for c in candidates))
-        self.min_gain = min_gain
-        self.tolerance = tolerance
-        self.forecast = forecast
-        self.results: list[TrialResult] = []
-        self._next = 0
-        self._climbing = True
-        self._pending: int | None = None
-
-    @property
-    def best_rate(self) -> float | None:
-        rates = [r.samples_per_sec for r in self.results if r.fits and r.samples_per_sec is not None]
-        return max(rates) if rates else None
+        super().__init__(candidates, min_gain, tolerance, forecast)
 
     def _choosable(self, rate: float, best: float) -> bool:
         return rate * (1 + self.min_gain) >= best * (1 - self.tolerance)
@@ -401,10 +398,7 @@ class AccumulationSearch:
         return self._pending
 
     def observe(self, result: TrialResult) -> None:
-        if self._pending is None or result.size != self._pending:
-            raise ValueError(f"observed size {result.size}, but the search proposed {self._pending}")
-        self._pending = None
-        self.results.append(result)
+        self._take(result)
         self._next += 1
         best = self.best_rate
         chooseable = result.fits and result.samples_per_sec is not None
