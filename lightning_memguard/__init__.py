@@ -16,7 +16,7 @@ _EXPORTS = {
     "BatchSizeTuner": "lightning_memguard.callbacks",
     "MemGuard": "lightning_memguard.callbacks",
     "checkpoint_resnet": "lightning_memguard.checkpointing",
-    "SysmemSpillError": "lightning_memguard.core.detector",
+    "SysmemSpillError": "lightning_memguard.core.messages",
 }
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from lightning_memguard.callbacks import BatchSizeTuner as BatchSizeTuner
     from lightning_memguard.callbacks import MemGuard as MemGuard
     from lightning_memguard.checkpointing import checkpoint_resnet as checkpoint_resnet
-    from lightning_memguard.core.detector import SysmemSpillError as SysmemSpillError
+    from lightning_memguard.core.messages import SysmemSpillError as SysmemSpillError
 
 __all__ = [*_EXPORTS, "__version__"]
 

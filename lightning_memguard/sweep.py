@@ -98,7 +98,7 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
 
         checkpoint_blocks(model.net)  # type: ignore[arg-type]
     if cfg.compile is not None:
-        torch._dynamo.reset()  # this size's own graph, compiled (and timed) here
+        _compiler.forget_compiled()  # this size's own graph, compiled (and timed) here
         model = torch.compile(model, backend=cfg.compile, dynamic=False)  # type: ignore[assignment]
     emu = SysmemSpillEmulator(capacity=cfg.emulate_capacity) if cfg.emulate_capacity else None
     guard = MemGuard(probe=emu.probe if emu is not None else None, on_spill="warn", warmup_steps=1, reference_steps=2)
@@ -121,7 +121,7 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
         return SweepRow(batch, None, None, None, "oom", cfg.compile), capacity / 1e9
     finally:
         if compiled:
-            torch._dynamo.reset()
+            _compiler.forget_compiled()
         if cuda:
             torch.cuda.empty_cache()
     times = timer.step_ms(cfg.accumulate)

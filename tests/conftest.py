@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
 from collections.abc import Iterator
 
@@ -12,6 +14,15 @@ from lightning_memguard.probes import MemoryReading
 
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
+
+# One intra-op thread: the tests' models are tiny, so a second thread only waits on the first (on a loaded machine,
+# seconds a step), and under pytest-xdist each worker already has a core of its own. Subprocesses (the command, the
+# examples, the DDP ranks) inherit OMP_NUM_THREADS. Inter-op threads likewise; they can only be set before any
+# inter-op work has started.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
+with contextlib.suppress(RuntimeError):
+    torch.set_num_interop_threads(1)
 
 
 class FakeProbe:

@@ -1,4 +1,4 @@
-"""The torch.compile internals the library names in one place (lightning_memguard/_compiler.py), on the CPU."""
+"""The torch.compile internals the library names in one place (lightning_memguard/_compiler/), on the CPU."""
 
 from __future__ import annotations
 
@@ -96,6 +96,38 @@ def test_fresh_compiled_compiles_anew_with_the_models_own_backend():
     options = _compiler.fresh_compiled(_mlp(), {"backend": backend})
     options(_mlp(), (x,))
     assert len(calls) == 5
+
+
+class _Broken(torch.nn.Module):
+    """Two graphs: Dynamo compiles ``a`` in this ``forward``'s frame and ``b`` in the function it resumes in after
+    the break (a code object of Dynamo's own, kept for the next compile of this ``forward``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        y = self.a(x).relu()
+        torch._dynamo.graph_break()
+        return self.b(y)
+
+
+def test_fresh_compiled_compiles_every_graph_of_a_model_that_breaks_anew():
+    """Why a measurement empties all of Dynamo's caches (docs/architecture.md): the frames of a model that breaks into
+    graphs, its ``forward`` and the resume function after the break, keep their graphs from the user's compile, and
+    Dynamo's guards do not look at compile's settings, so nothing short of a reset compiles both parts again."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(len(example_inputs))
+        return gm.forward
+
+    model, x = _Broken(), torch.randn(2, 4)
+    torch.compile(model, backend=backend)(x)  # the user's compile: two graphs
+    assert len(calls) == 2
+    with _compiler.activation_memory_budget(0.5):  # a setting the cached graphs were not compiled under
+        _compiler.fresh_compiled(model, {"backend": backend})(model, (x,))
+    assert len(calls) == 4  # both parts compiled anew, under the setting of the moment
 
 
 def test_eager_runs_compiled_code_eagerly():

@@ -9,17 +9,31 @@ import pytest
 
 from lightning_memguard.core import (
     EpochRecord,
+    Evidence,
+    MemoryReading,
     SpillDetector,
     Verdict,
-    detect_spill,
     fallback_possible,
     format_epoch_table,
     format_spill_message,
+    judge,
     parse_bytes,
     summarize_steps,
 )
 
 GB = 10**9
+
+
+def read(used: int) -> MemoryReading:
+    """A reading of ``used`` bytes on a 16 GB card, no other process."""
+    return MemoryReading(used, 0, 16 * GB)
+
+
+def detect_spill(used, capacity, headroom, reference, rates, collapse, patience, healthy=None):
+    """The spill rule on plain numbers: (verdict, reason)."""
+    evidence = Evidence(read(used), capacity, headroom, reference, rates, collapse, patience, healthy)
+    judgement = judge(evidence)
+    return judgement.verdict, judgement.reason
 
 
 @pytest.mark.parametrize(
@@ -114,12 +128,12 @@ def test_detector_spills_on_third_collapsed_step_near_capacity():
     det = SpillDetector(16 * GB, warmup_steps=0, reference_steps=2)
     det.observe_step(0.1, 10)
     det.observe_step(0.1, 10)
-    assert det.observe_memory(int(15.3 * GB)).verdict is Verdict.SUSPECT  # near the capacity while fast
+    assert det.observe_memory(read(int(15.3 * GB))).verdict is Verdict.SUSPECT  # near the capacity while fast
     for _ in range(2):
         det.observe_step(1.0, 10)
-        assert det.observe_memory(int(15.9 * GB)).verdict is Verdict.SUSPECT
+        assert det.observe_memory(read(int(15.9 * GB))).verdict is Verdict.SUSPECT
     det.observe_step(1.0, 10)
-    report = det.observe_memory(int(15.9 * GB))
+    report = det.observe_memory(read(int(15.9 * GB)))
     assert report.verdict is Verdict.SPILL
     assert report.slowdown == pytest.approx(10.0)
     assert report.step == 5
@@ -130,13 +144,13 @@ def test_a_busy_host_is_no_spill_when_memory_has_not_grown():
     det = SpillDetector(16 * GB, warmup_steps=0, reference_steps=2)
     det.observe_step(0.1, 10)
     det.observe_step(0.1, 10)
-    det.observe_memory(int(15.9 * GB))
+    det.observe_memory(read(int(15.9 * GB)))
     for _ in range(6):
         det.observe_step(2.0, 10)
-        report = det.observe_memory(int(15.9 * GB))
+        report = det.observe_memory(read(int(15.9 * GB)))
         assert report.verdict is Verdict.SUSPECT
     assert report.reason == "slow steps, memory no higher than when the run was fast"
-    assert det.observe_memory(int(15.99 * GB)).verdict is Verdict.SPILL  # grew by 0.09 GB > 0.5 % of 16 GB
+    assert det.observe_memory(read(int(15.99 * GB))).verdict is Verdict.SPILL  # grew by 0.09 GB > 0.5 % of 16 GB
     assert SpillDetector(GB).state_dict().keys() == {"reference_rate", "healthy_used_bytes"}
 
 
@@ -155,7 +169,7 @@ def test_spill_message_names_numbers_and_fixes():
     det.observe_step(0.2, 256)
     det.observe_step(2.0, 256)
     det.observe_step(2.0, 256)
-    message = format_spill_message(det.observe_memory(17 * GB), 256, "/tmp/x.ckpt")
+    message = format_spill_message(det.observe_memory(read(17 * GB)), 256, "/tmp/x.ckpt")
     assert "batch size 256" in message
     assert "peak 17.00 GB against 16.00 GB" in message
     assert "128.0 samples/s against 1280.0" in message and "10.0x slower" in message
@@ -194,13 +208,13 @@ def test_detector_reads_on_a_slowdown_then_rests_unless_memory_is_at_capacity():
     det = SpillDetector(16 * GB, warmup_steps=0, reference_steps=2, patience=3, read_window=3)
     for _ in range(5):
         det.observe_step(0.1, 10)
-    assert det.observe_memory(GB).verdict is Verdict.OK  # a fast reading: 1 GB is what the run needs when fast
+    assert det.observe_memory(read(GB)).verdict is Verdict.OK  # a fast reading: 1 GB is what the run needs when fast
     assert [det.observe_step(0.1, 10) for _ in range(2)] == [False, False]
     assert det.observe_step(0.4, 10) is True  # the window of three runs at 30 / 0.6 s = 50/s, under 100 / 1.5
-    assert det.observe_memory(GB).verdict is Verdict.SUSPECT  # slow, far below the capacity: a stall
+    assert det.observe_memory(read(GB)).verdict is Verdict.SUSPECT  # slow, far below the capacity: a stall
     # it rests: four steps, not two, as memory has not grown since the last reading
     assert [det.observe_step(0.4, 10) for _ in range(5)] == [False] * 4 + [True]
-    assert det.observe_memory(int(15.9 * GB)).verdict is Verdict.SPILL  # at the capacity and collapsed
+    assert det.observe_memory(read(int(15.9 * GB))).verdict is Verdict.SPILL  # at the capacity and collapsed
 
 
 def test_detector_reference_settles_on_the_steady_state():
@@ -224,7 +238,7 @@ def test_memory_is_read_rarely_on_a_healthy_jittery_run():
     for seconds in host:
         if det.observe_step(seconds, 32):
             reads += 1
-            assert det.observe_memory(4 * GB).verdict is not Verdict.SPILL
+            assert det.observe_memory(read(4 * GB)).verdict is not Verdict.SPILL
     assert reads < 100  # far fewer than one read per step, no spill called
 
 
@@ -232,11 +246,11 @@ def test_memory_near_capacity_is_watched_every_step():
     det = SpillDetector(16 * GB, warmup_steps=0, reference_steps=2, patience=3)
     for _ in range(5):
         det.observe_step(0.1, 10)
-    det.observe_memory(int(15.3 * GB))  # fast, already near the capacity
+    det.observe_memory(read(int(15.3 * GB)))  # fast, already near the capacity
     verdicts = []
     for _ in range(4):
         if det.observe_step(1.0, 10):
-            verdicts.append(det.observe_memory(int(15.9 * GB)).verdict)
+            verdicts.append(det.observe_memory(read(int(15.9 * GB))).verdict)
     assert verdicts[-1] is Verdict.SPILL and len(verdicts) >= 3
 
 
@@ -250,7 +264,7 @@ def test_detector_rests_longer_while_slow_windows_show_no_memory_growth():
     for step in range(60):  # every step looks slow, memory stays at 4 GB: a stalling host, not a spill
         if det.observe_step(0.2, 10):
             read_at.append(step)
-            assert det.observe_memory(4 * GB).verdict is not Verdict.SPILL
+            assert det.observe_memory(read(4 * GB)).verdict is not Verdict.SPILL
     gaps = [b - a for a, b in zip(read_at, read_at[1:], strict=False)]
     assert gaps[:4] == [3, 5, 9, 9]  # rests of 2, 4, 8 steps, then no longer than max_rest
     assert len(read_at) <= 9
@@ -258,7 +272,7 @@ def test_detector_rests_longer_while_slow_windows_show_no_memory_growth():
     verdicts = []
     for _ in range(8 + 3):
         if det.observe_step(1.0, 10):
-            verdicts.append(det.observe_memory(int(15.9 * GB)).verdict)
+            verdicts.append(det.observe_memory(read(int(15.9 * GB))).verdict)
     assert verdicts[-1] is Verdict.SPILL
 
 
@@ -280,8 +294,8 @@ def test_detector_with_patience_longer_than_its_read_window():
     det = SpillDetector(16 * GB, warmup_steps=0, reference_steps=2, patience=5, read_window=2)
     for _ in range(8):
         det.observe_step(0.1, 10)
-    det.observe_memory(4 * GB)  # fast and far below the capacity: what a healthy step needs
-    verdicts = [det.observe_memory(int(15.9 * GB)).verdict for _ in range(5) if det.observe_step(1.0, 10)]
+    det.observe_memory(read(4 * GB))  # fast and far below the capacity: what a healthy step needs
+    verdicts = [det.observe_memory(read(int(15.9 * GB))).verdict for _ in range(5) if det.observe_step(1.0, 10)]
     assert verdicts[-1] is Verdict.SPILL  # five collapsed steps at the capacity
     assert verdicts[:-1] == [Verdict.SUSPECT] * (len(verdicts) - 1)
 
@@ -298,7 +312,7 @@ def test_detector_fed_a_window_at_a_time_decides_like_step_by_step():
             n = 5 if batched and not det.watching else 1
             if det.observe_steps(host[i : i + n], [32] * len(host[i : i + n])):
                 reads += 1
-                if det.observe_memory(memory[min(i + n, len(host)) - 1]).verdict is Verdict.SPILL:
+                if det.observe_memory(read(memory[min(i + n, len(host)) - 1])).verdict is Verdict.SPILL:
                     spill_at = det.steps
             i += n
         return reads, spill_at
@@ -359,10 +373,10 @@ def test_timeline_records_one_spill_per_fit_and_stops_feeding_the_detector():
     timeline = StepTimeline(detector=detector)
     timeline.batch_start(0.0, 8)
     timeline.batch_start(0.1, 8)
-    assert timeline.judge(10 * GB, step=1) is None and timeline.spill is None
-    report = timeline.judge(17 * GB, step=7)
+    assert timeline.judge(read(10 * GB), step=1) is None and timeline.spill is None
+    report = timeline.judge(read(17 * GB), step=7)
     assert report is not None and report.step == 7 and timeline.spill is report
-    assert timeline.judge(18 * GB, step=8) is None and timeline.spill is report  # the first one stands
+    assert timeline.judge(read(18 * GB), step=8) is None and timeline.spill is report  # the first one stands
     steps = detector.steps
     assert timeline.batch_start(0.2, 8) is False and detector.steps == steps  # nothing more to decide
     timeline.start_epoch()
@@ -376,7 +390,7 @@ def test_timeline_reads_memory_every_read_every_steps_once_steady():
 
     detector = SpillDetector(16 * GB, warmup_steps=0, reference_steps=1, patience=1, read_window=5)
     timeline = StepTimeline(detector=detector, read_every=10)
-    reads = [i for i in range(41) if timeline.batch_start(0.1 * i, 8) and timeline.judge(GB, step=i) is None]
+    reads = [i for i in range(41) if timeline.batch_start(0.1 * i, 8) and timeline.judge(read(GB), step=i) is None]
     # watching for the first steps, then the detector takes 5 steps at a time (at steps 7, 12, 17, ...) and memory
     # is read at the first feed past each 10 steps
     assert reads == [1, 2, 12, 22, 32]

@@ -141,7 +141,7 @@ class _CapSeen(Callback):
         self.guard, self.ask, self.fraction = guard, ask, None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.fraction = self.guard._prevent_fraction
+        self.fraction = self.guard._cap.fraction
         if batch_idx == 1:
             torch.empty(self.ask, dtype=torch.uint8, device="cuda")
 

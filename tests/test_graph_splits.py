@@ -196,7 +196,7 @@ class _Backwards:
         )
 
 
-@pytest.mark.skipif(_compiler._REALIZE is None, reason="torch.library.custom_op came with torch 2.4")
+@pytest.mark.skipif(_compiler.graphs._REALIZE is None, reason="torch.library.custom_op came with torch 2.4")
 @pytest.mark.parametrize("split", [True, False], ids=["graph_per_stage", "one_graph"])
 def test_each_checkpointed_block_takes_its_gradient_as_one_buffer_in_the_compiled_backward(split):
     """In one compiled backward Inductor would add a residual block's two gradient paths inside every consumer,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_memguard.core.reading import MemoryReading
 from lightning_memguard.core.search import (
     PREDICTED,
     AccumulationSearch,
@@ -11,11 +12,17 @@ from lightning_memguard.core.search import (
     SizeSearch,
     TrialResult,
     accumulation_candidates,
-    classify_trial,
     power_ladder,
+    trial_outcome,
 )
+from lightning_memguard.core.spill import Evidence
 
 GB = 10**9
+
+
+def classify_trial(peak, capacity, headroom, rate, best_rate, collapse):
+    """What the spill rule says of one trial's reading and throughput."""
+    return trial_outcome(Evidence(MemoryReading(peak, 0, capacity), capacity, headroom, best_rate, [rate], collapse))
 
 
 def run(search: SizeSearch, card) -> list[int]:

@@ -241,21 +241,19 @@ def test_preflight_reports_fallback_on_an_emulated_card(tmp_path):
 
 
 def test_windows_notice_once(monkeypatch):
-    import lightning_memguard.callbacks.memguard as mg
+    import lightning_memguard.callbacks._prevention as prevention
 
-    monkeypatch.setattr(mg.platform, "system", lambda: "Windows")
+    monkeypatch.setattr(prevention.platform, "system", lambda: "Windows")
     probe = FakeProbe()
     probe.driver_info = lambda: {"driver_model": "WDDM", "driver_version": "560.94"}
-    guard = MemGuard()
-    guard._probe = probe
     with pytest.warns(UserWarning, match="under a WDDM driver.*Prefer No Sysmem Fallback"):
-        guard._notice_platform()
+        prevention.notice_platform(probe)
     probe.driver_info = lambda: {"driver_model": "TCC", "driver_version": "560.94"}
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        guard._notice_platform()
+        prevention.notice_platform(probe)
 
 
 def test_prevent_caps_the_allocator_and_explains_the_oom(monkeypatch):
@@ -264,7 +262,7 @@ def test_prevent_caps_the_allocator_and_explains_the_oom(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append(f))
     guard = MemGuard(capacity="16GB", prevent=True)
-    guard._cap_allocator(torch.device("cuda", 0), 16 * 10**9, FakeProbe(other=10**9))
+    guard._cap.apply(torch.device("cuda", 0), 16 * 10**9, FakeProbe(other=10**9))
     assert calls == [pytest.approx((15 * 10**9 - 512 * 2**20) / (141 * 10**9))]  # less others and the margin
     err = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     guard.on_exception(None, None, err)
@@ -280,7 +278,7 @@ def test_prevent_with_no_memory_left_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     guard = MemGuard(prevent=True)
     with pytest.raises(ValueError, match="`prevent=True` leaves no memory"):
-        guard._cap_allocator(torch.device("cuda", 0), 16 * 10**9, FakeProbe(other=16 * 10**9))
+        guard._cap.apply(torch.device("cuda", 0), 16 * 10**9, FakeProbe(other=16 * 10**9))
 
 
 def test_image_classifier_rejects_unknown_model():

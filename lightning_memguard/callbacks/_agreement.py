@@ -1,11 +1,14 @@
-"""All ranks agree on a stop decision without synchronising the device every step."""
+"""How ranks share what each measured: every rank's figures gathered, and a stop decision agreed without
+synchronising the device every step."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import Trainer
 
 
 class StopVote:
@@ -50,3 +53,17 @@ class StopVote:
         agreed = bool(host.item())
         self._free.append(host)
         return agreed
+
+
+def gather_rows(trainer: Trainer, row: Sequence[float]) -> list[list[float]]:
+    """Every rank's ``row`` of figures, rank by rank (one all-gather; a single process gets its own row back).
+
+    Example:
+        >>> from lightning import Trainer
+        >>> gather_rows(Trainer(logger=False, enable_progress_bar=False), [1.0, 2.5])
+        [[1.0, 2.5]]
+    """
+    if trainer.world_size <= 1:
+        return [list(row)]
+    mine = torch.tensor(list(row), dtype=torch.float64, device=trainer.strategy.root_device)
+    return trainer.strategy.all_gather(mine).reshape(-1, len(row)).tolist()

@@ -21,13 +21,24 @@ from lightning_memguard import _compiler
 from lightning_memguard.callbacks._batches import Path, loader_name, loader_parts, loader_paths, samples_in
 from lightning_memguard.callbacks._private import (
     drop_loaders,
+    load_loop_state,
     loader_passed_to_fit,
+    loop_limits,
+    loop_state,
+    one_more_step,
+    reset_fit_loop,
+    reset_progress,
     rng_states,
+    run_fit_loop,
+    set_loop_limits,
     set_rng_states,
+    setup_loaders,
+    strategy_methods_replaced,
     train_loader,
 )
 from lightning_memguard.callbacks._state import host_copy, interrupts_held, load_training_state, training_state
-from lightning_memguard.core.search import OOM, TrialResult, classify_trial, fits_in_memory
+from lightning_memguard.core.search import OK, OOM, TrialResult, trial_outcome
+from lightning_memguard.core.spill import Evidence
 from lightning_memguard.probes import MemoryProbe
 
 
@@ -93,11 +104,9 @@ class _StepClock(Callback):
         step_done = self.batches % self.accumulate == 0
         if step_done and any(self.compiled[-self.accumulate :]) and self.extended < self.max_compile_steps:
             self.extended += 1  # a step that compiled is not timed: one more takes its place
-            trainer.fit_loop.epoch_loop.max_steps += 1
+            one_more_step(trainer)
         if self.batches == self.accumulate:  # the first optimizer step is done: its peak is known
-            reading = self.probe.read()
-            peak = reading.used
-            over = not fits_in_memory(peak, self.capacity, self.headroom)
+            over = trial_outcome(Evidence(self.probe.read(), self.capacity, self.headroom)) != OK
             if trainer.strategy.reduce_boolean_decision(over, all=False):  # every rank ends the trial together
                 self.cut = True
                 trainer.should_stop = True
@@ -164,7 +173,7 @@ def reload_train_dataloader(trainer: Trainer, *, for_the_run: bool = False) -> N
     the loader the run trains with, not for every loader a tuner builds to measure."""
     drop_loaders(trainer)
     with nullcontext() if for_the_run else _about_the_run_only():
-        trainer.fit_loop.setup_data()
+        setup_loaders(trainer)
 
 
 @contextmanager
@@ -266,7 +275,6 @@ class TrialSession:
 
     def __enter__(self) -> TrialSession:
         t = self.trainer
-        fit_loop, epoch_loop = t.fit_loop, t.fit_loop.epoch_loop
         callbacks = list(t.callbacks)  # type: ignore[attr-defined]
         kept = [c for c in callbacks if getattr(c, "memguard_keep_in_trials", False)]
         self._saved = {
@@ -276,14 +284,11 @@ class TrialSession:
             "rng": rng_states(),
             "loggers": t.loggers,
             "callbacks": callbacks,
-            "max_steps": epoch_loop.max_steps,
-            "min_steps": epoch_loop.min_steps,
-            "max_epochs": fit_loop.max_epochs,
-            "min_epochs": fit_loop.min_epochs,
+            "limits": loop_limits(t),
             "limit_train_batches": t.limit_train_batches,
             "limit_val_batches": t.limit_val_batches,
             "accumulate_grad_batches": t.accumulate_grad_batches,
-            "loop_state": deepcopy(fit_loop.state_dict()),
+            "loop_state": deepcopy(loop_state(t)),
             "batch_size": get_batch_size(t, self.batch_arg_name),
             "progress_bar": t.progress_bar_callback,
             "should_stop": t.should_stop,
@@ -294,9 +299,8 @@ class TrialSession:
         t.logger = DummyLogger() if t.logger is not None else None
         t.limit_train_batches = 1.0
         t.limit_val_batches = 0
-        t.fit_loop.max_epochs = -1  # a trial on a small dataset goes on into the next epoch
-        t.fit_loop.min_epochs = 0  # and nothing keeps a trial that is cut short from stopping
-        t.fit_loop.epoch_loop.min_steps = None
+        # a trial on a small dataset goes on into the next epoch, and nothing keeps a trial cut short from stopping
+        set_loop_limits(t, {"max_epochs": -1, "min_epochs": 0, "min_steps": None})
         if t.progress_bar_callback is not None:
             t.progress_bar_callback.disable()
         return self
@@ -314,9 +318,7 @@ class TrialSession:
         t, saved = self.trainer, self._saved
         t.loggers = saved["loggers"]
         t.callbacks = saved["callbacks"]  # type: ignore[attr-defined]
-        fit_loop, epoch_loop = t.fit_loop, t.fit_loop.epoch_loop
-        epoch_loop.max_steps, epoch_loop.min_steps = saved["max_steps"], saved["min_steps"]
-        fit_loop.max_epochs, fit_loop.min_epochs = saved["max_epochs"], saved["min_epochs"]
+        set_loop_limits(t, saved["limits"])
         t.limit_train_batches = saved["limit_train_batches"]
         t.limit_val_batches = saved["limit_val_batches"]
         t.accumulate_grad_batches = saved["accumulate_grad_batches"]
@@ -325,12 +327,11 @@ class TrialSession:
         load_training_state(t, saved["state"])
         for callback, state in zip(saved["kept"], saved["kept_states"], strict=True):
             callback.load_state_dict(deepcopy(state))
-        fit_loop.load_state_dict(deepcopy(saved["loop_state"]))
-        fit_loop.restarting = False
+        load_loop_state(t, deepcopy(saved["loop_state"]))
         if saved["progress_bar"] is not None:
             saved["progress_bar"].enable()
         reload_train_dataloader(t)
-        fit_loop.reset()
+        reset_fit_loop(t)
         garbage_collection_cuda()
         set_rng_states(saved["rng"])
 
@@ -350,10 +351,9 @@ class TrialSession:
         set_batch_size(t, self.batch_arg_name, size)
         warmup = self.warmup_steps if steps is None else 0
         steps = self.warmup_steps + self.timed_steps if steps is None else steps
-        t.fit_loop.load_state_dict(deepcopy(self._saved["loop_state"]))
-        t.fit_loop.restarting = False
-        t.fit_loop.epoch_loop.max_steps = steps
-        _reset_progress(t)
+        load_loop_state(t, deepcopy(self._saved["loop_state"]))
+        set_loop_limits(t, {"max_steps": steps})
+        reset_progress(t)
         reload_train_dataloader(t)
         if cuda:  # the last trial's cached blocks would count as this one's reserved peak
             torch.cuda.empty_cache()  # (a full garbage collection runs only after a failed trial and at the end)
@@ -361,7 +361,7 @@ class TrialSession:
         out_of_memory = False
         try:
             with _ranks_agree_on_oom(t), _about_the_run_only():
-                t.fit_loop.run()
+                run_fit_loop(t)
         except (torch.OutOfMemoryError, RuntimeError) as err:
             if not (isinstance(err, torch.OutOfMemoryError) or is_oom_error(err)):
                 raise
@@ -382,7 +382,8 @@ class TrialSession:
         step_s = statistics.median(s for s, _ in timed) if timed else float("nan")
         rates = [n / s for s, n in timed if s > 0]
         rate = statistics.median(rates) if rates else 0.0
-        outcome = classify_trial(peak, self.capacity, self.headroom, rate, self.best_rate, self.collapse)
+        evidence = Evidence(reading, self.capacity, self.headroom, self.best_rate, [rate], self.collapse)
+        outcome = trial_outcome(evidence)
         return TrialResult(
             size, round(step_s * 1e3, 4), peak, round(rate, 3), outcome, accumulate, compiled, round(compile_s, 3)
         )
@@ -451,7 +452,6 @@ def _ranks_agree_on_oom(trainer: Trainer) -> Iterator[None]:
         return
     names = ("training_step", "backward", "optimizer_step")
     originals = {name: getattr(strategy, name) for name in names}
-    own = {name: strategy.__dict__[name] for name in names if name in strategy.__dict__}
 
     ddp = strategy.model if hasattr(strategy.model, "no_sync") else None  # torch's DistributedDataParallel
     pending = [False]  # the last local forward's gradients still have to be averaged
@@ -486,15 +486,8 @@ def _ranks_agree_on_oom(trainer: Trainer) -> Iterator[None]:
 
         return call
 
-    for name, fn in originals.items():
-        setattr(strategy, name, agreeing(fn, name))
-    try:
+    with strategy_methods_replaced(strategy, {name: agreeing(fn, name) for name, fn in originals.items()}):
         yield
-    finally:
-        for name in names:
-            delattr(strategy, name)  # the class's methods again, or what was set on the instance before
-        for name, fn in own.items():
-            setattr(strategy, name, fn)
 
 
 def _average_gradients(ddp: torch.nn.Module, world_size: int) -> None:
@@ -507,13 +500,3 @@ def _average_gradients(ddp: torch.nn.Module, world_size: int) -> None:
     flat.div_(world_size)
     for grad, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         grad.copy_(reduced.view_as(grad))
-
-
-def _reset_progress(trainer: Trainer) -> None:
-    loop = trainer.fit_loop
-    if trainer.lightning_module.automatic_optimization:
-        loop.epoch_loop.automatic_optimization.optim_progress.reset()
-    else:
-        loop.epoch_loop.manual_optimization.optim_step_progress.reset()
-    loop.epoch_progress.reset()
-    loop.epoch_loop.batch_progress.reset()

@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_memguard.callbacks._agreement import gather_rows
 from lightning_memguard.callbacks._cache import cache_key
 from lightning_memguard.callbacks._hands import (
     accumulation_in_force,
@@ -33,6 +34,7 @@ from lightning_memguard.callbacks._trials import (
 )
 from lightning_memguard.checkpointing import checkpoint_blocks, is_checkpointed
 from lightning_memguard.core.cache import ResultCache, cache_folder
+from lightning_memguard.core.capacity import judged_capacity
 from lightning_memguard.core.checks import (
     MIN_CAPACITY,
     PROBE_NEEDS,
@@ -191,7 +193,7 @@ class _MeasuringTuner(Callback):
 
     def _probe_and_capacity(self, trainer: Trainer) -> tuple[MemoryProbe, int]:
         probe = self.probe if self.probe is not None else probe_for(trainer.strategy.root_device)
-        return probe, self.capacity if self.capacity is not None else probe.capacity()
+        return probe, judged_capacity(self.capacity, probe.capacity())
 
     def _forecast(self, trainer: Trainer) -> Forecast | None:
         """Sizes the measured ones put clearly above the capacity are not run (see :class:`Forecast`). Under DDP
@@ -200,9 +202,7 @@ class _MeasuringTuner(Callback):
         if not self.predict:
             return None
         capacity = self._probe_and_capacity(trainer)[1]
-        if trainer.world_size > 1:
-            mine = torch.tensor([capacity], dtype=torch.float64, device=trainer.strategy.root_device)
-            capacity = int(trainer.strategy.all_gather(mine).min())
+        capacity = int(min(row[0] for row in gather_rows(trainer, [capacity])))
         return Forecast(capacity, self.headroom)
 
     def _session(self, trainer: Trainer) -> TrialSession:
@@ -221,11 +221,7 @@ class _MeasuringTuner(Callback):
             epoch = train_epoch(trainer)
         if trainer.world_size > 1:
             samples = epoch.samples
-            known = torch.tensor(
-                [samples if samples is not None else -1], dtype=torch.float64, device=trainer.strategy.root_device
-            )
-            gathered = trainer.strategy.all_gather(known).reshape(-1)
-            lengths = [int(v) for v in gathered.tolist() if v >= 0]
+            lengths = [int(v) for (v,) in gather_rows(trainer, [-1 if samples is None else samples]) if v >= 0]
             epoch = replace(epoch, samples=min(lengths) if lengths else None)
         return epoch
 
@@ -243,23 +239,19 @@ class _MeasuringTuner(Callback):
         """Every rank adopts one result: it fits only if it fits everywhere, at the slowest rank's speed."""
         if trainer.world_size <= 1:
             return result
-        local = torch.tensor(
-            [
-                _SEVERITY.index(result.outcome),
-                result.samples_per_sec or 0.0,
-                result.peak_bytes or 0,
-                result.step_ms or 0,
-            ],
-            dtype=torch.float64,
-            device=trainer.strategy.root_device,
-        )
-        gathered = trainer.strategy.all_gather(local).reshape(-1, 4)
+        mine = [
+            _SEVERITY.index(result.outcome),
+            result.samples_per_sec or 0.0,
+            result.peak_bytes or 0,
+            result.step_ms or 0,
+        ]
+        severity, rate, peak, step_ms = zip(*gather_rows(trainer, mine), strict=True)
         return TrialResult(
             size=result.size,
-            step_ms=float(gathered[:, 3].max()),
-            peak_bytes=int(gathered[:, 2].max()),
-            samples_per_sec=float(gathered[:, 1].min()),
-            outcome=_SEVERITY[int(gathered[:, 0].max())],
+            step_ms=float(max(step_ms)),
+            peak_bytes=int(max(peak)),
+            samples_per_sec=float(min(rate)),
+            outcome=_SEVERITY[int(max(severity))],
             accumulate=result.accumulate,
             compiled=result.compiled,
             compile_s=result.compile_s,

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_memguard import _compiler
+from lightning_memguard import _autograd, _compiler
 from lightning_memguard.checkpointing import _fused, families
 from lightning_memguard.checkpointing.wrap import (
     Swap,
@@ -226,8 +226,7 @@ _Saved = _Recipe | _Activated
 
 def _batch_stats(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The batch mean and inverse deviation that training-mode BatchNorm saved for its backward."""
-    node = output.grad_fn
-    mean, invstd = getattr(node, "_saved_result1", None), getattr(node, "_saved_result2", None)
+    mean, invstd = _autograd.batch_norm_saved_statistics(output)
     if isinstance(mean, torch.Tensor) and isinstance(invstd, torch.Tensor) and mean.numel() == output.shape[1]:
         return mean, invstd
     return None
@@ -236,19 +235,6 @@ def _batch_stats(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | No
 _Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 """A pack hook and its unpack hook."""
 _Outer = _Hooks | None
-
-
-def _outer_hooks() -> _Outer:
-    """The saved-tensor hooks in force around a block's forward (None if there are none)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top(False) if top is not None else None
-
-
-def _checkpoint_internal(pack: Any) -> bool:
-    """Whether a pack hook is ``torch.utils.checkpoint``'s own (forward or recomputation), on any torch version."""
-    return bool(getattr(pack, "_checkpoint_internal", False)) or getattr(pack, "__module__", "") == (
-        "torch.utils.checkpoint"
-    )
 
 
 class _Passed:
@@ -265,8 +251,8 @@ def _may_rebuild(module: nn.Module) -> tuple[bool, _Outer]:
     checkpoint, which frees everything already), and the saved-tensor hooks around it."""
     if not torch.is_grad_enabled() or not module.training or _compiler.compiling():
         return False, None
-    outer = _outer_hooks()
-    return outer is None or not _checkpoint_internal(outer[0]), outer
+    outer = _autograd.saved_tensors_hooks_in_force()  # the hooks around the block's forward
+    return outer is None or not _autograd.checkpoint_hook(outer[0]), outer
 
 
 _RECIPES: dict[int, tuple[weakref.ref[torch.Tensor], _Saved, int | None]] = {}
@@ -288,14 +274,16 @@ def _pin(t: torch.Tensor) -> None:
     """From now on, ``t`` is saved as its recipe only while it keeps its current version (nothing changes it)."""
     entry = _RECIPES.get(id(t))
     if entry is not None and entry[0]() is t:
-        _RECIPES[id(t)] = (entry[0], entry[1], t._version)
+        _RECIPES[id(t)] = (entry[0], entry[1], _autograd.version(t))
 
 
 def _saved_as(t: Any) -> _Saved | None:
     """The recipe ``t`` is saved as, if it has one (and has not been changed in place since it got it)."""
     entry = _RECIPES.get(id(t))
     tensor = entry[0]() if entry is not None else None
-    if entry is None or tensor is None or tensor is not t or (entry[2] is not None and entry[2] != tensor._version):
+    if entry is None or tensor is None or tensor is not t:
+        return None
+    if entry[2] is not None and entry[2] != _autograd.version(tensor):
         return None
     return entry[1]
 
@@ -408,7 +396,7 @@ class RebuiltStemReLU(RebuildMixin):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         active, outer = _may_rebuild(self)
         stats = _batch_stats(x) if active and isinstance(x, torch.Tensor) else None
-        source = getattr(x.grad_fn, "_saved_input", None) if stats is not None else None
+        source = _autograd.saved_input(x) if stats is not None else None
         if not isinstance(source, torch.Tensor) or not getattr(self, "inplace", False):
             return super().forward(x)
         config = self.__dict__["memguard_rebuild"]
@@ -522,7 +510,7 @@ class RebuiltConvNormActivation(RebuildMixin):
             if stats is None:
                 return out if act is None else act(out)  # type: ignore[no-any-return]
             if act is None:
-                _register(out, _Recipe(source, bn, *stats, relu=False, config=config), out._version)
+                _register(out, _Recipe(source, bn, *stats, relu=False, config=config), _autograd.version(out))
                 return out  # type: ignore[no-any-return]
             rebuild = _ACTIVATIONS[type(act)]
             if rebuild is None:  # an in-place ReLU, which keeps what it overwrites the BatchNorm output with
@@ -531,10 +519,10 @@ class RebuiltConvNormActivation(RebuildMixin):
                 _pin(out)
                 return activated  # type: ignore[no-any-return]
             pre = _Recipe(source, bn, *stats, relu=False, config=config)
-            _register(out, pre, out._version)
+            _register(out, pre, _autograd.version(out))
             with _out_of_place(act):
                 activated = act(out)
-            _register(activated, _Activated(pre, rebuild), activated._version)
+            _register(activated, _Activated(pre, rebuild), _autograd.version(activated))
             return activated  # type: ignore[no-any-return]
 
 

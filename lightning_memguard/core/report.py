@@ -2,29 +2,60 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+
+def figure(merge: Callable[[Sequence[float]], float], unit: str) -> Any:
+    """A logged figure of :class:`EpochRecord`: how ranks merge it (``max``, ``min``, ``sum``) and its unit. Its
+    default (NaN: not measured) lets checkpoints written before it existed load."""
+    return field(default=math.nan, metadata={"merge": merge, "unit": unit})
 
 
 @dataclass(frozen=True)
 class EpochRecord:
-    """One epoch's memory against throughput. Memory in decimal GB, time in ms."""
+    """One epoch's memory against throughput. Memory in decimal GB, time in ms.
+
+    Every field after ``epoch`` is a figure: MemGuard logs it as ``memguard/<name>``, gathers it from every rank and
+    merges it by its ``merge`` (peaks and step time the largest of any rank, capacity the smallest, samples/s the sum:
+    every rank trains its own samples at the same time). A new logged key is one line here.
+    """
 
     epoch: int
-    step_ms: float
-    peak_allocated_gb: float
-    peak_reserved_gb: float
-    capacity_gb: float
-    samples_per_sec: float
+    step_ms: float = figure(max, "ms")
+    peak_allocated_gb: float = figure(max, "GB")
+    peak_reserved_gb: float = figure(max, "GB")
+    capacity_gb: float = figure(min, "GB")
+    samples_per_sec: float = figure(sum, "samples/s")
+
+    @staticmethod
+    def figure_names() -> tuple[str, ...]:
+        return tuple(f.name for f in fields(EpochRecord) if "merge" in f.metadata)
+
+    def figures(self) -> dict[str, float]:
+        """Each figure by name, in the order declared."""
+        return {name: getattr(self, name) for name in self.figure_names()}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> EpochRecord:
+        """A record from :meth:`to_dict`'s output; figures it lacks (an older checkpoint) are NaN, unknown keys (a
+        newer one) are left out.
+
+        Example:
+            >>> EpochRecord.from_dict({"epoch": 2, "step_ms": 10.0, "dropped": 1}).step_ms
+            10.0
+        """
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in row.items() if k in names})
+
 
 def merge_epoch_records(records: Sequence[EpochRecord]) -> EpochRecord:
-    """One epoch as all ranks saw it, combined as the logged keys are: peaks and step time the largest of any rank,
-    capacity the smallest, samples/s the sum (every rank trains its own samples at the same time).
+    """One epoch as all ranks saw it, each figure merged as declared (see :class:`EpochRecord`).
 
     Example:
         >>> ranks = [EpochRecord(3, 50.0, 2.0, 2.5, 16.0, 80.0), EpochRecord(3, 60.0, 3.0, 3.5, 15.0, 40.0)]
@@ -34,14 +65,12 @@ def merge_epoch_records(records: Sequence[EpochRecord]) -> EpochRecord:
     """
     if not records:
         raise ValueError("no epoch records to merge")
-    return EpochRecord(
-        epoch=records[0].epoch,
-        step_ms=max(r.step_ms for r in records),
-        peak_allocated_gb=max(r.peak_allocated_gb for r in records),
-        peak_reserved_gb=max(r.peak_reserved_gb for r in records),
-        capacity_gb=min(r.capacity_gb for r in records),
-        samples_per_sec=sum(r.samples_per_sec for r in records),
-    )
+    merged = {
+        f.name: f.metadata["merge"]([getattr(r, f.name) for r in records])
+        for f in fields(EpochRecord)
+        if "merge" in f.metadata
+    }
+    return EpochRecord(records[0].epoch, **merged)
 
 
 def format_epoch_table(records: Sequence[EpochRecord]) -> str:

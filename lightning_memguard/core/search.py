@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lightning_memguard.core.epoch import EpochLength
+from lightning_memguard.core.spill import Evidence, Verdict, judge
 
 OK, OOM, SPILL, OVER_HEADROOM = "ok", "oom", "spill", "over_headroom"
 PREDICTED = "predicted_over"  # not run: the memory line fitted to the measured sizes puts it above the capacity
@@ -46,45 +47,27 @@ class TrialResult:
         return asdict(self)
 
 
-def fits_in_memory(peak_bytes: int, capacity: int, headroom: float) -> bool:
-    """Whether ``peak_bytes`` leaves ``headroom`` (a fraction) of ``capacity`` free.
+def trial_outcome(evidence: Evidence) -> str:
+    """What the spill rule says of a trial's reading: ``"spill"`` as MemGuard would judge a run (above the
+    capacity; or within the headroom of it with the trial's throughput collapsed against the best of the smaller
+    sizes, which ran on less memory); ``"over_headroom"`` for any other reading within the headroom; else ``"ok"``.
+    Throughput alone never makes a spill: far from the capacity a slow trial is just slow.
 
     Example:
-        >>> fits_in_memory(15 * 10**9, 16 * 10**9, 0.05), fits_in_memory(int(15.5e9), 16 * 10**9, 0.05)
-        (True, False)
-    """
-    return peak_bytes <= capacity * (1.0 - headroom)
-
-
-def classify_trial(
-    peak_bytes: int,
-    capacity: int,
-    headroom: float,
-    samples_per_sec: float | None = None,
-    best_rate: float | None = None,
-    collapse: float = 2.5,
-) -> str:
-    """What memory says about a trial, as MemGuard judges a run: ``"spill"`` above the capacity, or within
-    ``headroom`` of it with throughput collapsed (``collapse`` times below ``best_rate``, the best of the smaller
-    sizes); ``"over_headroom"`` within ``headroom`` of the capacity otherwise; else ``"ok"``. Throughput alone never
-    makes a spill: far from the capacity a slow trial is just slow.
-
-    Example:
-        >>> classify_trial(17 * 10**9, 16 * 10**9, 0.05)
-        'spill'
-        >>> classify_trial(15_500_000_000, 16 * 10**9, 0.05, 3400.0, 3500.0, 2.5)
-        'over_headroom'
-        >>> classify_trial(15_500_000_000, 16 * 10**9, 0.05, 1000.0, 3500.0, 2.5)
-        'spill'
-        >>> classify_trial(12 * 10**9, 16 * 10**9, 0.05, 1000.0, 3500.0, 2.5)
+        >>> from lightning_memguard.core.reading import MemoryReading
+        >>> def trial(peak, rate=None, best=None):
+        ...     evidence = Evidence(MemoryReading(peak, 0, 0), 16 * 10**9, 0.05, best, [rate] if rate else [])
+        ...     return trial_outcome(evidence)
+        >>> trial(17 * 10**9), trial(15_500_000_000, 3400.0, 3500.0), trial(15_500_000_000, 1000.0, 3500.0)
+        ('spill', 'over_headroom', 'spill')
+        >>> trial(12 * 10**9, 1000.0, 3500.0)
         'ok'
     """
-    if peak_bytes > capacity:
+    if evidence.healthy_used is None:  # the reference is the smaller sizes': they ran on less memory than this one
+        evidence = replace(evidence, healthy_used=0)
+    if judge(evidence).verdict is Verdict.SPILL:
         return SPILL
-    if not fits_in_memory(peak_bytes, capacity, headroom):
-        collapsed = best_rate is not None and samples_per_sec is not None and samples_per_sec < best_rate / collapse
-        return SPILL if collapsed else OVER_HEADROOM
-    return OK
+    return OVER_HEADROOM if evidence.near else OK
 
 
 @dataclass(frozen=True)

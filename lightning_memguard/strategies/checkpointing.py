@@ -7,21 +7,21 @@ from typing import Any
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import nn
 
+from lightning_memguard.callbacks._private import BeforeModelWrapped
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.checkpointing.rebuild import RebuildConfig
 
 
-class _ChecksBeforeWrapping:
-    """What both strategies add to theirs: checkpointing in ``_setup_model``, before the model is wrapped, and
-    compile's setting released at ``teardown``. Listed first among the bases, so ``super()`` is the strategy."""
+class _ChecksBeforeWrapping(BeforeModelWrapped):
+    """What both strategies add to theirs: checkpointing before the model is wrapped (Lightning's hook for that is
+    private: :class:`~lightning_memguard.callbacks._private.BeforeModelWrapped`), and compile's setting released at
+    ``teardown``. Listed first among the bases, so ``super()`` is the strategy."""
 
     checkpointing: CheckpointingPolicy
 
-    def _setup_model(self, model: nn.Module) -> Any:
+    def before_model_wrapped(self) -> None:
         _checkpoint_before_wrapping(self, self.checkpointing)  # type: ignore[arg-type]
-        return super()._setup_model(model)  # type: ignore[misc]
 
     def teardown(self) -> None:
         self.checkpointing.release_compile_setting()

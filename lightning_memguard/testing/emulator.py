@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_memguard import _compiler
+from lightning_memguard import _autograd, _compiler
 from lightning_memguard.core.checks import check_callable, check_size
 from lightning_memguard.probes.base import MemoryReading
 
@@ -225,7 +225,7 @@ class SysmemSpillEmulator(Callback):
         step = self._step
         if step is None:
             return tensor
-        root = tensor._base if tensor._base is not None else tensor
+        root = _autograd.view_root(tensor)
         # a compiled graph saves leaves only (its activations, parameters, inputs): the frame walk is for those
         compiled = root.is_leaf and _compiler.saved_by_compiled_graph()
         step.saw_compiled |= compiled

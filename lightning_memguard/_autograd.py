@@ -1,0 +1,65 @@
+"""What this library reads from autograd's internals, in one place: private attributes of autograd's nodes and
+tensors, and the saved-tensor hooks in force, which torch offers no public way to read.
+
+- :func:`batch_norm_saved_statistics`: the batch mean and inverse deviation a training-mode BatchNorm's backward
+  node saved (``_saved_result1``, ``_saved_result2``): the rebuild recomputes BatchNorm's output from them instead of
+  keeping it.
+- :func:`saved_input`: the input the node that made a tensor saved (``_saved_input``): a BatchNorm's, which the
+  rebuild of a ResNet stem's ReLU recomputes from.
+- :func:`saved_tensors_hooks_in_force`: the saved-tensor hooks around the code now running
+  (``torch._C._autograd._top_saved_tensors_default_hooks``), which a block's own hooks hand on to;
+  :func:`checkpoint_hook`: whether a pack hook is ``torch.utils.checkpoint``'s own (inside a checkpoint nothing is
+  kept anyway).
+- :func:`version`: a tensor's version counter (``_version``), which in-place changes move: a recipe holds only
+  while its tensor is unchanged.
+- :func:`view_root`: the tensor a view was made from (``_base``): the spill emulator counts storage, not views.
+
+A torch release that renames one of them breaks here and nowhere else; where a node's attribute or the hooks'
+reader is missing, the functions answer None (nothing saved, no hooks), so the rebuild keeps the tensor as autograd
+would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_CHECKPOINT_MODULE = "torch.utils.checkpoint"
+
+
+def batch_norm_saved_statistics(output: torch.Tensor) -> tuple[Any, Any]:
+    """What the node that made ``output`` saved as its first and second results (``_saved_result1``,
+    ``_saved_result2``): for training-mode BatchNorm, the batch mean and inverse deviation; None where it saved
+    none."""
+    node = output.grad_fn
+    return getattr(node, "_saved_result1", None), getattr(node, "_saved_result2", None)
+
+
+def saved_input(output: Any) -> Any:
+    """The input the node that made ``output`` saved for its backward (``_saved_input``), None where it saved none."""
+    return getattr(output.grad_fn, "_saved_input", None)
+
+
+def saved_tensors_hooks_in_force() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+    """The innermost saved-tensor hooks in force (pack, unpack), None if there are none."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+def checkpoint_hook(pack: Any) -> bool:
+    """Whether a pack hook is ``torch.utils.checkpoint``'s own (forward or recomputation), on any torch version
+    (marked ``_checkpoint_internal``, or defined in that module)."""
+    return bool(getattr(pack, "_checkpoint_internal", False)) or getattr(pack, "__module__", "") == _CHECKPOINT_MODULE
+
+
+def version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter (``_version``): every in-place change moves it."""
+    return tensor._version
+
+
+def view_root(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor ``tensor`` is a view of (``_base``), or ``tensor`` itself."""
+    base = tensor._base
+    return base if base is not None else tensor

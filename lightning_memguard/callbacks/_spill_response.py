@@ -1,0 +1,109 @@
+"""What MemGuard does once a spill is found: warn, or, every rank at the same step, save and raise or stop."""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_memguard.callbacks._agreement import StopVote
+from lightning_memguard.callbacks._files import checkpoint_folder, write_checkpoint
+from lightning_memguard.core.advice import FitAdvice
+from lightning_memguard.core.messages import FIXES, SysmemSpillError, format_spill_message
+from lightning_memguard.core.spill import SpillReport
+
+
+class SpillResponse:
+    """The response to a spill, as ``on_spill`` asks: ``"warn"`` once, or a checkpoint then ``"raise"`` or
+    ``"stop"`` on every rank together, each rank's message carrying the spilling rank's figures.
+
+    Args:
+        on_spill: ``"raise"``, ``"stop"`` or ``"warn"``.
+        spill_checkpoint: ``True`` (Lightning's checkpoint folder), a folder, or ``False`` for none.
+        headroom: the fraction of capacity a healthy run leaves free (for what would fit).
+    """
+
+    def __init__(self, on_spill: str, spill_checkpoint: bool | str | os.PathLike[str], headroom: float) -> None:
+        self.on_spill = on_spill
+        self.spill_checkpoint = spill_checkpoint
+        self.headroom = headroom
+        self.start()
+
+    def start(self) -> None:
+        """Forget the previous fit's response."""
+        self.checkpoint_path: str | None = None  # the spill checkpoint, once written (a file that exists)
+        self.checkpoint_error: str | None = None  # why it could not be written, if it could not
+        self.allocated_now: int | None = None  # what a step starts from, at the last reading between steps
+        self._shared: tuple[int, SpillReport] | None = None  # the spilling rank and its report, once shared
+
+    @property
+    def acts(self) -> bool:
+        """Whether a spill stops the run (``"raise"`` or ``"stop"``), rather than only warning."""
+        return self.on_spill != "warn"
+
+    def found(self, report: SpillReport, batch: int | None) -> None:
+        """A spill was found on this rank (once a fit): ``"warn"`` warns now; the others act at a batch start."""
+        if not self.acts:
+            rank_zero_warn(format_spill_message(report, batch), category=RuntimeWarning)
+
+    def settle(self, trainer: Trainer, spill: SpillReport | None, vote: StopVote | None, batch: int | None) -> None:
+        """At an epoch's end no later batch start may come to act on a spill found in its last steps (the last
+        epoch, ``fast_dev_run``, ``limit_train_batches=1``): every rank decides now, together, without lag."""
+        if self.acts and trainer.strategy.reduce_boolean_decision(spill is not None, all=False):
+            self.act(trainer, spill, vote, batch)
+
+    def act(self, trainer: Trainer, spill: SpillReport | None, vote: StopVote | None, batch: int | None) -> None:
+        """Every rank arrives here at the same step: save if there is progress to keep, then raise or stop."""
+        saved = self.checkpoint_path is not None or self.checkpoint_error is not None
+        if not saved and self.spill_checkpoint is not False and trainer.global_step > 0:
+            chosen = None if self.spill_checkpoint is True else self.spill_checkpoint
+            path = os.path.join(checkpoint_folder(trainer, chosen), f"memguard-spill-step={trainer.global_step}.ckpt")
+            error = write_checkpoint(trainer, path)
+            self.checkpoint_path = None if error else path
+            self.checkpoint_error = None if error is None else f"the checkpoint could not be written: {error}"
+        spilling = self._spilling_rank(spill, vote)
+        if spill is not None:
+            message = format_spill_message(spill, batch, self.checkpoint_path)
+            advice = self._advice(spill, batch, trainer.accumulate_grad_batches)
+            if advice is not None:
+                message += "\n" + advice.sentence()
+        elif spilling is not None:  # the numbers of the rank that spilled, on every rank (and in rank zero's warning)
+            rank, theirs = spilling
+            message = (
+                f"Another rank's GPU memory spilled into system RAM (rank {rank}); every rank stops with it."
+                f" Rank {rank}: " + format_spill_message(theirs, batch, self.checkpoint_path)
+            )
+        else:
+            message = "Another rank's GPU memory spilled into system RAM; every rank stops with it."
+            if self.checkpoint_path:
+                message += f" A checkpoint was saved to {self.checkpoint_path}."
+            message += "\n" + FIXES
+        if self.checkpoint_error is not None:
+            message += f"\nNo checkpoint was kept: {self.checkpoint_error}."
+        if self.on_spill == "raise":
+            raise SysmemSpillError(message, spill, self.checkpoint_path)
+        if not trainer.should_stop:
+            rank_zero_warn(message + "\nMemGuard stopped the Trainer.", category=RuntimeWarning)
+        trainer.should_stop = True
+
+    def _spilling_rank(self, spill: SpillReport | None, vote: StopVote | None) -> tuple[int, SpillReport] | None:
+        """The lowest rank that found a spill, and its report, as every rank learns it (one gather, once)."""
+        if self._shared is None:
+            reports: list[SpillReport | None] = [spill]
+            if vote is not None and vote.distributed:
+                reports = [None] * dist.get_world_size()
+                dist.all_gather_object(reports, spill)
+            found = [(rank, r) for rank, r in enumerate(reports) if r is not None]
+            self._shared = found[0] if found else None
+        return self._shared
+
+    def _advice(self, report: SpillReport, batch: int | None, accumulate: int) -> FitAdvice | None:
+        """What would fit, from this run's readings: what a step starts from and the spilling step's peak."""
+        if batch is None or self.allocated_now is None:
+            return None
+        return FitAdvice.from_run(
+            report.used_bytes, self.allocated_now, report.other_bytes or 0, report.capacity, self.headroom, batch,
+            accumulate,
+        )  # fmt: skip
