@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import platform
+import re
 from typing import Any
 
 import lightning
 import torch
 
-from lightning_memguard.core.detector import fallback_advice, fallback_possible, is_wsl2
+from lightning_memguard.core.platform import fallback_advice, fallback_possible, is_wsl2
 
 CANNOT = "cannot happen here"
 CUDA_INSTALL = (
@@ -66,6 +67,68 @@ def verdict(
     return f"possible: turn it off with {advice}" if fallback_possible(system, release, driver_model) else CANNOT
 
 
+def triton_pairing(torch_requires: list[str] | None) -> str | None:
+    """The Triton series the installed torch was built with (``"3.8"``), from its own metadata; None where it names
+    none (a CPU build, a source build).
+
+    Example:
+        >>> triton_pairing(['triton~=3.8.0; platform_system == "Linux"', "sympy>=1.13.3"])
+        '3.8'
+        >>> triton_pairing(["pytorch-triton==3.3.0+git96316ce5; platform_system == 'Linux'"]), triton_pairing(None)
+        ('3.3', None)
+    """
+    for requirement in torch_requires or []:
+        found = re.match(r"\s*(?:pytorch-)?triton\s*(?:==|~=|>=)\s*(\d+)\.(\d+)", requirement)
+        if found:
+            return f"{found.group(1)}.{found.group(2)}"
+    return None
+
+
+def triton_advice(system: str, installed: str | None, pairing: str | None, works: bool) -> str:
+    """Whether Triton works here for the rebuild's kernel and ``torch.compile``, and the pip line that fixes it.
+
+    Example:
+        >>> triton_advice("Windows", None, "3.7", False)
+        'missing: pip install -U "triton-windows>=3.7,<3.8" (or "lightning-memguard[windows]")'
+        >>> triton_advice("Windows", "3.8.0", "3.7", True)
+        '3.8.0, but this torch pairs with 3.7: pip install -U "triton-windows>=3.7,<3.8"'
+        >>> triton_advice("Linux", "3.7.1", "3.7", True)
+        '3.7.1 (works)'
+    """
+    package = "triton-windows" if system == "Windows" else "triton"
+    line = f'pip install -U "{package}"'
+    if pairing is not None:
+        major, minor = pairing.split(".")
+        line = f'pip install -U "{package}>={pairing},<{major}.{int(minor) + 1}"'
+    if installed is None:
+        extra = ' (or "lightning-memguard[windows]")' if system == "Windows" else ""
+        return f"missing: {line}{extra}"
+    if pairing is not None and not installed.startswith(pairing + "."):
+        return f"{installed}, but this torch pairs with {pairing}: {line}"
+    if not works:
+        return f"{installed}, but it does not load: {line}"
+    return f"{installed} (works)"
+
+
+def _triton(system: str) -> str:
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("torch")
+    except metadata.PackageNotFoundError:
+        requires = None
+    installed, works = None, False
+    try:
+        import triton  # type: ignore[import-not-found,unused-ignore]
+
+        installed, works = str(triton.__version__), True
+    except ImportError:
+        pass
+    except Exception as err:  # a build for another torch or CUDA fails as it loads
+        installed = f"{type(err).__name__} on import"
+    return triton_advice(system, installed, triton_pairing(requires), works)
+
+
 def collect(probe: bool = False) -> dict[str, Any]:
     """What this machine is, as a dict (the ``--json`` output); ``other_processes_gb`` is None where unknown."""
     system, release = platform.system(), platform.release()
@@ -82,6 +145,8 @@ def collect(probe: bool = False) -> dict[str, Any]:
         "other_processes_gb": None,
         "pcie": None,
         "probe": None,
+        "windows_counters": None,
+        "triton": None,
     }
     if system == "Linux" and not wsl2:
         info["driver_model"] = "not applicable"
@@ -102,6 +167,9 @@ def collect(probe: bool = False) -> dict[str, Any]:
         link = dev.pcie_link()
         if link["generation"] is not None:
             info["pcie"] = f"gen {link['generation']} x{link['width']}"
+        if system == "Windows" or wsl2:
+            info["windows_counters"] = _windows_counters(dev.index)
+        info["triton"] = _triton(system)
         if probe:
             info["probe"] = dev.overallocation_succeeds()
     else:
@@ -123,6 +191,52 @@ def collect(probe: bool = False) -> dict[str, Any]:
     return info
 
 
+def _windows_counters(index: int) -> dict[str, float | None] | str:
+    """This process's and the adapter's dedicated and shared GPU memory as Windows counts it (GB), or why it cannot
+    be read here."""
+    from lightning_memguard.probes.wddm import open_counters
+
+    counters, why = open_counters(index)
+    if counters is None:
+        return why
+    try:
+        usage = counters.read()
+    finally:
+        counters.close()
+    if usage is None:
+        return "no figure for this process yet"
+
+    def gb(value: int | None) -> float | None:
+        return None if value is None else round(value / 1e9, 2)
+
+    return {
+        "dedicated_gb": gb(usage.dedicated),
+        "shared_gb": gb(usage.shared),
+        "adapter_dedicated_gb": gb(usage.adapter_dedicated),
+        "adapter_shared_gb": gb(usage.adapter_shared),
+    }
+
+
+def _counters_row(counters: dict[str, float | None] | str | None) -> str:
+    """The doctor's line for Windows' counters.
+
+    Example:
+        >>> figures = {"dedicated_gb": 0.4, "shared_gb": 0.1, "adapter_dedicated_gb": 2.0, "adapter_shared_gb": 0.3}
+        >>> _counters_row(figures)
+        'this process 0.4 GB dedicated, 0.1 GB shared; the adapter 2.0 / 0.3 GB'
+        >>> _counters_row("not Windows"), _counters_row(None)
+        ('cannot be read: not Windows', '-')
+    """
+    if counters is None:
+        return "-"
+    if isinstance(counters, str):
+        return f"cannot be read: {counters}"
+    return (
+        f"this process {counters['dedicated_gb']} GB dedicated, {counters['shared_gb']} GB shared;"
+        f" the adapter {counters['adapter_dedicated_gb']} / {counters['adapter_shared_gb']} GB"
+    )
+
+
 def format_report(info: dict[str, Any]) -> str:
     others = info["other_processes_gb"]
     rows = [
@@ -133,6 +247,8 @@ def format_report(info: dict[str, Any]) -> str:
         ("GPU memory", f"{info['memory_gb']} GB" if info["memory_gb"] is not None else "-"),
         ("other processes", "-" if info["gpu"] is None else "unknown" if others is None else f"{others} GB"),
         ("PCIe", info["pcie"] or "-"),
+        ("Windows GPU memory", _counters_row(info.get("windows_counters"))),
+        ("Triton", info.get("triton") or "-"),
         ("torch / lightning / CUDA", f"{info['torch']} / {info['lightning']} / {info['cuda'] or 'CPU-only build'}"),
         ("sysmem fallback", info["verdict"]),
     ]

@@ -16,7 +16,7 @@ from conftest import StepClock, TinyModel, trainer_kwargs
 from fake_wddm import GB, FakeWddmCard
 from lightning.pytorch import Callback, Trainer
 
-import lightning_memguard.callbacks.memguard as mg
+import lightning_memguard.callbacks._prevention as mg
 from lightning_memguard import MemGuard, SysmemSpillError
 from lightning_memguard.doctor import collect, format_report
 from lightning_memguard.probes import CudaProbe
@@ -217,6 +217,37 @@ def test_the_doctor_prints_on_a_windows_console_without_unix_modules():
     done = _run_windows_like("from lightning_memguard.cli import main\nsys.exit(main(['doctor']))")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "sysmem fallback" in done.stdout
+
+
+_COUNTERS = textwrap.dedent(
+    """
+    from _pytest.monkeypatch import MonkeyPatch
+    sys.path.insert(0, 'tests')
+    from fake_pdh import GERMAN, FakePdh
+    from fake_wddm import FakeWddmCard
+    from lightning_memguard.core import Evidence, judge
+    from lightning_memguard.probes import CudaProbe, wddm
+    patch = MonkeyPatch()
+    FakeWddmCard().install(patch, cuda_available=False)
+    patch.setattr(torch.cuda, "host_memory_stats_as_nested_dict", lambda: {"allocated_bytes": {"current": 10**9}})
+    pdh = FakePdh(GERMAN)  # a German Windows
+    pdh.process[(os.getpid(), (0, 0xC1A8))] = (7 * 10**9, 3_300_000_000)
+    pdh.adapter[(0, 0xC1A8)] = (9 * 10**9, 3_300_000_000)
+    patch.setitem(sys.modules, "win32pdh", pdh)
+    patch.setattr(wddm, "ON_WINDOWS", True)
+    patch.setattr(wddm, "luid_of", lambda index: (0, 0xC1A8))
+    reading = CudaProbe(0).read()
+    print("counted", reading.shared, reading.pinned, judge(Evidence(reading, 16 * 10**9)).reason)
+    """
+)
+
+
+def test_the_windows_counter_probe_reads_through_the_fake_without_unix_modules():
+    done = _run_windows_like(_COUNTERS)
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    counted = "Windows counts 2.30 GB of this run's GPU memory in system RAM (Shared GPU memory)"
+    assert last == f"counted 3300000000 1000000000 {counted}"
 
 
 def test_the_windows_probe_reads_the_peak_working_set(monkeypatch):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lightning_memguard.core.detector import SpillDetector, SpillReport, Verdict
+from lightning_memguard.core.detector import SpillDetector
+from lightning_memguard.core.reading import MemoryReading
+from lightning_memguard.core.spill import SpillReport, Verdict
 from lightning_memguard.core.throughput import StepStats, summarize_steps
 
 
@@ -29,7 +31,8 @@ class StepTimeline:
         >>> timeline = StepTimeline(detector=SpillDetector(16 * 10**9, warmup_steps=0, reference_steps=1))
         >>> timeline.batch_start(0.0, samples=8), timeline.batch_start(0.1, samples=8)  # the second closes a step
         (False, True)
-        >>> timeline.judge(10**9, step=1) is None, timeline.judge(17 * 10**9, step=1).reason
+        >>> def read(used): return MemoryReading(used, 0, 16 * 10**9)
+        >>> timeline.judge(read(10**9), step=1) is None, timeline.judge(read(17 * 10**9), step=1).reason
         (True, 'peak memory above the physical capacity')
         >>> timeline.interrupt(0.3)
         >>> timeline.epoch_stats()
@@ -72,10 +75,13 @@ class StepTimeline:
         if start is not None and compiled:
             self.open_steps.append((now - start, self.batch))
         elif start is not None:
-            self.durations.append(now - start)
+            seconds = now - start
+            self.durations.append(seconds)
             self.samples.append(self.batch)
             self._unfed += 1
-            if self._unfed >= self._feed_every:
+            # the steps go over a window at a time; a step this slow goes over at once (its window is judged)
+            ref = self.detector.reference_rate
+            if self._unfed >= self._feed_every or (ref and seconds * ref > self.batch * self.detector.read_trigger):
                 wants = self.feed()
         self.batch = samples
         return wants
@@ -97,14 +103,13 @@ class StepTimeline:
         self._feed_every = 1 if detector.watching else detector.read_window
         return wants or len(self.durations) % self.read_every < count
 
-    def judge(self, used_bytes: int, step: int, other_bytes: int | None = 0) -> SpillReport | None:
-        """Judge the latest steps against a memory reading (peak plus other processes' use, in bytes; the latter
-        alone as ``other_bytes``, None where unknown); return the spill, numbered with the training ``step``, the
-        first time one is found, else None."""
+    def judge(self, reading: MemoryReading, step: int) -> SpillReport | None:
+        """Judge the latest steps against a memory reading; return the spill, numbered with the training ``step``,
+        the first time one is found, else None."""
         if self.spill is not None:
             return None
         detector = self.detector
-        report = detector.observe_memory(used_bytes, other_bytes)
+        report = detector.observe_memory(reading)
         self._feed_every = 1 if detector.watching else detector.read_window
         if report.verdict is not Verdict.SPILL:
             return None

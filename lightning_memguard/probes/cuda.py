@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_memguard.core.detector import fallback_possible
+from lightning_memguard.core.platform import fallback_possible
 from lightning_memguard.probes.base import MemoryReading
+from lightning_memguard.probes.wddm import WddmCounters, WddmUsage, open_counters
 
 
 class CudaProbe:
@@ -39,6 +40,10 @@ class CudaProbe:
         self._nvml_state = "untried"  # "untried" | "ok" | "failed"
         self._capacity: int | None = None
         self._device_wide: bool | None = None  # others' use from the device-wide figure (WDDM), not per process
+        self._wddm: WddmCounters | None = None  # Windows' own count of this process's GPU memory
+        self._wddm_state = "untried"  # "untried" | "ok" | "failed"
+        self.wddm_unavailable = ""  # why Windows' counters cannot be read, once tried and failed
+        self.preflight_moved: int | None = None  # what Windows counted in system RAM during the preflight
 
     @property
     def index(self) -> int:
@@ -63,13 +68,39 @@ class CudaProbe:
         stats = torch.cuda.memory_stats_as_nested_dict(self.index)
         allocated = stats.get("allocated_bytes", {}).get("all", {})
         reserved = stats.get("reserved_bytes", {}).get("all", {})
+        usage = self.wddm_usage()
         return MemoryReading(
             peak_allocated=int(allocated.get("peak", 0)),
             peak_reserved=int(reserved.get("peak", 0)),
             capacity=self.capacity(),
             other_processes=self.other_processes(int(reserved.get("current", 0))),
             allocated_now=int(allocated.get("current", 0)),
+            shared=None if usage is None else usage.shared,
+            pinned=None if usage is None else _pinned(),
         )
+
+    def wddm_usage(self) -> WddmUsage | None:
+        """This process's dedicated and shared memory on this device's adapter as Windows counts it (Task Manager's
+        figures); None where they cannot be read: off Windows, or (with one notice, where the driver's fallback can
+        exist: Windows, WSL2) where the counters are missing or locked, and MemGuard infers a spill as before."""
+        if self._wddm_state == "untried":
+            self._wddm, self.wddm_unavailable = open_counters(self.index)
+            self._wddm_state = "ok" if self._wddm is not None else "failed"
+            if self._wddm is None and fallback_possible(platform.system(), platform.release(), None):
+                rank_zero_warn(
+                    f"{self.wddm_unavailable}: MemGuard cannot read how much of this run's GPU memory Windows has"
+                    " moved into system RAM, and infers a spill from PyTorch's and NVML's figures instead.",
+                    category=RuntimeWarning,
+                )
+        if self._wddm is None:
+            return None
+        try:
+            return self._wddm.read()
+        except Exception as err:  # a counter that disappears (a driver reset): the other signals remain
+            self._wddm, self._wddm_state = None, "failed"
+            self.wddm_unavailable = f"Windows' GPU memory counters stopped answering ({type(err).__name__}: {err})"
+            rank_zero_warn(self.wddm_unavailable, category=RuntimeWarning)
+            return None
 
     def other_processes(self, own_reserved: int | None = None) -> int | None:
         """Bytes that other processes hold on this device, from NVML; None where NVML cannot say.
@@ -120,13 +151,18 @@ class CudaProbe:
 
         The size does not depend on the free figure (``cudaMemGetInfo``), which under WDDM can be off by hundreds of
         MB either way: no normal driver can place more than the whole card, only the sysmem fallback accepts it. A
-        plain device allocation (never managed memory): on a normal driver it fails at once with out-of-memory.
+        plain device allocation (never managed memory): on a normal driver it fails at once with out-of-memory. On
+        Windows the driver's own count confirms it: what went to system RAM is kept in ``preflight_moved``.
         """
+        before = self.wddm_usage()
         try:
             block = torch.empty(self.capacity() + extra, dtype=torch.uint8, device=torch.device("cuda", self.index))
         except torch.OutOfMemoryError:
             return False
         else:
+            after = self.wddm_usage()
+            if before is not None and after is not None:  # Windows' own count of what went to system RAM
+                self.preflight_moved = max(0, after.shared - before.shared)
             del block
             return True
         finally:
@@ -186,6 +222,11 @@ class CudaProbe:
             )
         self._nvml_state = "failed"
         self._handle = None
+
+
+def _pinned() -> int:
+    """Host memory PyTorch holds pinned (its pinned allocator's blocks, in use or cached)."""
+    return int(torch.cuda.host_memory_stats_as_nested_dict().get("allocated_bytes", {}).get("current", 0))
 
 
 def nvml_gpus() -> list[dict[str, Any]] | None:
