@@ -3,7 +3,8 @@
 # Usage: bash benchmarks/run_gpu.sh OUT_DIR [STEP...]   STEP: tests overhead spill checkpointing tuners sweeps
 # (all when none is named), or one of: zoo compile_frontier compile_rerun compile_tuner compile_budgets compile_peak (each 3-8
 # minutes), families (timm and Hugging Face against their own switches; FAMILY_MODELS=a,b picks a part: split the six
-# models over several calls, each within 9 minutes).
+# models over several calls, each within 9 minutes), checkpoint_overhead (timm's switch against ours and the ablations
+# between them, profiled; CKPT_MODEL=resnet50 or vit_small_patch16_224 for another model than convnext_tiny; 3-4 minutes).
 # Results and plots land in OUT_DIR; copy them to benchmarks/results/ and docs/,
 # then update the README's "Measured" section.
 set -uo pipefail
@@ -32,6 +33,8 @@ want compile_budgets && TAIL=8 run timeout 540 python3 benchmarks/compile.py --p
 want compile_rerun && TAIL=8 run timeout 420 python3 benchmarks/compile.py --part frontier --rows "${ROWS:-compile_every_block,compile_every_block_one_graph}" --out "$out/compile_rerun.json"
 want families && TAIL=80 run timeout 540 python3 benchmarks/families.py \
     --models ${FAMILY_MODELS:-resnet50,convnext_tiny,vit_small,efficientnet_b0,gpt2,llama} --out "$out/families.json"
+want checkpoint_overhead && TAIL=200 run timeout 420 python3 benchmarks/checkpoint_overhead.py \
+    --model "${CKPT_MODEL:-convnext_tiny}" --profile --out "$out/checkpoint_overhead.json"
 want compile_peak && TAIL=80 run timeout 555 python3 benchmarks/compile_peak.py --out "$out/compile_peak.json"
 if want sweeps; then
 TAIL=9 run timeout 90 python3 -m lightning_memguard.cli sweep --model resnet50 --batch-sizes 32,64,128,256,512 \

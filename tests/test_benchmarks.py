@@ -144,3 +144,35 @@ def test_families_smoke_runs_every_row_of_a_language_model_and_writes_them(tmp_p
     assert all("tokens_per_sec" in r and "saved_pct" in r for name, r in rows.items() if name != "plain")
     assert "summary" in rows["ours_budget_0.4"] and "met" in result["models"]["llama"]["goals"]
     assert result["environment"]["torch"]
+
+
+def test_checkpoint_overhead_smoke_measures_every_row_and_profiles_the_switch_against_ours(tmp_path, monkeypatch):
+    pytest.importorskip("timm")
+    import math
+
+    import torch
+
+    module = _benchmark("checkpoint_overhead")
+    out = tmp_path / "checkpoint_overhead.json"
+    monkeypatch.setattr("sys.argv", ["checkpoint_overhead.py", "--smoke", "--profile", "--out", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        module.main()
+    finally:
+        torch.set_num_threads(threads)  # the smoke run takes one thread
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert list(rows) == list(module.ROWS)
+    assert not [r["error"] for r in rows.values() if "error" in r]
+    for name, row in rows.items():
+        figures = [row["step_ms"], row["activation_peak_gb"], *row["phases"].values()]
+        assert all(isinstance(v, float) and math.isfinite(v) for v in figures), (name, figures)
+        assert name == "plain" or math.isfinite(row["vs_switch_pct"])
+    assert rows["ours_every_block"]["blocks"] == rows["wrapper_nonreentrant"]["blocks"] > 0  # the same blocks
+    assert all(rows[r]["profile"]["top_self_cpu"] for r in module.PROFILED)
+    assert result["profile_diff"]["b"] == "ours_every_block" and result["all_rows_finite"]
+    assert result["environment"]["timm"] and "use_reentrant" in result["timm_checkpointing"]
+    # the ablations' monkeypatches are undone
+    wrap = module.memguard_wrap
+    assert wrap.checkpoint is torch.utils.checkpoint.checkpoint
+    assert wrap.CheckpointedUnit.__dict__["forward"] is not module._minimal_forward
