@@ -276,3 +276,32 @@ def test_the_windows_extra_and_pywin32_install_nothing_elsewhere():
         assert requirement.marker is not None
         assert not requirement.marker.evaluate({"sys_platform": "linux"})  # a no-op on Linux (and macOS)
         assert requirement.marker.evaluate({"sys_platform": "win32"})
+
+
+class _CountedProbe(FakeProbe):
+    """A card whose driver already counts 1 GB of this process in system RAM before the trials (another stage of
+    the script, an earlier fit), and counts ``extra`` more once a trial's batch reaches ``spills_from``."""
+
+    def __init__(self, spills_from: int | None = None) -> None:
+        super().__init__(capacity=16 * GB, peak=2 * GB)
+        self.model, self.spills_from = TinyModel(n=128), spills_from
+
+    def read(self) -> MemoryReading:
+        reading = super().read()
+        extra = 2 * GB if self.spills_from is not None and self.model.batch_size >= self.spills_from else 0
+        return MemoryReading(reading.peak_allocated, reading.peak_reserved, reading.capacity, 0, shared=GB + extra)
+
+
+@pytest.mark.parametrize("spills_from", [None, 16], ids=["counted_before", "spills_at_16"])
+def test_the_trials_judge_the_counter_from_the_baseline_before_them(tmp_path, spills_from):
+    from lightning_memguard import BatchSizeTuner
+
+    probe = _CountedProbe(spills_from)
+    tuner = BatchSizeTuner(init_size=4, max_size=32, cache=False, warmup_steps=1, timed_steps=1, probe=probe)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[tuner]))
+    trainer.fit(probe.model)  # the tuner sets the model's batch_size for each trial
+    outcomes = {r.size: r.outcome for r in tuner.results}
+    if spills_from is None:  # the 1 GB was there before: no size spills
+        assert set(outcomes.values()) == {"ok"} and tuner.batch_size == max(outcomes)
+    else:  # 2 GB more in system RAM from size 16 on: spills, and the tuner stays below
+        assert outcomes[16] == "spill" and tuner.batch_size == 8

@@ -38,7 +38,7 @@ from lightning_memguard.callbacks._private import (
 )
 from lightning_memguard.callbacks._state import host_copy, interrupts_held, load_training_state, training_state
 from lightning_memguard.core.search import OK, OOM, TrialResult, trial_outcome
-from lightning_memguard.core.spill import Evidence
+from lightning_memguard.core.spill import Evidence, shared_baseline
 from lightning_memguard.probes import MemoryProbe
 
 
@@ -69,7 +69,9 @@ class _StepClock(Callback):
         headroom: float,
         size: int,
         accumulate: int,
+        baseline: int = 0,
     ) -> None:
+        self.baseline = baseline  # what the driver counted in system RAM before the trials (Windows)
         self.cuda = cuda
         self.size = size
         self.clock = clock
@@ -106,7 +108,10 @@ class _StepClock(Callback):
             self.extended += 1  # a step that compiled is not timed: one more takes its place
             one_more_step(trainer)
         if self.batches == self.accumulate:  # the first optimizer step is done: its peak is known
-            over = trial_outcome(Evidence(self.probe.read(), self.capacity, self.headroom)) != OK
+            over = (
+                trial_outcome(Evidence(self.probe.read(), self.capacity, self.headroom, shared_baseline=self.baseline))
+                != OK
+            )
             if trainer.strategy.reduce_boolean_decision(over, all=False):  # every rank ends the trial together
                 self.cut = True
                 trainer.should_stop = True
@@ -269,12 +274,14 @@ class TrialSession:
         self.collapse = collapse
         self.clock = clock
         self.best_rate: float | None = None
+        self.shared_baseline = 0  # what the driver counted in system RAM before the trials (Windows), set on entry
         self.compile_s = 0.0  # seconds of trial steps in which torch.compile compiled, over all trials
         self._saved: dict[str, Any] = {}
         self._dynamo = ExitStack()
 
     def __enter__(self) -> TrialSession:
         t = self.trainer
+        self.shared_baseline = shared_baseline(self.probe.read())
         callbacks = list(t.callbacks)  # type: ignore[attr-defined]
         kept = [c for c in callbacks if getattr(c, "memguard_keep_in_trials", False)]
         self._saved = {
@@ -344,7 +351,9 @@ class TrialSession:
         t = self.trainer
         cuda = t.strategy.root_device.type == "cuda"
         compiled = _compiler.is_compiled(t.lightning_module)
-        clock = _StepClock(cuda, self.clock, self.probe, self.capacity, self.headroom, size, accumulate)
+        clock = _StepClock(
+            cuda, self.clock, self.probe, self.capacity, self.headroom, size, accumulate, self.shared_baseline
+        )
         t.callbacks = [*self._saved["kept"], clock]  # type: ignore[attr-defined]
         t.should_stop = False
         t.accumulate_grad_batches = accumulate
@@ -382,7 +391,15 @@ class TrialSession:
         step_s = statistics.median(s for s, _ in timed) if timed else float("nan")
         rates = [n / s for s, n in timed if s > 0]
         rate = statistics.median(rates) if rates else 0.0
-        evidence = Evidence(reading, self.capacity, self.headroom, self.best_rate, [rate], self.collapse)
+        evidence = Evidence(
+            reading,
+            self.capacity,
+            self.headroom,
+            self.best_rate,
+            [rate],
+            self.collapse,
+            shared_baseline=self.shared_baseline,
+        )
         outcome = trial_outcome(evidence)
         return TrialResult(
             size, round(step_s * 1e3, 4), peak, round(rate, 3), outcome, accumulate, compiled, round(compile_s, 3)

@@ -7,7 +7,15 @@ from collections import deque
 from collections.abc import Sequence
 
 from lightning_memguard.core.reading import MemoryReading
-from lightning_memguard.core.spill import GROWTH, Evidence, SpillReport, Verdict, judge, shared_threshold
+from lightning_memguard.core.spill import (
+    GROWTH,
+    Evidence,
+    SpillReport,
+    Verdict,
+    judge,
+    shared_baseline,
+    shared_threshold,
+)
 
 
 class SpillDetector:
@@ -219,8 +227,7 @@ class SpillDetector:
     def set_baseline(self, reading: MemoryReading) -> None:
         """Take this reading, at the start of a run, as what Windows counted in system RAM before it: only growth
         past it (beyond what is pinned) is judged."""
-        if reading.shared is not None:
-            self.shared_baseline = max(0, reading.shared - (reading.pinned or 0))
+        self.shared_baseline = shared_baseline(reading)
 
     def state_dict(self) -> dict[str, float | None]:
         return {"reference_rate": self.reference_rate, "healthy_used_bytes": self.healthy_used}

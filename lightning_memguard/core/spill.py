@@ -131,6 +131,17 @@ def collapsed_at_capacity(e: Evidence) -> Finding | None:
     return Finding(Verdict.SPILL, "throughput collapsed with memory at the capacity")
 
 
+def shared_baseline(reading: MemoryReading) -> int:
+    """What a reading taken before a run counts in system RAM that the run did not put there (its shared figure
+    less what is pinned then); 0 where it is not counted.
+
+    Example:
+        >>> shared_baseline(MemoryReading(0, 0, 0, shared=900, pinned=600)), shared_baseline(MemoryReading(0, 0, 0))
+        (300, 0)
+    """
+    return 0 if reading.shared is None else max(0, reading.shared - (reading.pinned or 0))
+
+
 def shared_threshold(capacity: int) -> int:
     """Memory in system RAM beyond which the driver's count is a spill on its own: 1 % of the capacity, at least
     256 MiB (what Windows itself moves about for a process is far less).
