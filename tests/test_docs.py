@@ -302,16 +302,18 @@ def check_command(words: list[str], whole: bool = True) -> list[str]:
     if len(args) < 2:
         return ["`python -m` names no module"]
     module, rest = args[1], args[2:]
-    if importlib.util.find_spec(module.split(".")[0]) is None:
+    if module == "pip" and rest[:1] == ["install"]:
+        extras = set(_pyproject()["project"]["optional-dependencies"])
+        wanted = {e.strip() for a in rest for m in re.findall(r"\.\[([\w,\s-]+)\]", a) for e in m.split(",")}
+        return [f"`pip install .[{e}]`: no such extra in pyproject.toml" for e in sorted(wanted - extras)]
+    # pip is never looked up: setuptools' distutils shim, asked for `pip`, hands later imports of distutils to the
+    # standard library for the rest of the process, and Inductor's C++ builder then fails on it
+    if module != "pip" and importlib.util.find_spec(module.split(".")[0]) is None:
         return [f"`python -m {module}`: no such module here"]
     if module in {"lightning_memguard", "lightning_memguard.cli"}:
         return _check_memguard(rest, whole)
     if module == "pytest":
         return _check_pytest(rest)
-    if module == "pip" and rest[:1] == ["install"]:
-        extras = set(_pyproject()["project"]["optional-dependencies"])
-        wanted = {e.strip() for a in rest for m in re.findall(r"\.\[([\w,\s-]+)\]", a) for e in m.split(",")}
-        return [f"`pip install .[{e}]`: no such extra in pyproject.toml" for e in sorted(wanted - extras)]
     return []
 
 
@@ -396,3 +398,18 @@ def test_the_checks_catch_rot():
     assert check_command(["python", "-m", "pip", "install", "-e", ".[no-such-extra]"])
     blocks, prose = parse_blocks("x.md", "a\n<!-- not run: why -->\n```python\nx = 1\n```\n`make demo`\n")
     assert blocks == [Block("x.md", 3, "python", "x = 1\n", "why")] and "x = 1" not in prose
+
+
+def test_checking_a_pip_line_leaves_torch_able_to_build_cpp():
+    """Looking ``pip`` up through the import system would switch setuptools' distutils shim to the standard library
+    for the rest of the process, and the suite's Inductor tests would then fail in a C++ build that has nothing to do
+    with the docs."""
+    script = (
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from test_docs import check_command\n"
+        "assert not check_command(['python', '-m', 'pip', 'install', '-e', '.[dev]'])\n"
+        "assert not check_command(['python', '-m', 'pip', 'list'])\n"
+        "import torch.utils.cpp_extension\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
