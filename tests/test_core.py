@@ -91,6 +91,23 @@ def test_epoch_table_has_a_row_per_epoch():
     assert "1.00 / 16.00" in lines[1] and "12.5" in lines[2] and "80.0" in lines[2]
 
 
+def test_epoch_record_loads_older_and_newer_checkpoints_and_merges_each_figure_as_declared():
+    """A logged figure is one line of ``EpochRecord`` (its merge and unit): a checkpoint written before it existed
+    still loads, with the figure unknown (NaN), and one written by a newer version drops what it does not know."""
+    import math
+
+    from lightning_memguard.core.report import merge_epoch_records
+
+    old = {"epoch": 1, "step_ms": 10.0, "peak_allocated_gb": 1.0, "peak_reserved_gb": 1.5, "capacity_gb": 16.0}
+    record = EpochRecord.from_dict({**old, "a_later_figure": 3.0})
+    assert record.step_ms == 10.0 and math.isnan(record.samples_per_sec)
+    again = EpochRecord.from_dict(record.to_dict())
+    assert again.figures() | {"samples_per_sec": 0} == record.figures() | {"samples_per_sec": 0}
+    assert list(record.figures()) == list(EpochRecord.figure_names())
+    ranks = [EpochRecord(2, 50.0, 2.0, 2.5, 16.0, 80.0), EpochRecord(2, 60.0, 3.0, 3.5, 15.0, 40.0)]
+    assert merge_epoch_records(ranks) == EpochRecord(2, 60.0, 3.0, 3.5, 15.0, 120.0)  # max, max, max, min, sum
+
+
 def test_detect_spill_signals():
     cap = 16 * GB
     assert detect_spill(cap + 1, cap, 0.05, None, [], 2.5, 2)[0] is Verdict.SPILL

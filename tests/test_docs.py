@@ -1,4 +1,4 @@
-"""The code blocks of README.md and docs/*.md run, or are checked, so they cannot rot.
+"""The code blocks of README.md, docs/*.md and the checkpointing method card run, or are checked, so they cannot rot.
 
 Every fenced block of those pages is one of these, by its fence's language:
 
@@ -48,7 +48,11 @@ from dataclasses import dataclass
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT).replace(os.sep, "/") for p in glob.glob(f"{ROOT}/docs/*.md"))]
+PAGES = [
+    "README.md",
+    *sorted(os.path.relpath(p, ROOT).replace(os.sep, "/") for p in glob.glob(f"{ROOT}/docs/*.md")),
+    "lightning_memguard/checkpointing/README.md",  # the method card
+]
 SHELL = {"bash", "sh", "console", "bat"}
 KNOWN = {"python", "yaml", "text", *SHELL}
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
