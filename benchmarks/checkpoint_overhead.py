@@ -118,7 +118,7 @@ def _timm_call(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _with_context_fn(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     def context_fn() -> tuple[Any, Any]:  # CheckpointedUnit.forward's, for a block that is a run of its own
-        return contextlib.nullcontext(), memguard_wrap._FrozenBatchNormStats([block])
+        return contextlib.nullcontext(), memguard_wrap._FrozenBatchNormStats(memguard_wrap.tracked_batchnorms([block]))
 
     return checkpoint(block, x, use_reentrant=False, context_fn=context_fn)  # type: ignore[no-any-return]
 

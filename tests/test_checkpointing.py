@@ -99,6 +99,44 @@ def test_without_bn_correction_buffers_drift():
     assert not _identical(_train(plain), _train(ours))
 
 
+def test_blocks_without_batchnorm_are_checkpointed_as_plainly_as_the_familys_own_switch(monkeypatch):
+    """BatchNorm-correctness costs a model without BatchNorm nothing: no context around the recomputation, the same
+    call a family's own switch makes (non-reentrant, RNG state preserved); a block with BatchNorm gets the freeze."""
+    from lightning_memguard.checkpointing import wrap
+
+    calls = []
+
+    def spy(function, *args, **kwargs):
+        calls.append(sorted(kwargs))
+        return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
+
+    monkeypatch.setattr(wrap, "checkpoint", spy)
+
+    class Block(nn.Module):
+        def __init__(self, norm: nn.Module) -> None:
+            super().__init__()
+            self.conv, self.norm = nn.Conv2d(4, 4, 3, padding=1), norm
+
+        def forward(self, x):
+            return x + self.norm(self.conv(x)).relu()
+
+    for norm, expected in [
+        (nn.GroupNorm(1, 4), ["use_reentrant"]),
+        (nn.BatchNorm2d(4), ["context_fn", "use_reentrant"]),
+    ]:
+        torch.manual_seed(0)
+        plain = nn.Sequential(Block(norm), Block(copy.deepcopy(norm)))
+        ours = copy.deepcopy(plain)
+        checkpoint_blocks(ours, {Block})
+        calls.clear()
+        x = torch.randn(2, 4, 8, 8, requires_grad=True)
+        ours(x).sum().backward()
+        plain(x).sum().backward()
+        assert calls == [expected, expected]
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), ours.parameters(), strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), ours.buffers(), strict=True))
+
+
 def test_state_dict_keys_unchanged_and_round_trip():
     plain = torchvision.models.resnet18(num_classes=10)
     ours = torchvision.models.resnet18(num_classes=10)

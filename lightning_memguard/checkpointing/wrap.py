@@ -25,6 +25,16 @@ Units = str | set[type[nn.Module]] | tuple[type[nn.Module], ...] | Callable[[str
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
+def tracked_batchnorms(units: Sequence[nn.Module]) -> list[nn.modules.batchnorm._BatchNorm]:
+    """The BatchNorm layers in ``units`` that keep running statistics: what a recomputation must not update twice."""
+    return [
+        m
+        for unit in units
+        for m in unit.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+    ]
+
+
 class _FrozenBatchNormStats:
     """During recomputation, BatchNorm updates throw-away copies of its running statistics, not the real ones.
 
@@ -32,13 +42,8 @@ class _FrozenBatchNormStats:
     ops and saved tensors are the same too, which the non-reentrant checkpoint checks.
     """
 
-    def __init__(self, units: Sequence[nn.Module]) -> None:
-        self._bns = [
-            m
-            for unit in units
-            for m in unit.modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-        ]
+    def __init__(self, batchnorms: Sequence[nn.modules.batchnorm._BatchNorm]) -> None:
+        self._bns = batchnorms
         self._real: list[list[torch.Tensor | None]] = []
 
     def __enter__(self) -> None:
@@ -131,13 +136,14 @@ class CheckpointedUnit(SwappedModule):
         compiling = _compiler.compiling()
         if not torch.is_grad_enabled():
             out = self._memguard_forward(*args, **kwargs)
-        elif self.memguard_bn_correct and not compiling:
-            units = [self, *run]
+        elif bns := (tracked_batchnorms([self, *run]) if self.memguard_bn_correct and not compiling else []):
+            # only where a BatchNorm keeps running statistics: a model without one (ConvNeXt, a transformer) is
+            # checkpointed exactly as its family's own switch does it, and pays nothing for BatchNorm-correctness
             out = checkpoint(
                 self._memguard_forward,
                 *args,
                 use_reentrant=False,
-                context_fn=lambda: (contextlib.nullcontext(), _FrozenBatchNormStats(units)),
+                context_fn=lambda: (contextlib.nullcontext(), _FrozenBatchNormStats(bns)),
                 **kwargs,
             )
         else:
