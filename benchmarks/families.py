@@ -15,7 +15,9 @@ batches). Rows, each on a fresh model from the same seed: ``plain``; ``family_sw
 ``ours_budget_0.4`` (``checkpoint_blocks(model, memory_budget=..., example_input=<a batch>)``); and ``ours_rebuild``
 (``rebuild_bn_relu(model)``) for timm resnet50 only. A language model is wrapped (:class:`CausalLM`) so that every
 row calls ``wrapper(input_ids)`` and gets the loss. Per model the issue's goals are checked (``goals``): at the
-family's own switch point, ours (every block) saves at least as much for at most 2 % more step time.
+family's own switch point, ours saves at least as much for at most 2 % more step time: every block, and the fastest
+of our rows that saves as much (``at_switch_point``). The switch and ours every block, the two rows a user compares,
+are timed ``--repeats`` times in turns, each pass on a fresh model, and keep the median (``step_ms_passes``).
 
 Results are written after every row (a run cut short keeps what it measured); a row that fails is recorded with its
 error and the others go on. ``--smoke`` runs a tiny version on the CPU (timm resnet18 and timm's test_ models at
@@ -56,6 +58,8 @@ MODELS = (*VISION, *LANGUAGE)
 ROWS = ("plain", "family_switch", "ours_every_block", "ours_budget_0.6", "ours_budget_0.4", "ours_rebuild")
 REBUILT = {"resnet50"}  # timm's ResNet family: the rebuild applies
 TIME_SLACK = 0.02  # the goal: ours at most 2 % slower than the family's switch
+SAVED_SLACK = 0.1  # points of saving: "as much" to within the allocator's rounding (a few MB of several GB)
+COMPARED = ("family_switch", "ours_every_block")  # timed again, in turns, to even out the host's jitter
 
 
 class Setting(NamedTuple):
@@ -273,18 +277,36 @@ def compare(rows: dict[str, dict[str, Any]]) -> None:
 
 
 def goals(name: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The issue's goals on this model's rows: at the family's own switch point, ours (every block) saves at least as
-    much for at most 2 % more step time; every budget held or said (its summary says it was not met)."""
+    """The issue's goals on this model's rows: at the family's own switch point, ours saves at least as much (to
+    within ``SAVED_SLACK`` points) for at most 2 % more step time, judged for every block and for the fastest of our
+    rows that saves as much (``at_switch_point``: a budget may get there for less); every budget held or said (its
+    summary says it was not met)."""
     out: dict[str, Any] = {}
-    switch, ours = rows.get("family_switch", {}), rows.get("ours_every_block", {})
-    if "saved_pct" in switch and "saved_pct" in ours:
+    switch = rows.get("family_switch", {})
+    if "saved_pct" not in switch:
+        return out
+    as_much = {
+        r: row
+        for r, row in rows.items()
+        if r.startswith("ours_") and "saved_pct" in row and row["saved_pct"] >= switch["saved_pct"] - SAVED_SLACK
+    }
+    ours = rows.get("ours_every_block", {})
+    if "saved_pct" in ours:
         out["saved_points_vs_switch"] = ours["saved_pct"] - switch["saved_pct"]
         out["step_time_vs_switch_pct"] = 100 * (ours["step_ms"] / switch["step_ms"] - 1)
-        out["saves_at_least_as_much"] = ours["activation_peak_gb"] <= switch["activation_peak_gb"]
+        out["saves_at_least_as_much"] = "ours_every_block" in as_much
         out["within_2pct_step_time"] = ours["step_ms"] <= switch["step_ms"] * (1 + TIME_SLACK)
         out["met"] = out["saves_at_least_as_much"] and out["within_2pct_step_time"]
         if name == "convnext_tiny":
             out["within_2_points_of_switch_saving"] = out["saved_points_vs_switch"] >= -2
+    if as_much:
+        fastest = min(as_much, key=lambda r: as_much[r]["step_ms"])
+        out["at_switch_point"] = {
+            "row": fastest,
+            "saved_points_vs_switch": as_much[fastest]["saved_pct"] - switch["saved_pct"],
+            "step_time_vs_switch_pct": 100 * (as_much[fastest]["step_ms"] / switch["step_ms"] - 1),
+            "met": as_much[fastest]["step_ms"] <= switch["step_ms"] * (1 + TIME_SLACK),
+        }
     budgets = {r: rows[r] for r in ("ours_budget_0.6", "ours_budget_0.4") if "held" in rows.get(r, {})}
     out["budgets_held_or_said"] = {
         r: bool(row["held"]) or "budget not met" in row.get("summary", "") for r, row in budgets.items()
@@ -293,6 +315,28 @@ def goals(name: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         # to hold against torchvision resnet50's figure (benchmarks/checkpointing.py): within 2 points
         out["rebuild_saved_pct"] = rows["ours_rebuild"]["saved_pct"]
     return out
+
+
+def retime(name: str, rows: dict[str, dict[str, Any]], setting: Setting, repeats: int) -> None:
+    """Time the family's switch and ours every block ``repeats - 1`` more times, in turns (the order swapped each
+    round), and keep each one's median over its passes: the two rows a user compares are measured alike, each pass on
+    a fresh model, so that a slow stretch of the host does not fall on one of them only."""
+    for round_ in range(repeats - 1):
+        for row in COMPARED if round_ % 2 else reversed(COMPARED):
+            if "step_ms" not in rows.get(row, {}):
+                continue
+            again = measure(name, row, setting)
+            if "step_ms" not in again:
+                rows[row].setdefault("retime_errors", []).append(again.get("error"))
+                continue
+            rows[row].setdefault("step_ms_passes", [rows[row]["step_ms"]]).append(again["step_ms"])
+            rows[row]["activation_peak_gb"] = max(rows[row]["activation_peak_gb"], again["activation_peak_gb"])
+    for row in COMPARED:
+        passes = rows.get(row, {}).get("step_ms_passes")
+        if passes:
+            rows[row]["step_ms"] = median(passes)
+            per_step = setting.vision_batch if name in VISION else setting.text_batch * setting.tokens
+            rows[row]["samples_per_sec" if name in VISION else "tokens_per_sec"] = per_step / median(passes) * 1e3
 
 
 def line(row: dict[str, Any]) -> str:
@@ -316,7 +360,12 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/families.json")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: " + ", ".join(MODELS))
     parser.add_argument("--smoke", action="store_true", help="a tiny CPU version: every row runs, nothing measured")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="passes of the switch and ours every block, in turns (median kept)"
+    )
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
     if unknown:
@@ -344,6 +393,14 @@ def main() -> None:
             entry["goals"] = goals(name, rows)
             print(line(rows[row]), flush=True)
             with contextlib.redirect_stdout(io.StringIO()):  # after every row: a run cut short keeps what it measured
+                write_json(args.out, result)
+        if "step_ms" in rows.get("family_switch", {}) and args.repeats > 1:
+            retime(name, rows, setting, args.repeats)
+            compare(rows)
+            entry["goals"] = goals(name, rows)
+            for row in COMPARED:
+                print(line(rows[row]), "median of", rows[row].get("step_ms_passes"), flush=True)
+            with contextlib.redirect_stdout(io.StringIO()):
                 write_json(args.out, result)
         print(f"{name:<16} goals {entry['goals']}", flush=True)
     write_json(args.out, result)
