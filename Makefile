@@ -20,8 +20,9 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/mypy --platform win32
 
+# one worker per core (two on CI), each test handed to whichever worker is free; the slowest tests are listed
 test: lint
-	$(BIN)/python -m pytest -m "not cuda"
+	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal --durations=15
 
 clean:
 	rm -rf $(VENV) demo_logs lightning_logs .pytest_cache .mypy_cache .ruff_cache
