@@ -249,11 +249,21 @@ class Interrupt(Callback):
             signal.raise_signal(signal.SIGINT)
 
 
+@pytest.fixture
+def ctrl_c_interrupts():
+    """Ctrl+C raises KeyboardInterrupt, as in a terminal: pytest-xdist's workers ignore SIGINT (the controller
+    handles it), and under them the signal these tests raise would do nothing."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, handler)
+
+
 def original_state(model: TinyModel) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("where", ["trial", *RESTORE_STEPS])
+@pytest.mark.usefixtures("ctrl_c_interrupts")
 def test_ctrl_c_during_a_trial_or_at_any_step_of_the_restore_keeps_the_original_model(tmp_path, monkeypatch, where):
     if where != "trial":  # the signal arrives as this step of the restore starts
         original = getattr(_trials, where)
