@@ -301,6 +301,31 @@ def test_callback_without_budget_checkpoints_every_block(tmp_path):
     assert len(cb.blocks) == 9 and cb.blocks[0] == "net.stem"
 
 
+class BuiltInConfigureModel(ImageClassifier):
+    """A module whose layers exist only once Lightning has called ``configure_model`` (as large models do)."""
+
+    def __init__(self) -> None:
+        super().__init__(image_size=32, batch_size=4, steps_per_epoch=2)
+        self.__dict__["later"] = self.net  # not a submodule: nothing to find before configure_model
+        self.net = None
+        self.configured = 0
+
+    def configure_model(self) -> None:
+        self.configured += 1
+        if self.net is None:
+            self.net = self.__dict__.pop("later")
+
+
+def test_callback_without_budget_checkpoints_what_configure_model_builds(tmp_path):
+    cb = ActivationCheckpointing()
+    model = BuiltInConfigureModel()
+    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[cb])).fit(model)
+    assert model.configured == 1 and len(cb.blocks) == 9 and cb.blocks[0] == "net.stem"
+    assert is_checkpointed(model.net.layer1[0]) and "configure_model" not in vars(model)  # the hook given back
+    Trainer(**trainer_kwargs(tmp_path, max_epochs=2, callbacks=[cb])).fit(model)  # a second fit: applied once
+    assert model.configured == 2 and len(cb.blocks) == 9 and "configure_model" not in vars(model)
+
+
 def test_callback_errors(tmp_path):
     with pytest.raises(ValueError, match="`memory_budget` as a fraction must be in \\(0, 1\\], got 0.0"):
         ActivationCheckpointing(memory_budget=0.0)

@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_memguard.checkpointing.plan import CheckpointPlan
@@ -18,13 +19,14 @@ class ActivationCheckpointing(Callback):
     """Checkpoints the model's residual blocks (``use_reentrant=False``), BatchNorm-correct, before training.
 
     Without ``memory_budget`` every block (and a torchvision ResNet's stem) is checkpointed in ``setup``, before the
-    optimizer is built. With a budget, the blocks are measured at fit start on the module's ``example_input_array``
-    (under the Trainer's precision) and only those that buy the most memory per millisecond of recomputation are
-    checkpointed, adjacent ones as one run (see :func:`~lightning_memguard.checkpointing.checkpoint_blocks`).
-    ``state_dict`` keys of the model do not change; the chosen runs are kept in the callback's state, so a resumed
-    run re-applies them without measuring again. Under DDP rank zero measures and every rank applies its plan.
-    Its place in ``callbacks`` does not matter: a tuner listed before it has it plan first, and measures the
-    model as it will train.
+    optimizer is built; a module that builds its layers in ``configure_model`` is checkpointed right after that hook,
+    still before the strategy wraps the model and builds the optimizer. With a budget, the blocks are measured at
+    fit start on the module's ``example_input_array`` (under the Trainer's precision) and only those that buy the
+    most memory per millisecond of recomputation are checkpointed, adjacent ones as one run (see
+    :func:`~lightning_memguard.checkpointing.checkpoint_blocks`). ``state_dict`` keys of the model do not change; the
+    chosen runs are kept in the callback's state, so a resumed run re-applies them without measuring again. Under
+    DDP rank zero measures and every rank applies its plan. Its place in ``callbacks`` does not matter: a tuner
+    listed before it has it plan first, and measures the model as it will train.
 
     On a compiled module (``fit(torch.compile(module))``) a budget is measured compiled and may use compile's own
     ``activation_memory_budget`` (see :func:`~lightning_memguard.checkpointing.checkpoint_blocks`); the setting
@@ -94,13 +96,33 @@ class ActivationCheckpointing(Callback):
             return
         self._planned = False
         if self.memory_budget is None:  # before the optimizer is built; the same on every rank
-            self.policy.apply(pl_module)
-            rank_zero_info(f"ActivationCheckpointing: {self.policy.summary()}")
+            if is_overridden("configure_model", pl_module):
+                self._after_configure_model(pl_module)  # the layers do not exist yet
+            else:
+                self._every_block(pl_module)
         elif pl_module.example_input_array is None:
             raise ValueError(
                 "ActivationCheckpointing(memory_budget=...) measures the blocks on the module's"
                 " `example_input_array`; set it to a real batch of inputs"
             )
+
+    def _every_block(self, pl_module: LightningModule) -> None:
+        self.policy.apply(pl_module)
+        rank_zero_info(f"ActivationCheckpointing: {self.policy.summary()}")
+
+    def _after_configure_model(self, pl_module: LightningModule) -> None:
+        """Checkpoint right after the module's own ``configure_model`` has built its layers (Lightning calls it after
+        ``setup`` and before the strategy wraps the model or builds the optimizer): the hook is wrapped on this
+        instance for one call, then given back."""
+        configure = pl_module.configure_model
+
+        def configure_then_checkpoint() -> None:
+            _give_back_configure_model(pl_module)
+            configure()
+            self._every_block(pl_module)
+
+        configure_then_checkpoint.memguard_wrapped = True  # type: ignore[attr-defined]
+        pl_module.configure_model = configure_then_checkpoint  # type: ignore[method-assign]
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.prepare(trainer, pl_module)
@@ -125,6 +147,7 @@ class ActivationCheckpointing(Callback):
         self.policy.hold_compile_setting()  # compile's own setting, chosen with the blocks, while this fit compiles
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        _give_back_configure_model(pl_module)  # a fit that ended before configure_model ran
         self.policy.release_compile_setting()
 
     def state_dict(self) -> dict[str, Any]:
@@ -138,3 +161,9 @@ class ActivationCheckpointing(Callback):
         self.policy.runs = state_dict.get("runs", self.policy.runs)
         self.policy.compile_setting = state_dict.get("compile_setting", self.policy.compile_setting)
         self.policy.split_graphs = state_dict.get("split_graphs", self.policy.split_graphs)
+
+
+def _give_back_configure_model(pl_module: LightningModule) -> None:
+    """Remove the instance's wrapped ``configure_model``, so that the class's own is the hook again."""
+    if getattr(pl_module.__dict__.get("configure_model"), "memguard_wrapped", False):
+        del pl_module.__dict__["configure_model"]
