@@ -326,6 +326,24 @@ def test_callback_without_budget_checkpoints_what_configure_model_builds(tmp_pat
     assert model.configured == 2 and len(cb.blocks) == 9 and "configure_model" not in vars(model)
 
 
+def test_callback_beside_fsdps_own_checkpointing_is_refused_with_the_choice():
+    """FSDPStrategy needs a GPU in Lightning, so the callback's setup is called as the Trainer calls it."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    model = ImageClassifier(image_size=32, batch_size=4, steps_per_epoch=2)
+    trainer = SimpleNamespace(
+        strategy=FSDPStrategy(activation_checkpointing_policy={torchvision.models.resnet.BasicBlock})
+    )
+    with pytest.raises(ValueError, match="would checkpoint the same blocks twice; use one"):
+        ActivationCheckpointing().setup(trainer, model, "fit")
+    assert not any(is_checkpointed(m) for m in model.modules())
+    cb = ActivationCheckpointing()
+    cb.setup(SimpleNamespace(strategy=FSDPStrategy()), model, "fit")  # FSDP without its own policy: ours applies
+    assert len(cb.blocks) == 9
+
+
 def test_callback_errors(tmp_path):
     with pytest.raises(ValueError, match="`memory_budget` as a fraction must be in \\(0, 1\\], got 0.0"):
         ActivationCheckpointing(memory_budget=0.0)

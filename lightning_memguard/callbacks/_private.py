@@ -25,6 +25,8 @@ where it is used (the Trainer's and the strategy's public attributes and methods
   same step); :class:`BeforeModelWrapped` (``Strategy._setup_model``, the one place between the model on its device
   and the model wrapped, where the strategies checkpoint it).
 - Checkpoints (``Trainer._checkpoint_connector``): :func:`checkpoint_contents`, the spill checkpoint's contents.
+- FSDP's own checkpointing (``FSDPStrategy._activation_checkpointing_kwargs``): :func:`fsdp_checkpoints_itself`,
+  so that ActivationCheckpointing is refused beside ``FSDPStrategy(activation_checkpointing_policy=...)``.
 - Compile (``LightningModule._compiler_ctx``): :func:`compiled_by_lightning`, the ``torch.compile`` context ``fit``
   kept when it unwrapped a compiled LightningModule; read by :mod:`lightning_memguard._compiler`, which must not
   import Lightning itself.
@@ -204,3 +206,10 @@ def compiled_by_lightning(module: nn.Module) -> Callable[..., Any] | None:
     ``fit`` unwrapped a ``torch.compile`` result (``LightningModule._compiler_ctx``); None otherwise."""
     context = getattr(module, "_compiler_ctx", None)
     return context.get("dynamo_ctx") if context is not None else None
+
+
+def fsdp_checkpoints_itself(strategy: Strategy) -> bool:
+    """Whether ``strategy`` is Lightning's ``FSDPStrategy`` given its own ``activation_checkpointing_policy``."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    return isinstance(strategy, FSDPStrategy) and bool(getattr(strategy, "_activation_checkpointing_kwargs", None))

@@ -9,6 +9,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_memguard.callbacks._private import fsdp_checkpoints_itself
 from lightning_memguard.checkpointing.plan import CheckpointPlan
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.checkpointing.rebuild import RebuildConfig
@@ -48,7 +49,8 @@ class ActivationCheckpointing(Callback):
     Raises:
         TypeError: ``memory_budget`` of another type, or flags that are not bools.
         ValueError: bad ``memory_budget`` (a fraction outside (0, 1], a size below 1 MB); at fit start, no blocks
-            found or a budget without ``example_input_array``.
+            found or a budget without ``example_input_array``; in ``setup``, beside ``FSDPStrategy``'s own
+            ``activation_checkpointing_policy``.
 
     Example:
         >>> from lightning import Trainer
@@ -94,6 +96,12 @@ class ActivationCheckpointing(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        if fsdp_checkpoints_itself(trainer.strategy):
+            raise ValueError(
+                "ActivationCheckpointing beside FSDPStrategy(activation_checkpointing_policy=...) would checkpoint the"
+                " same blocks twice; use one: drop the strategy's `activation_checkpointing_policy` to keep this"
+                " callback (BatchNorm-correct, with a `memory_budget`), or remove this callback"
+            )
         self._planned = False
         if self.memory_budget is None:  # before the optimizer is built; the same on every rank
             if is_overridden("configure_model", pl_module):
