@@ -32,7 +32,7 @@ want compile_tuner && TAIL=10 run timeout 540 python3 benchmarks/compile.py --pa
 want compile_budgets && TAIL=8 run timeout 540 python3 benchmarks/compile.py --part budgets --budgets "${BUDGETS:-0.65,0.6,0.56,0.5,0.4,0.35}" --out "$out/compile_budgets.json"
 want compile_rerun && TAIL=8 run timeout 420 python3 benchmarks/compile.py --part frontier --rows "${ROWS:-compile_every_block,compile_every_block_one_graph}" --out "$out/compile_rerun.json"
 want families && TAIL=80 run timeout 540 python3 benchmarks/families.py \
-    --models ${FAMILY_MODELS:-resnet50,convnext_tiny,vit_small,efficientnet_b0,gpt2,llama} --out "$out/families.json"
+    --models ${FAMILY_MODELS:-resnet50,tv_resnet50,convnext_tiny,vit_small,efficientnet_b0,gpt2,llama} --out "$out/families.json"
 want checkpoint_overhead && TAIL=200 run timeout 420 python3 benchmarks/checkpoint_overhead.py \
     --model "${CKPT_MODEL:-convnext_tiny}" --profile --out "$out/checkpoint_overhead.json"
 want compile_peak && TAIL=80 run timeout 555 python3 benchmarks/compile_peak.py --out "$out/compile_peak.json"

@@ -130,6 +130,15 @@ def test_families_goals_compare_ours_with_the_family_switch_and_say_unmet_budget
     goals = families.goals("gpt2", rows)
     assert goals["at_switch_point"]["row"] == "ours_budget_0.4" and goals["at_switch_point"]["met"]
     assert goals["at_switch_point"]["step_time_vs_switch_pct"] == -25.0
+    # torchvision's resnet50 has no switch: its budgets are still checked; the two rebuilds are compared alike
+    del rows["family_switch"]
+    assert families.goals("tv_resnet50", rows) == {"budgets_held_or_said": goals["budgets_held_or_said"]}
+    measured = {"resnet50": {"rows": {"ours_rebuild": {"saved_pct": 43.7}}}}
+    assert families.rebuild_goal(measured) is None  # torchvision's was not measured
+    measured["tv_resnet50"] = {"rows": {"ours_rebuild": {"saved_pct": 42.0}}}
+    assert families.rebuild_goal(measured)["within_2_points"]
+    measured["tv_resnet50"]["rows"]["ours_rebuild"]["saved_pct"] = 40.0
+    assert not families.rebuild_goal(measured)["within_2_points"]
 
 
 def test_families_smoke_runs_every_row_of_a_language_model_and_writes_them(tmp_path, monkeypatch):
