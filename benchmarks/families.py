@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import gc
 import io
+import math
 import os
 import sys
 import time
@@ -250,6 +251,13 @@ def train_steps(model: nn.Module, batches: list, setting: Setting) -> dict[str, 
     return {"step_ms": median(times), "activation_peak_gb": peak / 1e9, "resting_gb": resting_gb}
 
 
+def rate(name: str, setting: Setting, step_ms: float) -> dict[str, float]:
+    """Images per second for a vision model, tokens per second for a language model, at this step time."""
+    if name in VISION:
+        return {"samples_per_sec": setting.vision_batch / step_ms * 1e3}
+    return {"tokens_per_sec": setting.text_batch * setting.tokens / step_ms * 1e3}
+
+
 def measure(name: str, row: str, setting: Setting) -> dict[str, Any]:
     """One row on a fresh model; an exception is recorded, not raised."""
     result: dict[str, Any] = {"model": name, "row": row}
@@ -261,8 +269,7 @@ def measure(name: str, row: str, setting: Setting) -> dict[str, Any]:
         batches = make_batches(name, setting)
         result.update(apply(name, row, model, batches[0][0], setting))
         result.update(train_steps(model, batches, setting))
-        per_step = setting.vision_batch if name in VISION else setting.text_batch * setting.tokens
-        result["samples_per_sec" if name in VISION else "tokens_per_sec"] = per_step / result["step_ms"] * 1e3
+        result.update(rate(name, setting, result["step_ms"]))
     except Exception as error:  # noqa: BLE001 - one row's failure (an OOM included) must not lose the others
         result["error"] = f"{type(error).__name__}: {error}"
         result["traceback"] = traceback.format_exc(limit=-6)
@@ -292,14 +299,8 @@ def goals(name: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     summary says it was not met)."""
     out: dict[str, Any] = {}
     switch = rows.get("family_switch", {})
-    as_much = {
-        r: row
-        for r, row in rows.items()
-        if r.startswith("ours_")
-        and "saved_pct" in row
-        and "saved_pct" in switch
-        and row["saved_pct"] >= switch["saved_pct"] - SAVED_SLACK
-    }
+    floor = switch.get("saved_pct", math.inf) - SAVED_SLACK  # no switch measured: none of ours saves "as much"
+    as_much = {r: row for r, row in rows.items() if r.startswith("ours_") and row.get("saved_pct", -math.inf) >= floor}
     ours = rows.get("ours_every_block", {})
     if "saved_pct" in ours and "saved_pct" in switch:
         out["saved_points_vs_switch"] = ours["saved_pct"] - switch["saved_pct"]
@@ -345,8 +346,7 @@ def retime(name: str, rows: dict[str, dict[str, Any]], setting: Setting, repeats
         passes = rows.get(row, {}).get("step_ms_passes")
         if passes:
             rows[row]["step_ms"] = median(passes)
-            per_step = setting.vision_batch if name in VISION else setting.text_batch * setting.tokens
-            rows[row]["samples_per_sec" if name in VISION else "tokens_per_sec"] = per_step / median(passes) * 1e3
+            rows[row].update(rate(name, setting, rows[row]["step_ms"]))
 
 
 def rebuild_goal(models: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
