@@ -17,8 +17,9 @@ quiet='Warning|warn\(|LOCAL_RANK|available|Tip|AMP|Restor|weights_only'
 run() { echo "== $*"; "$@" 2>&1 | grep -vE "$quiet" | tail -"${TAIL:-6}"; }
 want() { [[ $steps == *" $1 "* ]]; }
 if want tests; then
-    echo "== pytest -m cuda tests/test_gpu.py"
-    timeout 300 python3 -m pytest -m cuda -q -rA -p no:cacheprovider tests/test_gpu.py -o addopts=--strict-markers 2>&1 |
+    echo "== pytest -m cuda tests/test_gpu.py tests/test_gpu_sharded.py"
+    timeout 540 python3 -m pytest -m cuda -q -rA -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sharded.py \
+        -o addopts=--strict-markers 2>&1 |
         grep -vE "$quiet" >"$out/gpu_tests.txt"  # the compiled test takes about a minute
     tail -4 "$out/gpu_tests.txt"
 fi

@@ -324,18 +324,3 @@ def test_limit_train_batches_zero_measures_nothing(tmp_path):
     tuner = accumulation_tuner(BatchClock(), probe)
     Trainer(**trainer_kwargs(tmp_path, max_epochs=1, limit_train_batches=0, callbacks=[tuner])).fit(TinyModel())
     assert probe.resets == 0 and tuner.batch_size is None
-
-
-@pytest.mark.parametrize("tuner_cls", [BatchSizeTuner, AccumulationTuner])
-@pytest.mark.parametrize("strategy", ["fsdp", "model_parallel"])
-def test_sharded_strategies_are_refused_before_anything_is_measured(tuner_cls, strategy):
-    """Under FSDPStrategy the trials' restore left the trials' weights in place (H200): refused in `setup`. Lightning
-    builds these strategies only on a GPU, so the Trainer here is a stand-in holding the strategy."""
-    from types import SimpleNamespace
-
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-
-    tuner = BatchSizeTuner(cache=False) if tuner_cls is BatchSizeTuner else AccumulationTuner(16, cache=False)
-    sharded = FSDPStrategy() if strategy == "fsdp" else ModelParallelStrategy()
-    with pytest.raises(ValueError, match=rf"does not support {type(sharded).__name__} yet.*strategy='ddp'"):
-        tuner.setup(SimpleNamespace(strategy=sharded, world_size=1), TinyModel(), "fit")

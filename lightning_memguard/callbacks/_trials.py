@@ -16,6 +16,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities.memory import garbage_collection_cuda, is_oom_error
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_memguard import _compiler
 from lightning_memguard.callbacks._batches import Path, loader_name, loader_parts, loader_paths, samples_in
@@ -470,7 +471,8 @@ def _ranks_agree_on_oom(trainer: Trainer) -> Iterator[None]:
     names = ("training_step", "backward", "optimizer_step")
     originals = {name: getattr(strategy, name) for name in names}
 
-    ddp = strategy.model if hasattr(strategy.model, "no_sync") else None  # torch's DistributedDataParallel
+    # torch's DistributedDataParallel; FSDP reduces its gradients' shards inside backward and is left as it is
+    ddp = strategy.model if isinstance(strategy.model, DistributedDataParallel) else None
     pending = [False]  # the last local forward's gradients still have to be averaged
 
     def agreeing(fn: Callable[..., Any], name: str) -> Callable[..., Any]:

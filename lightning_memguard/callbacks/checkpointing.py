@@ -10,6 +10,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_memguard.callbacks._private import fsdp_checkpoints_itself
+from lightning_memguard.callbacks._state import holds_shards
 from lightning_memguard.checkpointing.plan import CheckpointPlan
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.checkpointing.rebuild import RebuildConfig
@@ -26,8 +27,10 @@ class ActivationCheckpointing(Callback):
     most memory per millisecond of recomputation are checkpointed, adjacent ones as one run (see
     :func:`~lightning_memguard.checkpointing.checkpoint_blocks`). ``state_dict`` keys of the model do not change; the
     chosen runs are kept in the callback's state, so a resumed run re-applies them without measuring again. Under
-    DDP rank zero measures and every rank applies its plan. Its place in ``callbacks`` does not matter: a tuner
-    listed before it has it plan first, and measures the model as it will train.
+    DDP rank zero measures and every rank applies its plan; under ``ModelParallelStrategy`` (FSDP2) on several devices
+    every rank measures, as the sharded forward needs them all, and rank zero's plan is applied on every rank. Its
+    place in ``callbacks`` does not matter: a tuner listed before it has it plan first, and measures the model as it
+    will train.
 
     On a compiled module (``fit(torch.compile(module))``) a budget is measured compiled and may use compile's own
     ``activation_memory_budget`` (see :func:`~lightning_memguard.checkpointing.checkpoint_blocks`); the setting
@@ -50,7 +53,9 @@ class ActivationCheckpointing(Callback):
         TypeError: ``memory_budget`` of another type, or flags that are not bools.
         ValueError: bad ``memory_budget`` (a fraction outside (0, 1], a size below 1 MB); at fit start, no blocks
             found or a budget without ``example_input_array``; in ``setup``, beside ``FSDPStrategy``'s own
-            ``activation_checkpointing_policy``.
+            ``activation_checkpointing_policy``, under ``DeepSpeedStrategy``, and a budget under ``FSDPStrategy``
+            on several devices (:class:`~lightning.pytorch.strategies.ModelParallelStrategy` measures on every
+            rank).
 
     Example:
         >>> from lightning import Trainer
@@ -102,6 +107,7 @@ class ActivationCheckpointing(Callback):
                 " same blocks twice; use one: drop the strategy's `activation_checkpointing_policy` to keep this"
                 " callback (BatchNorm-correct, with a `memory_budget`), or remove this callback"
             )
+        _refuse_what_cannot_be_measured(trainer, self.memory_budget)
         self._planned = False
         if self.memory_budget is None:  # before the optimizer is built; the same on every rank
             if is_overridden("configure_model", pl_module):
@@ -149,6 +155,7 @@ class ActivationCheckpointing(Callback):
             is_rank_zero=strategy.is_global_zero,
             broadcast=strategy.broadcast,
             measuring=trainer.precision_plugin.train_step_context,
+            every_rank_measures=holds_shards(strategy) and trainer.world_size > 1,
         )
         if not resumed:
             rank_zero_info(f"ActivationCheckpointing: {self.policy.summary()}")
@@ -169,6 +176,27 @@ class ActivationCheckpointing(Callback):
         self.policy.runs = state_dict.get("runs", self.policy.runs)
         self.policy.compile_setting = state_dict.get("compile_setting", self.policy.compile_setting)
         self.policy.split_graphs = state_dict.get("split_graphs", self.policy.split_graphs)
+
+
+def _refuse_what_cannot_be_measured(trainer: Trainer, memory_budget: Any) -> None:
+    """A budget is measured at fit start on the model as the strategy holds it. Under ``FSDPStrategy`` on several
+    devices each rank holds a flat shard of the weights, whole only inside FSDP's own forward, so the blocks cannot be
+    measured one by one; DeepSpeed keeps the model inside its engine. Both are refused in ``setup``."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    strategy = trainer.strategy
+    if isinstance(strategy, DeepSpeedStrategy):
+        raise ValueError(
+            "ActivationCheckpointing does not support DeepSpeedStrategy: DeepSpeed keeps the model inside its engine"
+            " (use DeepSpeed's own activation checkpointing there, or strategy='fsdp')"
+        )
+    if memory_budget is not None and isinstance(strategy, FSDPStrategy) and trainer.world_size > 1:
+        raise ValueError(
+            "ActivationCheckpointing(memory_budget=...) under FSDPStrategy on several devices cannot measure the"
+            " blocks: each rank holds a flat shard of the weights. Use ModelParallelStrategy (FSDP2's fully_shard,"
+            " measured on every rank), or ActivationCheckpointing() without a budget (every block, before FSDP wraps"
+            " the model)"
+        )
 
 
 def _give_back_configure_model(pl_module: LightningModule) -> None:

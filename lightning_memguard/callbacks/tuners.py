@@ -66,18 +66,16 @@ from lightning_memguard.probes import MemoryProbe, probe_for
 _SEVERITY = (OK, OVER_HEADROOM, SPILL, OOM)  # the worst outcome on any rank is everyone's
 
 
-def _refuse_sharded(trainer: Trainer, tuner: str) -> None:
-    """Sharded strategies hold the model and optimizer state in shards that the trials' restore does not yet put
-    back (measured on an H200 under FSDPStrategy: the run went on with the trials' weights): refused before
-    anything is measured."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+def _refuse_deepspeed(trainer: Trainer, tuner: str) -> None:
+    """DeepSpeed keeps the optimizer and its state inside its engine, which the trials' restore does not reach:
+    refused before anything is measured (FSDP and ModelParallel are supported: each rank's shards are put back)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    strategy = trainer.strategy
-    if isinstance(strategy, FSDPStrategy | ModelParallelStrategy | DeepSpeedStrategy):
+    if isinstance(trainer.strategy, DeepSpeedStrategy):
         raise ValueError(
-            f"{tuner} does not support {type(strategy).__name__} yet: its trials could not put the sharded weights"
-            " and optimizer state back. Search with strategy='ddp' or one device, then pass the batch size it"
-            " chose (`.batch_size`, `.accumulate_grad_batches`) to the sharded run"
+            f"{tuner} does not support DeepSpeedStrategy: its trials could not put DeepSpeed's engine, weights and"
+            " optimizer state back. Search with strategy='fsdp', 'ddp' or one device, then pass the batch size it"
+            " chose (`.batch_size`, `.accumulate_grad_batches`) to the DeepSpeed run"
         )
 
 
@@ -173,7 +171,7 @@ class _MeasuringTuner(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        _refuse_sharded(trainer, type(self).__name__)
+        _refuse_deepspeed(trainer, type(self).__name__)
         require_module_dataloaders(trainer, type(self).__name__, self.batch_arg_name)
         refuse_two_batch_size_searches(trainer)
 

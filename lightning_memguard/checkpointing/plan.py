@@ -11,11 +11,15 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from lightning_memguard import _compiler
 from lightning_memguard.checkpointing import families, surgery
@@ -172,8 +176,25 @@ def _tensors(args: Any) -> list[torch.Tensor]:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    if isinstance(t, DTensor):  # a sharded parameter (FSDP2): this rank's shard is what it holds
+        t = t.to_local()
     s = t.untyped_storage()
     return (s.data_ptr(), s.nbytes())
+
+
+_agreed: ContextVar[Callable[[Any], Any]] = ContextVar("memguard_agreed", default=lambda figures: figures)
+
+
+@contextmanager
+def measured_alike(broadcast: Callable[[Any], Any]) -> Iterator[None]:
+    """Inside, every figure a measurement takes is ``broadcast``'s (rank zero's), on every rank that measures: each
+    takes the same path through the search, and so runs the same forwards and backwards. A sharded model's forward
+    holds collectives, so every rank must measure, and none may run a pass another skips."""
+    token = _agreed.set(broadcast)
+    try:
+        yield
+    finally:
+        _agreed.reset(token)
 
 
 class _StepMeter:
@@ -193,6 +214,7 @@ class _StepMeter:
         # forward saves counts, also tensors that need no gradient (max-pooling indices, dropout masks)
         held = [*model.parameters(), *model.buffers(), *_tensors(example)]
         self.held = {_storage_key(t) for t in held}
+        self.agree = _agreed.get()  # every rank's figures, where every rank measures (:func:`measured_alike`)
 
     def _run(self) -> None:
         args = self.example if isinstance(self.example, tuple) else (self.example,)
@@ -201,6 +223,17 @@ class _StepMeter:
 
     def seconds(self, steps: int = 3) -> float:
         """Median seconds of one forward and backward, after one untimed pass (a compile, where one is due)."""
+        return self.agree(self._seconds(steps))
+
+    def peak(self) -> int:
+        """CUDA: the step's peak above what was allocated before. CPU: bytes of saved activations and kept inputs."""
+        return self.agree(self._peak())
+
+    def profile(self, links: list[Link]) -> list[BlockProfile]:
+        """Each link's saved activations (split into input, output and the rest) and forward time, in one pass."""
+        return self.agree(self._profile(links))
+
+    def _seconds(self, steps: int) -> float:
         with preserved_state(self.model):
             self._run()
             times = []
@@ -214,8 +247,7 @@ class _StepMeter:
                 times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    def peak(self) -> int:
-        """CUDA: the step's peak above what was allocated before. CPU: bytes of saved activations and kept inputs."""
+    def _peak(self) -> int:
         with preserved_state(self.model):
             if self.cuda:
                 torch.cuda.synchronize()
@@ -254,8 +286,7 @@ class _StepMeter:
                     h.remove()
             return total
 
-    def profile(self, links: list[Link]) -> list[BlockProfile]:
-        """Each link's saved activations (split into input, output and the rest) and forward time, in one pass."""
+    def _profile(self, links: list[Link]) -> list[BlockProfile]:
         saved: dict[str, dict[tuple[int, int], int]] = {link.name: {} for link in links}
         inputs: dict[str, set[tuple[int, int]]] = {link.name: set() for link in links}
         outputs: dict[str, set[tuple[int, int]]] = {link.name: set() for link in links}
@@ -352,7 +383,8 @@ def model_chain(model: nn.Module, found: list[tuple[str, nn.Module]]) -> tuple[l
     Blocks that are consecutive children of one ``nn.Sequential`` (with ``nn.Sequential``'s own forward) may share
     a run, so a stage's output (what feature extractors read) is always its own. In a model whose adapter names a
     stem (torchvision's and timm's ResNets with their own forward: conv1, bn1, relu / act1, maxpool) the stem is a
-    link too, on its own, before the block it runs before.
+    link too, on its own, before the block it runs before. A block sharded by FSDP2 (``fully_shard``) is a run of its
+    own.
     """
     names = {name for name, _ in found}
     stems = {
@@ -379,6 +411,9 @@ def _consecutive_in_sequential(modules: dict[str, nn.Module], a: str, b: str) ->
     parent = modules.get(parent_a)
     # a Sequential subclass with a forward of its own may not call its children one after another
     if parent_a != parent_b or parent is None or not plain_sequential(parent):
+        return False
+    # a block sharded by FSDP2 gathers its weights in hooks around its own call; a run calls its members' forward
+    if isinstance(modules[a], FSDPModule) or isinstance(modules[b], FSDPModule):
         return False
     order = list(modules[parent_a]._modules)
     return order.index(index_b) == order.index(index_a) + 1

@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from lightning_memguard import _compiler
-from lightning_memguard.checkpointing.plan import CheckpointPlan, apply_plan, checkpoint_blocks
+from lightning_memguard.checkpointing.plan import CheckpointPlan, apply_plan, checkpoint_blocks, measured_alike
 from lightning_memguard.checkpointing.rebuild import RebuildConfig, check_config
 from lightning_memguard.checkpointing.wrap import Units, check_units
 from lightning_memguard.core.checks import check_bool, check_memory_budget
@@ -79,6 +79,7 @@ class CheckpointingPolicy:
         is_rank_zero: bool = True,
         broadcast: Callable[[Any], Any] = lambda obj: obj,
         measuring: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        every_rank_measures: bool = False,
     ) -> None:
         """Checkpoint ``model`` in place: re-apply :attr:`runs` if known, else plan (rank zero) and agree.
 
@@ -92,6 +93,8 @@ class CheckpointingPolicy:
             is_rank_zero: whether this process plans for all.
             broadcast: hands rank zero's object to every rank (``strategy.broadcast``).
             measuring: the context to measure in (the Trainer's precision).
+            every_rank_measures: every rank runs the measurement, as a sharded model's forward and backward hold
+                collectives that need every rank; each takes rank zero's figures, so all reach rank zero's plan.
         """
         if self.runs is not None:
             self._apply_runs(model, self.runs, self.split_graphs)
@@ -109,8 +112,12 @@ class CheckpointingPolicy:
         if example_input is None:
             raise ValueError("a `memory_budget` is measured on a real batch: give the module an `example_input_array`")
         runs, setting, split = None, None, False
-        if is_rank_zero:
-            with measuring():
+        measures = is_rank_zero or every_rank_measures
+        if measures:
+            # a sharded forward holds collectives: every rank measures, each taking rank zero's figures, so all run
+            # the same passes and reach rank zero's plan
+            agreed = measured_alike(broadcast) if every_rank_measures else contextlib.nullcontext()
+            with measuring(), agreed:
                 self.plan = checkpoint_blocks(
                     model,
                     self.units,
@@ -124,7 +131,7 @@ class CheckpointingPolicy:
             setting = self.plan.activation_memory_budget
             split = bool(self.plan.graph_splits)
         runs, setting, split = broadcast((runs, setting, split))  # rank zero's, on every rank
-        if not is_rank_zero:
+        if not measures:  # only a rank that measured has applied the plan
             self._apply_runs(model, runs, split)
         self.runs, self.compile_setting, self.split_graphs = runs, setting, split
 

@@ -1,0 +1,223 @@
+"""Two CPU processes (gloo) under ModelParallelStrategy, the model sharded with FSDP2's ``fully_shard``: the tuners,
+MemGuard and ActivationCheckpointing, each scenario its own ``fit`` in one launch. Run by test_sharded.py.
+
+Usage: python sharded_run.py OUT_DIR SCENARIO...
+  batch_size:    BatchSizeTuner; rank 1's card holds fewer samples
+  accumulation:  AccumulationTuner; rank 1's card holds fewer samples
+  guard:         MemGuard; rank 1's memory goes above its card at its 4th batch, on_spill="stop"; rank 1 steps at
+                 half the pace
+  checkpointing: ActivationCheckpointing() on the sharded blocks, against the same run without it
+  budget:        ActivationCheckpointing(memory_budget=0.7): every rank measures, rank zero's plan on all
+Each rank writes SCENARIO-rankN.json into OUT_DIR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+
+import torch  # noqa: E402
+from conftest import FakeProbe, StepClock  # noqa: E402
+from lightning.pytorch import Callback, Trainer  # noqa: E402
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+from models import ShardedClassifier  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from lightning_memguard import AccumulationTuner, ActivationCheckpointing, BatchSizeTuner, MemGuard  # noqa: E402
+from lightning_memguard.checkpointing import is_checkpointed  # noqa: E402
+from lightning_memguard.probes import MemoryReading  # noqa: E402
+
+RANK = int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def own(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's shard of every parameter and buffer."""
+    with torch.no_grad():
+        return {
+            name: (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+            for name, t in [*module.named_parameters(), *module.named_buffers()]
+        }
+
+
+class PerSampleProbe:
+    """100 MB per sample of the model's current batch size; rank 1's card is ``small`` bytes."""
+
+    def __init__(self, model, small):
+        self.model, self._capacity = model, int(10e9) if RANK == 0 else small
+
+    def capacity(self):
+        return self._capacity
+
+    def reset_peak(self):
+        pass
+
+    def read(self):
+        peak = self.model.batch_size * 100 * 10**6
+        return MemoryReading(peak, peak, self._capacity)
+
+
+class BatchClock(Callback):
+    """The tuners' clock: each batch takes 10 ms + 1 ms per sample, whatever this machine's speed."""
+
+    memguard_keep_in_trials = True
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.now += 0.01 + 0.001 * batch.shape[0]
+
+
+class Before(Callback):
+    """Listed before the tuner: this rank's shards and the optimizer's state as the run starts."""
+
+    def on_fit_start(self, trainer, pl_module):
+        self.weights = own(pl_module)
+        self.optimizer_state = len(trainer.optimizers[0].state)
+
+
+class FirstBatch(Callback):
+    """What the run looks like at its first training batch, after the trials."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if hasattr(self, "weights"):
+            return
+        self.weights = own(pl_module)
+        self.optimizer_state = len(trainer.optimizers[0].state)
+        self.global_step = trainer.global_step
+        self.samples = batch.shape[0]
+
+
+def trainer(out, callbacks, **kwargs):
+    kwargs = {"max_epochs": 1, "limit_train_batches": 2, **kwargs}
+    return Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=out,
+        **kwargs,
+    )
+
+
+def model(**kwargs):
+    torch.manual_seed(0)
+    return ShardedClassifier(
+        "resnet18", image_size=16, **{"batch_size": 2, "steps_per_epoch": 40, "pool_size": 8, **kwargs}
+    )
+
+
+def tuned(out, scenario):
+    net = model()
+    clock, before, first = BatchClock(), Before(), FirstBatch()
+    if scenario == "batch_size":
+        probe = PerSampleProbe(net, int(1.3e9))  # rank 1: 12 samples fit within the headroom, 16 do not
+        tuner = BatchSizeTuner(
+            mode="max_fit", init_size=4, max_size=32, probe=probe, cache=False, warmup_steps=1, timed_steps=2,
+            clock=clock,
+        )  # fmt: skip
+        kwargs = {}
+    else:
+        probe = PerSampleProbe(net, int(1.2e9))  # rank 1: micro-batches above 11 do not fit
+        tuner = AccumulationTuner(
+            effective_batch_size=32, min_micro_batch=4, probe=probe, cache=False, warmup_steps=1, timed_steps=1,
+            clock=clock,
+        )  # fmt: skip
+        kwargs = {"max_steps": 1, "limit_train_batches": 1.0}
+    t = trainer(out, [before, clock, tuner, first], **kwargs)
+    t.fit(net)
+    return {
+        "batch_size": tuner.batch_size,
+        "accumulate": tuner.accumulate_grad_batches,
+        "model_batch_size": net.batch_size,
+        "trainer_accumulate": t.accumulate_grad_batches,
+        "results": [[r.size, r.accumulate, r.outcome] for r in tuner.results],
+        "samples_at_first_batch": first.samples,
+        "global_step_at_first_batch": first.global_step,
+        "weights_put_back": all(torch.equal(before.weights[k], v) for k, v in first.weights.items()),
+        "sharded": isinstance(next(net.parameters()), DTensor),
+        "optimizer_state_before_and_at_first_batch": [before.optimizer_state, first.optimizer_state],
+    }
+
+
+class Outgrow(Callback):
+    def __init__(self, probe):
+        self.probe = probe
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if RANK == 1 and batch_idx == 3:
+            self.probe.peak = 17 * 10**9
+
+
+def guard(out):
+    probe = FakeProbe()  # 16 GB, 1 GB used
+    memguard = MemGuard(probe=probe, on_spill="stop", clock=StepClock(0.1 * (RANK + 1)), read_every=100)
+    t = trainer(out, [Outgrow(probe), memguard], limit_train_batches=8, max_epochs=2)
+    result = {"warnings": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(model(batch_size=4))
+    result["warnings"] = [str(w.message) for w in caught if "spill" in str(w.message)]
+    result["global_step"] = t.global_step
+    result["should_stop"] = t.should_stop
+    result["epochs"] = [r.to_dict() for r in memguard.epochs]
+    metric = t.callback_metrics.get("memguard/samples_per_sec")
+    result["logged_samples_per_sec"] = None if metric is None else float(metric)
+    return result
+
+
+def checkpointing(out):
+    trained = {}
+    for name, callbacks in (("plain", []), ("checkpointed", [ActivationCheckpointing()])):
+        net = model(batch_size=4)
+        trainer(out, callbacks, max_steps=3, limit_train_batches=3).fit(net)
+        trained[name] = (own(net), sum(is_checkpointed(m) for m in net.modules()))
+    (plain, _), (ours, blocks) = trained["plain"], trained["checkpointed"]
+    return {
+        "checkpointed_blocks": blocks,
+        "same_keys": plain.keys() == ours.keys(),
+        "max_difference": max(float((plain[k].float() - ours[k].float()).abs().max()) for k in plain),
+    }
+
+
+def budget(out):
+    net = model(batch_size=4)
+    net.example_input_array = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    callback = ActivationCheckpointing(memory_budget=0.7)
+    trainer(out, [callback], max_steps=2, limit_train_batches=2).fit(net)
+    return {
+        "runs": callback.runs,
+        "checkpointed": sorted(n for n, m in net.named_modules() if is_checkpointed(m)),
+        "planned_here": callback.plan is not None,
+    }
+
+
+def main() -> None:
+    out, scenarios = sys.argv[1], sys.argv[2:]
+    for scenario in scenarios:
+        try:
+            if scenario in ("batch_size", "accumulation"):
+                result = tuned(out, scenario)
+            else:
+                result = {"guard": guard, "checkpointing": checkpointing, "budget": budget}[scenario](out)
+        except Exception as err:  # the test names the scenario and its error; the next scenario still runs
+            result = {"error": f"{type(err).__name__}: {err}"}
+        with open(os.path.join(out, f"{scenario}-rank{RANK}.json"), "w", encoding="utf-8") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

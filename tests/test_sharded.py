@@ -1,0 +1,195 @@
+"""The callbacks under sharded strategies on the CPU: ModelParallelStrategy with FSDP2's ``fully_shard`` on two gloo
+processes (one launch, every scenario its own ``fit``: tests/sharded_run.py), the tuners' in-place restore of each
+rank's shards, and the refusals. Lightning builds FSDPStrategy only on a GPU: its cells are tests/test_gpu.py's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import TinyModel
+
+from lightning_memguard import AccumulationTuner, ActivationCheckpointing, BatchSizeTuner
+
+SCENARIOS = ("batch_size", "accumulation", "guard", "checkpointing", "budget")
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> dict[str, dict[int, dict]]:
+    out = tmp_path_factory.mktemp("sharded")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["PYTHONWARNINGS"] = "ignore"
+    script = os.path.join(os.path.dirname(__file__), "sharded_run.py")
+    try:  # a rank left waiting in a collective would hang until gloo's timeout: fail fast instead
+        proc = subprocess.run(
+            [sys.executable, script, str(out), *SCENARIOS], capture_output=True, text=True, timeout=420, env=env,
+            cwd=out,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the sharded run did not end within {err.timeout} s: a rank was left waiting")
+    results: dict[str, dict[int, dict]] = {}
+    for scenario in SCENARIOS:
+        results[scenario] = {}
+        for rank in (0, 1):
+            path = out / f"{scenario}-rank{rank}.json"
+            results[scenario][rank] = json.loads(path.read_text()) if path.exists() else {"error": proc.stderr[-3000:]}
+    return results
+
+
+def _ranks(sharded, scenario):
+    r0, r1 = sharded[scenario][0], sharded[scenario][1]
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    return r0, r1
+
+
+@pytest.mark.parametrize("scenario", ["batch_size", "accumulation"])
+def test_the_tuners_under_model_parallel_put_every_ranks_shards_back_and_agree(sharded, scenario):
+    r0, r1 = _ranks(sharded, scenario)
+    assert r0 == r1  # one choice, the same trials, on both ranks
+    r = r0
+    assert r["sharded"]  # the weights were DTensors: FSDP2 held them
+    # rank 1's smaller card: 16 samples per device would not fit there, so neither rank runs them
+    expected = {"batch_size": [[4, 1, "ok"], [8, 1, "ok"], [16, 1, "predicted_over"]],
+                "accumulation": [[4, 4, "ok"], [8, 2, "ok"], [16, 1, "predicted_over"]]}[scenario]  # fmt: skip
+    assert r["results"] == expected
+    assert r["batch_size"] == r["model_batch_size"] == r["samples_at_first_batch"] == 8
+    if scenario == "accumulation":
+        assert r["accumulate"] == r["trainer_accumulate"] == 2
+    # the run starts where it was: each rank's shards as before the trials, no optimizer state, no step taken
+    assert r["weights_put_back"] and r["global_step_at_first_batch"] == 0
+    assert r["optimizer_state_before_and_at_first_batch"] == [0, 0]
+
+
+def test_memguard_under_model_parallel_stops_every_rank_with_the_spilling_ranks_numbers(sharded):
+    r0, r1 = _ranks(sharded, "guard")
+    assert r0["should_stop"] and r1["should_stop"] and r0["global_step"] == r1["global_step"]
+    (warning,) = r0["warnings"]
+    assert "Another rank's GPU memory spilled into system RAM (rank 1)" in warning
+    assert "peak 17.00 GB against 16.00 GB" in warning and "MemGuard stopped the Trainer" in warning
+    for r in (r0, r1):
+        (epoch,) = r["epochs"]
+        # the highest rank's peak; samples/s summed over the ranks (20 + 40); the logged key is the table's figure
+        assert epoch["peak_allocated_gb"] == pytest.approx(17.0)
+        assert epoch["samples_per_sec"] == pytest.approx(60.0) == r["logged_samples_per_sec"]
+
+
+def test_checkpointing_the_sharded_blocks_trains_exactly_as_without(sharded):
+    """ActivationCheckpointing() on a model whose configure_model shards its blocks: applied right after that hook,
+    on every rank; three steps end on the same weights, bit for bit, as the run without it."""
+    r0, r1 = _ranks(sharded, "checkpointing")
+    for r in (r0, r1):
+        assert r["checkpointed_blocks"] > 0 and r["same_keys"]
+        assert r["max_difference"] == 0.0
+
+
+def test_a_budget_under_model_parallel_is_measured_on_every_rank_and_rank_zeros_plan_applied(sharded):
+    r0, r1 = _ranks(sharded, "budget")
+    assert r0["planned_here"] and r1["planned_here"]  # each rank ran the measurement (the forward gathers shards)
+    assert r0["runs"] == r1["runs"] and r0["runs"]
+    assert r0["checkpointed"] == r1["checkpointed"] == sorted(name for run in r0["runs"] for name in run)
+
+
+def test_the_trials_state_of_a_sharded_model_is_put_back_in_place(tmp_path):
+    """FSDP2 on one gloo process: an optimizer that already holds state and a scheduler that changed the learning
+    rate; after more steps everything is put back into the same tensors (the optimizer still points at them)."""
+    import torch.distributed as dist
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from lightning_memguard.callbacks._state import load_training_state, training_state
+
+    def full(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).clone()
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
+        )
+        fully_shard(net[0], mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+
+        def step():
+            net(torch.randn(4, 8)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+
+        trainer = SimpleNamespace(
+            strategy=ModelParallelStrategy(), lightning_module=net, optimizers=[optimizer],
+            lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)], precision_plugin=Precision(),
+        )  # fmt: skip
+        fresh = training_state(trainer)  # before any step: no optimizer state
+        step()
+        load_training_state(trainer, fresh)
+        assert len(optimizer.state) == 0 and optimizer.param_groups[0]["lr"] == 0.01
+
+        step()
+        weights = {k: full(v) for k, v in net.state_dict().items()}
+        moments = {i: {k: full(v) for k, v in optimizer.state[p].items()} for i, p in enumerate(net.parameters())}
+        lr, params = optimizer.param_groups[0]["lr"], list(net.parameters())
+        saved = training_state(trainer)
+        step(), step()
+        load_training_state(trainer, saved)
+        assert all(torch.equal(weights[k], full(v)) for k, v in net.state_dict().items())
+        assert all(
+            torch.equal(moments[i][k], full(v))
+            for i, p in enumerate(net.parameters())
+            for k, v in optimizer.state[p].items()
+        )
+        assert optimizer.param_groups[0]["lr"] == lr and list(net.parameters()) == params
+        assert isinstance(params[0], DTensor)
+    finally:
+        dist.destroy_process_group()
+
+
+def _deepspeed():
+    """A DeepSpeedStrategy as the callbacks see it: DeepSpeed itself is not installed here, so it is made without
+    its ``__init__`` (which would refuse for that reason)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    return DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+
+
+@pytest.mark.parametrize("tuner_cls", [BatchSizeTuner, AccumulationTuner])
+def test_deepspeed_is_refused_by_the_tuners_before_anything_is_measured(tuner_cls):
+    tuner = BatchSizeTuner(cache=False) if tuner_cls is BatchSizeTuner else AccumulationTuner(16, cache=False)
+    with pytest.raises(ValueError, match=r"does not support DeepSpeedStrategy.*strategy='fsdp', 'ddp' or one device"):
+        tuner.setup(SimpleNamespace(strategy=_deepspeed(), world_size=1), TinyModel(), "fit")
+
+
+@pytest.mark.parametrize(
+    "strategy, world_size, budget, match",
+    [
+        ("deepspeed", 1, None, "does not support DeepSpeedStrategy"),
+        ("fsdp", 2, 0.6, "under FSDPStrategy on several devices cannot measure.*ModelParallelStrategy"),
+    ],
+)
+def test_activation_checkpointing_refuses_what_it_cannot_measure_in_setup(strategy, world_size, budget, match):
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    held = _deepspeed() if strategy == "deepspeed" else FSDPStrategy()
+    trainer = SimpleNamespace(strategy=held, world_size=world_size)
+    with pytest.raises(ValueError, match=match):
+        ActivationCheckpointing(memory_budget=budget).setup(trainer, TinyModel(), "fit")
+
+
+def test_activation_checkpointing_budget_on_one_fsdp_device_is_not_refused():
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    model = TinyModel()
+    model.example_input_array = torch.randn(2, 16)
+    trainer = SimpleNamespace(strategy=FSDPStrategy(), world_size=1)
+    ActivationCheckpointing(memory_budget=0.6).setup(trainer, model, "fit")  # planned at fit start, on the device
