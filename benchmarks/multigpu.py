@@ -4,7 +4,7 @@
 
 ResNet50, bf16-mixed, channels_last, strategy="ddp", 2 GPUs; the parts (all by default, in this order):
 - ``tuning``: MemGuard() + AccumulationTuner(effective_batch_size=512): every rank's choice, and the logged
-  samples/s (all ranks together) against the sum of each rank's own;
+  samples/s (all ranks together) against the figure in each rank's table (the same merged record on every rank);
 - ``overhead``: the tuned configuration with and without MemGuard, interleaved, median step time (CUDA events);
 - ``spill``: SysmemSpillEmulator on rank 1 only: both ranks stop within 3 steps, SysmemSpillError with its own
   report on rank 1, no hang;
@@ -16,10 +16,15 @@ ResNet50, bf16-mixed, channels_last, strategy="ddp", 2 GPUs; the parts (all by d
   the oracle: the same size compiled on its own (``dynamic=False``), trained the same way;
 - ``strategy``: CheckpointingDDPStrategy(memory_budget=0.6) in fp32, batch 64, cuDNN deterministic: both ranks
   apply rank zero's plan, each rank's first forward and backward peak against the budget, and the weights after
-  3 steps against plain DDP's from the same seed (with a second plain run's difference as the baseline).
+  3 steps against plain DDP's from the same seed (with a second plain run's difference as the baseline);
+- ``fsdp`` and ``model_parallel``: the sharded strategies (``FSDPStrategy``; ``ModelParallelStrategy`` with
+  ``ShardedClassifier``, FSDP2's ``fully_shard`` on every block): MemGuard() + AccumulationTuner(512) (every rank's
+  choice, the weights at the first real batch as before the trials, logged samples/s against each rank's table),
+  then ActivationCheckpointing(memory_budget=0.6) (every rank's plan and step peaks against the budget; under
+  FSDPStrategy on several devices a budget is refused, and the refusal is recorded).
 Every rank writes its own JSON; rank 0 merges them. `--smoke` runs a tiny version on 2 CPU processes (gloo; the
 ``oom`` part then raises the error in rank 1's training step instead of allocating a ballast, and ``compiled``
-uses the ``aot_eager`` backend).
+uses the ``aot_eager`` backend; Lightning builds FSDPStrategy only on a GPU, so ``fsdp`` records that it was skipped).
 """
 
 from __future__ import annotations
@@ -40,11 +45,17 @@ from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_memguard import AccumulationTuner, BatchSizeTuner, MemGuard, SysmemSpillError  # noqa: E402
+from lightning_memguard import (  # noqa: E402
+    AccumulationTuner,
+    ActivationCheckpointing,  # noqa: E402
+    BatchSizeTuner,
+    MemGuard,
+    SysmemSpillError,
+)
 from lightning_memguard.strategies import CheckpointingDDPStrategy  # noqa: E402
-from lightning_memguard.testing import ImageClassifier, StepTimer, SysmemSpillEmulator  # noqa: E402
+from lightning_memguard.testing import ImageClassifier, ShardedClassifier, StepTimer, SysmemSpillEmulator  # noqa: E402
 
-PARTS = ("tuning", "overhead", "spill", "oom", "compiled", "strategy")
+PARTS = ("tuning", "overhead", "spill", "oom", "compiled", "strategy", "fsdp", "model_parallel")
 WORLD = 2  # devices=2
 
 
@@ -84,7 +95,7 @@ def part_tuning(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         "choice": {"micro_batch": tuner.batch_size, "accumulate": tuner.accumulate_grad_batches},
         "trials": [r.to_dict() for r in tuner.results],
         "logged_samples_per_sec": float(t.callback_metrics["memguard/samples_per_sec"]),
-        "own_samples_per_sec": guard.epochs[-1].samples_per_sec,
+        "table_samples_per_sec": guard.epochs[-1].samples_per_sec,  # the merged record this rank holds
     }
 
 
@@ -230,6 +241,98 @@ def part_strategy(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     }
 
 
+def _own_weights(module: Any) -> list[torch.Tensor]:
+    """This rank's shard of every parameter and buffer, copied to the host."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        return [
+            (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().clone()
+            for t in [*module.parameters(), *module.buffers()]
+        ]
+
+
+class _WeightsAtStart(Callback):
+    """Listed before the tuner: this rank's weights as the fit starts and at its first real batch."""
+
+    def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self.before = _own_weights(pl_module)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if not hasattr(self, "first"):
+            self.first = _own_weights(pl_module)
+
+
+def part_sharded(args: argparse.Namespace, rank: int, name: str) -> dict[str, Any]:
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if name == "fsdp" and args.smoke:
+        return {"skipped": "Lightning builds FSDPStrategy only on a GPU"}
+
+    def strategy() -> Any:
+        return (
+            FSDPStrategy()
+            if name == "fsdp"
+            else ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
+        )
+
+    effective, steps = (32, 6) if args.smoke else (512, 30)
+    guard, start = MemGuard(), _WeightsAtStart()
+    tuner = AccumulationTuner(effective, min_micro_batch=8 if args.smoke else 32, cache=False)
+    t = trainer(args, [start, guard, tuner], steps, strategy=strategy())
+    t.fit(model(args, 64, 10_000, ShardedClassifier))
+    out: dict[str, Any] = {
+        "choice": {"micro_batch": tuner.batch_size, "accumulate": tuner.accumulate_grad_batches},
+        "trials": [r.to_dict() for r in tuner.results],
+        "weights_put_back": all(torch.equal(a, b) for a, b in zip(start.before, start.first, strict=True)),
+        "logged_samples_per_sec": float(t.callback_metrics["memguard/samples_per_sec"]),
+        "table_samples_per_sec": guard.epochs[-1].samples_per_sec,  # the merged record this rank holds
+    }
+    batch = 8 if args.smoke else 64
+    net = model(args, batch, 10_000, ShardedClassifier)
+    net.example_input_array = net.images[:batch].clone()
+    peaks, checkpointing = _StepPeak(), ActivationCheckpointing(memory_budget=0.6)
+    try:
+        trainer(args, [checkpointing, peaks], 3, strategy=strategy()).fit(net)
+    except ValueError as err:  # refused in setup
+        out["budget"] = {"refused": str(err)}
+        return out
+    plan = checkpointing.plan
+    out["budget"] = {
+        "runs": checkpointing.runs,
+        "budget_bytes": plan.budget_bytes if plan is not None else None,
+        "planned_peak_bytes": plan.measured_bytes if plan is not None else None,
+        "step_peaks_bytes": peaks.peaks,
+    }
+    return out
+
+
+def _summarize_sharded(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    if "skipped" in rows[0]:
+        return {"skipped": rows[0]["skipped"]}
+    budget = rows[0]["budget"]
+    summary: dict[str, Any] = {
+        "same_choice_on_every_rank": len({json.dumps(r["choice"], sort_keys=True) for r in rows}) == 1,
+        "choice": rows[0]["choice"],
+        "weights_put_back_on_every_rank": all(r["weights_put_back"] for r in rows),
+        "logged_samples_per_sec": rows[0]["logged_samples_per_sec"],
+        # every rank holds the merged record (the ranks' samples/s summed): its table's figure is the logged one
+        "every_rank_holds_the_logged_figure": all(
+            abs(r["table_samples_per_sec"] - rows[0]["logged_samples_per_sec"]) < 1e-3 for r in rows
+        ),
+    }
+    if "refused" in budget:
+        summary["budget"] = budget
+    else:
+        summary["budget"] = {
+            "same_runs_on_every_rank": len({json.dumps(r["budget"]["runs"]) for r in rows}) == 1,
+            "runs": budget["runs"],
+            "budget_bytes": budget["budget_bytes"],
+            "peak_bytes_per_rank": [max(r["budget"]["step_peaks_bytes"], default=None) for r in rows],
+        }
+    return summary
+
+
 def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank 0's view of every part that ran."""
     summary: dict[str, Any] = {"gpus": torch.cuda.device_count()}
@@ -239,7 +342,10 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "same_choice_on_every_rank": len({json.dumps(r["tuning"]["choice"], sort_keys=True) for r in ranks}) == 1,
             "choice": first["tuning"]["choice"],
             "logged_samples_per_sec": first["tuning"]["logged_samples_per_sec"],
-            "sum_of_ranks_samples_per_sec": sum(r["tuning"]["own_samples_per_sec"] for r in ranks),
+            "every_rank_holds_the_logged_figure": all(
+                abs(r["tuning"]["table_samples_per_sec"] - first["tuning"]["logged_samples_per_sec"]) < 1e-3
+                for r in ranks
+            ),
         }
     if "overhead" in first:
         with_g = [r["median_step_ms"] for r in first["overhead"] if r["memguard"]]
@@ -281,6 +387,9 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "max_weight_difference": [row["max_weight_difference"] for row in rows],
             "plain_vs_plain_difference": [row["plain_vs_plain_difference"] for row in rows],
         }
+    for name in ("fsdp", "model_parallel"):
+        if name in first:
+            summary[name] = _summarize_sharded([r[name] for r in ranks])
     return summary
 
 
@@ -313,6 +422,9 @@ def main() -> None:
         mine["compiled"] = part_compiled(args, rank)
     if "strategy" in parts:
         mine["strategy"] = part_strategy(args, rank)
+    for name in ("fsdp", "model_parallel"):
+        if name in parts:
+            mine[name] = part_sharded(args, rank, name)
 
     os.makedirs(args.tmp, exist_ok=True)
     with open(own + ".tmp", "w", encoding="utf-8") as f:

@@ -28,29 +28,3 @@ def small_classifier(**kwargs) -> ImageClassifier:
     defaults = dict(arch="resnet18", image_size=16, batch_size=8, steps_per_epoch=12, pool_size=16)
     defaults.update(kwargs)
     return ImageClassifier(**defaults)
-
-
-class ShardedClassifier(ImageClassifier):
-    """An ImageClassifier sharded as ``ModelParallelStrategy`` asks: ``fully_shard`` (FSDP2) on every residual block,
-    then on the network, in ``configure_model``; AdamW, so the optimizer holds state the trials must put back."""
-
-    def configure_model(self) -> None:
-        from torch.distributed.fsdp import fully_shard
-        from torchvision.models.resnet import BasicBlock, Bottleneck
-
-        if self.device_mesh is None or _is_sharded(self.net):
-            return
-        mesh = self.device_mesh["data_parallel"]
-        for module in self.net.modules():
-            if isinstance(module, BasicBlock | Bottleneck):
-                fully_shard(module, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-def _is_sharded(module: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)

@@ -25,12 +25,12 @@ import torch  # noqa: E402
 from conftest import FakeProbe, StepClock  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
-from models import ShardedClassifier  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from lightning_memguard import AccumulationTuner, ActivationCheckpointing, BatchSizeTuner, MemGuard  # noqa: E402
 from lightning_memguard.checkpointing import is_checkpointed  # noqa: E402
 from lightning_memguard.probes import MemoryReading  # noqa: E402
+from lightning_memguard.testing import ShardedClassifier  # noqa: E402
 
 RANK = int(os.environ.get("LOCAL_RANK", "0"))
 

@@ -82,6 +82,36 @@ def test_multigpu_summary_compares_every_rank():
     assert summary["oom"]["same_choice_on_every_rank"] and "tuning" not in summary
 
 
+def test_multigpu_summary_of_the_sharded_parts_compares_every_rank_and_keeps_a_refusal():
+    def rank(r, micro, table, budget):
+        return {
+            "rank": r,
+            "fsdp": {"skipped": "Lightning builds FSDPStrategy only on a GPU"},
+            "model_parallel": {
+                "choice": {"micro_batch": micro, "accumulate": 2},
+                "weights_put_back": True,
+                "logged_samples_per_sec": 60.0,
+                "table_samples_per_sec": table,
+                "budget": budget,
+            },
+        }
+
+    runs = {"runs": [["net.layer4.0"]], "budget_bytes": 100, "step_peaks_bytes": [90, 95]}
+    summary = _benchmark("multigpu").summarize(
+        [rank(0, 8, 60.0, runs), rank(1, 8, 60.0, {**runs, "budget_bytes": None})]
+    )
+    parallel = summary["model_parallel"]
+    assert parallel["same_choice_on_every_rank"] and parallel["weights_put_back_on_every_rank"]
+    assert parallel["every_rank_holds_the_logged_figure"]
+    assert parallel["budget"]["same_runs_on_every_rank"] and parallel["budget"]["peak_bytes_per_rank"] == [95, 95]
+    assert summary["fsdp"] == {"skipped": "Lightning builds FSDPStrategy only on a GPU"}
+    refused = {"refused": "ActivationCheckpointing(memory_budget=...) under FSDPStrategy on several devices ..."}
+    parted = _benchmark("multigpu").summarize([rank(0, 8, 60.0, refused), rank(1, 16, 30.0, refused)])
+    assert not parted["model_parallel"]["same_choice_on_every_rank"]
+    assert not parted["model_parallel"]["every_rank_holds_the_logged_figure"]
+    assert parted["model_parallel"]["budget"] == refused
+
+
 def test_the_savings_goal_finds_where_ours_is_slower_than_compiles_own_setting_at_that_memory():
     frontier = [
         {"setting": "eager", "peak_bytes": 1000},

@@ -8,11 +8,10 @@ import pytest
 import torch
 from conftest import trainer_kwargs
 from lightning.pytorch import Callback, Trainer
-from models import ShardedClassifier
 from torch.distributed.tensor import DTensor
 
 from lightning_memguard import AccumulationTuner, ActivationCheckpointing, BatchSizeTuner, MemGuard
-from lightning_memguard.testing import SysmemSpillEmulator
+from lightning_memguard.testing import ShardedClassifier, SysmemSpillEmulator
 
 pytestmark = [
     pytest.mark.cuda,

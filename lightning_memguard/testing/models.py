@@ -94,6 +94,35 @@ class ImageClassifier(LightningModule):
         return _index_loader(max(self.hparams["val_steps"], 0) * self.batch_size, self.batch_size)
 
 
+class ShardedClassifier(ImageClassifier):
+    """An :class:`ImageClassifier` sharded as ``ModelParallelStrategy`` asks: FSDP2's ``fully_shard`` on every residual
+    block, then on the network, in ``configure_model`` (nothing is sharded under other strategies); AdamW, so the
+    optimizer holds state.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning.pytorch.strategies import ModelParallelStrategy
+        >>> model = ShardedClassifier("resnet18", image_size=16, batch_size=4, steps_per_epoch=2)
+        >>> strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+        >>> trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False)
+    """
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torchvision.models.resnet import BasicBlock, Bottleneck
+
+        if self.device_mesh is None or isinstance(self.net, FSDPModule):  # not sharded here, or already
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for module in self.net.modules():
+            if isinstance(module, BasicBlock | Bottleneck):
+                fully_shard(module, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"] / 50)
+
+
 def _index_loader(length: int, batch_size: int) -> DataLoader:
     """Batches of sample indices: ``torch.arange`` is a map-style dataset of ``length`` items."""
     return DataLoader(torch.arange(length), batch_size=batch_size)  # type: ignore[arg-type]
