@@ -97,7 +97,7 @@ class ImageClassifier(LightningModule):
 class ShardedClassifier(ImageClassifier):
     """An :class:`ImageClassifier` sharded as ``ModelParallelStrategy`` asks: FSDP2's ``fully_shard`` on every residual
     block, then on the network, in ``configure_model`` (nothing is sharded under other strategies); AdamW, so the
-    optimizer holds state.
+    optimizer holds state. ``fully_shard`` takes contiguous weights only: leave ``channels_last`` off.
 
     Example:
         >>> from lightning.pytorch import Trainer
