@@ -26,6 +26,7 @@ from conftest import FakeProbe, StepClock  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
+from tuner_helpers import BatchClock  # noqa: E402
 
 from lightning_memguard import AccumulationTuner, ActivationCheckpointing, BatchSizeTuner, MemGuard  # noqa: E402
 from lightning_memguard.checkpointing import is_checkpointed  # noqa: E402
@@ -59,21 +60,6 @@ class PerSampleProbe:
     def read(self):
         peak = self.model.batch_size * 100 * 10**6
         return MemoryReading(peak, peak, self._capacity)
-
-
-class BatchClock(Callback):
-    """The tuners' clock: each batch takes 10 ms + 1 ms per sample, whatever this machine's speed."""
-
-    memguard_keep_in_trials = True
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.now += 0.01 + 0.001 * batch.shape[0]
 
 
 class Before(Callback):

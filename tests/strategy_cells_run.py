@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 from conftest import FakeProbe  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
+from tuner_helpers import BatchClock  # noqa: E402
 
 from lightning_memguard import (  # noqa: E402
     AccumulationTuner,
@@ -47,19 +48,6 @@ class PerSampleProbe:
     def read(self):
         peak = self.model.batch_size * 100 * 10**6
         return MemoryReading(peak, peak, self.capacity())
-
-
-class BatchClock(Callback):
-    memguard_keep_in_trials = True
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.now += 0.01 + 0.001 * batch.shape[0]
 
 
 class Report(Callback):

@@ -13,6 +13,10 @@ from lightning_memguard.checkpointing import is_checkpointed
 from lightning_memguard.probes import MemoryReading
 
 
+def ten_ms_and_one_per_sample(n: int) -> float:
+    return 0.01 + 0.001 * n
+
+
 class BatchClock(Callback):
     """Pass it as a tuner's ``clock`` and as a Trainer callback: each training batch of ``n`` samples takes
     ``seconds(n)`` of its time (default 10 ms + 1 ms per sample: throughput rises with the size, ever more slowly)."""
@@ -20,7 +24,7 @@ class BatchClock(Callback):
     memguard_keep_in_trials = True  # it runs inside the tuners' trials too
 
     def __init__(self, seconds: Callable[[int], float] | None = None) -> None:
-        self.seconds = seconds or (lambda n: 0.01 + 0.001 * n)
+        self.seconds = seconds or ten_ms_and_one_per_sample  # a module's function: it pickles (ddp_spawn)
         self.now = 0.0
 
     def __call__(self) -> float:
