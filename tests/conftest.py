@@ -195,11 +195,12 @@ def ddp_scenario_results(out: Path, spec: str, filename: str) -> dict[int, dict]
     naming the scenario, where a rank crashed in it or wrote nothing."""
     launch = json.loads((out / "launch.json").read_text(encoding="utf-8"))
     folder = out.joinpath(*spec.split(":", 1))
-    results = {}
     for rank in (0, 1):
         crash = folder / f"crash-rank{rank}.txt"
         if crash.exists():
             pytest.fail(f"scenario {spec}: rank {rank} raised\n{crash.read_text(encoding='utf-8')}")
+    results = {}
+    for rank in (0, 1):
         path = folder / filename.format(rank=rank)
         if not path.exists():
             if launch["returncode"] is None:
