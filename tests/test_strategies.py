@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import trainer_kwargs
+from conftest import ddp_scenario_results, ddp_scenarios, trainer_kwargs
 from lightning.pytorch import Trainer
 from torchvision.models.resnet import BasicBlock
 
@@ -65,19 +64,19 @@ def test_a_budget_without_an_example_input_is_a_clear_error(tmp_path):
         Trainer(**kwargs).fit(model)
 
 
+@pytest.fixture(scope="module")
+def ddp_strategy_launch(tmp_path_factory):
+    """The eager and the compiled scenario of ddp_strategy_run.py in one two-rank launch."""
+    specs = ["ddp_strategy_run:eager", "ddp_strategy_run:compiled"]
+    return ddp_scenarios(tmp_path_factory, "strategy", specs, timeout=900)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
-def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(tmp_path, mode):
+def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(ddp_strategy_launch, mode):
     """Compiled: rank zero measures under compile and both ranks take its runs and compile's setting with them."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["PYTHONWARNINGS"] = "ignore"
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(SCRIPT)), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, SCRIPT, str(tmp_path), *(["compiled"] if mode == "compiled" else [])],
-        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"strategy{r}.json").read_text(encoding="utf-8")) for r in (0, 1)]
+    results = ddp_scenario_results(ddp_strategy_launch, f"ddp_strategy_run:{mode}", "strategy{rank}.json")
+    ranks = [results[0], results[1]]
     assert ranks[0]["runs"] and ranks[0]["runs"] == ranks[1]["runs"]
     assert ranks[0]["swapped"] == ranks[1]["swapped"]
     # rank zero's choice of a graph per stage (or one graph), made by timing, is every rank's
