@@ -163,7 +163,8 @@ def ddp_scenarios(tmp_path_factory, name: str, specs: Sequence[str], timeout: fl
     """Run the DDP scenarios ``specs`` (``"script:scenario"``) in one two-rank launch of ``ddp_run.py``, once per test
     session: under pytest-xdist the workers share the launch through a lock in their common temporary folder, so a
     module's tests may run on either worker. Returns the launch's folder: each scenario's results are under
-    ``<folder>/<script>/<scenario>/``; ``launch.json`` holds the return code (None: timed out) and stderr's tail."""
+    ``<folder>/<script>/<scenario>/``; ``launch.json`` holds the return code (None: timed out) and stderr's tail,
+    ``stderr.txt`` all of stderr. A last spec ending in ``!`` may end the launch with its error (see ddp_run.py)."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # shared by the workers of this session
@@ -182,11 +183,12 @@ def ddp_scenarios(tmp_path_factory, name: str, specs: Sequence[str], timeout: fl
                     [sys.executable, script, str(out), *specs], capture_output=True, text=True, timeout=timeout,
                     env=env, cwd=out,
                 )  # fmt: skip
-                launch = {"returncode": proc.returncode, "stderr": proc.stderr[-6000:]}
+                launch, stderr = {"returncode": proc.returncode}, proc.stderr
             except subprocess.TimeoutExpired as err:
                 stderr = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else err.stderr or ""
-                launch = {"returncode": None, "stderr": f"the launch did not end within {timeout} s\n{stderr[-6000:]}"}
-            record.write_text(json.dumps(launch), encoding="utf-8")
+                launch, stderr = {"returncode": None}, f"the launch did not end within {timeout} s\n{stderr}"
+            (out / "stderr.txt").write_text(stderr, encoding="utf-8")  # all of it
+            record.write_text(json.dumps({**launch, "stderr": stderr[-6000:]}), encoding="utf-8")
     return out
 
 

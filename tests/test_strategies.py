@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import json
 
 import pytest
 import torch
@@ -14,8 +12,6 @@ from torchvision.models.resnet import BasicBlock
 
 from lightning_memguard.strategies import CheckpointingDDPStrategy, CheckpointingSingleDeviceStrategy
 from lightning_memguard.testing import ImageClassifier
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_strategy_run.py")
 
 
 def _model() -> ImageClassifier:
@@ -66,8 +62,9 @@ def test_a_budget_without_an_example_input_is_a_clear_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def ddp_strategy_launch(tmp_path_factory):
-    """The eager and the compiled scenario of ddp_strategy_run.py in one two-rank launch."""
-    specs = ["ddp_strategy_run:eager", "ddp_strategy_run:compiled"]
+    """The eager, the compiled and the planning_fails scenario of ddp_strategy_run.py in one two-rank launch; the last
+    one ends it, as it ends a launch of its own."""
+    specs = ["ddp_strategy_run:eager", "ddp_strategy_run:compiled", "ddp_strategy_run:planning_fails!"]
     return ddp_scenarios(tmp_path_factory, "strategy", specs, timeout=900)
 
 
@@ -90,18 +87,14 @@ def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(ddp_strategy_lau
 
 
 @pytest.mark.slow
-def test_ddp_rank_zero_failing_while_it_plans_ends_every_rank(tmp_path):
+def test_ddp_rank_zero_failing_while_it_plans_ends_every_rank(ddp_strategy_launch):
     """The other ranks wait in the broadcast for rank zero's plan: its error must end the run, not leave them there."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["PYTHONWARNINGS"] = "ignore"
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(SCRIPT)), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, SCRIPT, str(tmp_path), "planning_fails"],
-        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
-    )  # fmt: skip  # a hang would wait for gloo's 30-minute timeout: past this limit
-    assert done.returncode != 0
-    assert "injected while rank zero plans" in done.stderr
-    assert not list(tmp_path.glob("strategy*.json"))
+    launch = json.loads((ddp_strategy_launch / "launch.json").read_text(encoding="utf-8"))
+    stderr = (ddp_strategy_launch / "stderr.txt").read_text(encoding="utf-8")
+    # a hang would wait for gloo's 30-minute timeout: past the launch's limit (returncode None)
+    assert launch["returncode"] is not None and launch["returncode"] != 0, stderr[-3000:]
+    assert "injected while rank zero plans" in stderr
+    assert not list((ddp_strategy_launch / "ddp_strategy_run" / "planning_fails").glob("strategy*.json"))
 
 
 def test_a_lightning_cli_config_builds_the_strategy(tmp_path):
