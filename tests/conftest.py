@@ -205,14 +205,15 @@ def ddp_scenario_results(out: Path, spec: str, filename: str) -> dict[int, dict]
     for rank in (0, 1):
         path = folder / filename.format(rank=rank)
         if not path.exists():
-            if launch["returncode"] is None:
-                pytest.fail(f"scenario {spec}: rank {rank} wrote nothing; a rank was left waiting?\n{launch['stderr']}")
-            pytest.fail(f"scenario {spec}: rank {rank} wrote nothing; stderr:\n{launch['stderr']}")
+            why = "a rank was left waiting?" if launch["returncode"] is None else f"exit code {launch['returncode']}"
+            pytest.fail(f"scenario {spec}: rank {rank} wrote nothing ({why}); stderr, all of it in {out}/stderr.txt:\n"
+                        f"{launch['stderr']}")  # fmt: skip
         results[rank] = json.loads(path.read_text(encoding="utf-8"))
     return results
 
 
-# test_ddp.py's and test_ddp_guard.py's scenarios, in one launch (the compiled one last: it leaves Dynamo's caches)
+# test_ddp.py's, test_ddp_guard.py's and test_strategies.py's DDP scenarios, in one launch: the compiled ones late
+# (strategy's compiled scenario fixes the planner's step times for good), planning_fails last (it ends the launch)
 DDP_SCENARIOS = [
     "ddp_guard_run:mid-stop",
     "ddp_guard_run:last-raise",
@@ -222,7 +223,10 @@ DDP_SCENARIOS = [
     "ddp_tuner_run:accumulation",
     "ddp_tuner_run:oom",
     "ddp_tuner_run:oom_backward",
+    "ddp_strategy_run:eager",
     "ddp_tuner_run:oom_compiled",
+    "ddp_strategy_run:compiled",
+    "ddp_strategy_run:planning_fails!",
 ]
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import ddp_scenario_results, ddp_scenarios, trainer_kwargs
+from conftest import ddp_scenario_results, trainer_kwargs
 from lightning.pytorch import Trainer
 from torchvision.models.resnet import BasicBlock
 
@@ -60,19 +60,15 @@ def test_a_budget_without_an_example_input_is_a_clear_error(tmp_path):
         Trainer(**kwargs).fit(model)
 
 
-@pytest.fixture(scope="module")
-def ddp_strategy_launch(tmp_path_factory):
-    """The eager, the compiled and the planning_fails scenario of ddp_strategy_run.py in one two-rank launch; the last
-    one ends it, as it ends a launch of its own."""
-    specs = ["ddp_strategy_run:eager", "ddp_strategy_run:compiled", "ddp_strategy_run:planning_fails!"]
-    return ddp_scenarios(tmp_path_factory, "strategy", specs, timeout=900)
+# the DDP scenarios run in one launch with test_ddp.py's and test_ddp_guard.py's (conftest.DDP_SCENARIOS, the
+# ddp_launch fixture); planning_fails last, as it ends the launch
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
-def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(ddp_strategy_launch, mode):
+def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(ddp_launch, mode):
     """Compiled: rank zero measures under compile and both ranks take its runs and compile's setting with them."""
-    results = ddp_scenario_results(ddp_strategy_launch, f"ddp_strategy_run:{mode}", "strategy{rank}.json")
+    results = ddp_scenario_results(ddp_launch, f"ddp_strategy_run:{mode}", "strategy{rank}.json")
     ranks = [results[0], results[1]]
     assert ranks[0]["runs"] and ranks[0]["runs"] == ranks[1]["runs"]
     assert ranks[0]["swapped"] == ranks[1]["swapped"]
@@ -87,14 +83,14 @@ def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(ddp_strategy_lau
 
 
 @pytest.mark.slow
-def test_ddp_rank_zero_failing_while_it_plans_ends_every_rank(ddp_strategy_launch):
+def test_ddp_rank_zero_failing_while_it_plans_ends_every_rank(ddp_launch):
     """The other ranks wait in the broadcast for rank zero's plan: its error must end the run, not leave them there."""
-    launch = json.loads((ddp_strategy_launch / "launch.json").read_text(encoding="utf-8"))
-    stderr = (ddp_strategy_launch / "stderr.txt").read_text(encoding="utf-8")
+    launch = json.loads((ddp_launch / "launch.json").read_text(encoding="utf-8"))
+    stderr = (ddp_launch / "stderr.txt").read_text(encoding="utf-8")
     # a hang would wait for gloo's 30-minute timeout: past the launch's limit (returncode None)
     assert launch["returncode"] is not None and launch["returncode"] != 0, stderr[-3000:]
     assert "injected while rank zero plans" in stderr
-    assert not list((ddp_strategy_launch / "ddp_strategy_run" / "planning_fails").glob("strategy*.json"))
+    assert not list((ddp_launch / "ddp_strategy_run" / "planning_fails").glob("strategy*.json"))
 
 
 def test_a_lightning_cli_config_builds_the_strategy(tmp_path):
