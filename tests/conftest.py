@@ -1,12 +1,17 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from lightning.pytorch import LightningModule
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -152,3 +157,80 @@ def planner_step_times(monkeypatch, seconds) -> None:
         return seconds(torch._functorch.config.activation_memory_budget, blocks, split)
 
     monkeypatch.setattr(plan._StepMeter, "seconds", fake)
+
+
+def ddp_scenarios(tmp_path_factory, name: str, specs: Sequence[str], timeout: float) -> Path:
+    """Run the DDP scenarios ``specs`` (``"script:scenario"``) in one two-rank launch of ``ddp_run.py``, once per test
+    session: under pytest-xdist the workers share the launch through a lock in their common temporary folder, so a
+    module's tests may run on either worker. Returns the launch's folder: each scenario's results are under
+    ``<folder>/<script>/<scenario>/``; ``launch.json`` holds the return code (None: timed out) and stderr's tail,
+    ``stderr.txt`` all of stderr. A last spec ending in ``!`` may end the launch with its error (see ddp_run.py)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this session
+    out = root / f"ddp-{name}"
+    with FileLock(str(out) + ".lock"):
+        record = out / "launch.json"
+        if not record.exists():
+            out.mkdir(exist_ok=True)
+            env = {
+                k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")
+            }
+            env["PYTHONWARNINGS"] = "ignore"
+            script = os.path.join(os.path.dirname(__file__), "ddp_run.py")
+            try:
+                proc = subprocess.run(
+                    [sys.executable, script, str(out), *specs], capture_output=True, text=True, timeout=timeout,
+                    env=env, cwd=out,
+                )  # fmt: skip
+                launch, stderr = {"returncode": proc.returncode}, proc.stderr
+            except subprocess.TimeoutExpired as err:
+                stderr = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else err.stderr or ""
+                launch, stderr = {"returncode": None}, f"the launch did not end within {timeout} s\n{stderr}"
+            (out / "stderr.txt").write_text(stderr, encoding="utf-8")  # all of it
+            record.write_text(json.dumps({**launch, "stderr": stderr[-6000:]}), encoding="utf-8")
+    return out
+
+
+def ddp_scenario_results(out: Path, spec: str, filename: str) -> dict[int, dict]:
+    """Each rank's results of one scenario of a ``ddp_scenarios`` launch: ``filename`` with ``{rank}`` in it. Fails,
+    naming the scenario, where a rank crashed in it or wrote nothing."""
+    launch = json.loads((out / "launch.json").read_text(encoding="utf-8"))
+    folder = out.joinpath(*spec.split(":", 1))
+    for rank in (0, 1):
+        crash = folder / f"crash-rank{rank}.txt"
+        if crash.exists():
+            pytest.fail(f"scenario {spec}: rank {rank} raised\n{crash.read_text(encoding='utf-8')}")
+    results = {}
+    for rank in (0, 1):
+        path = folder / filename.format(rank=rank)
+        if not path.exists():
+            why = "a rank was left waiting?" if launch["returncode"] is None else f"exit code {launch['returncode']}"
+            pytest.fail(f"scenario {spec}: rank {rank} wrote nothing ({why}); stderr, all of it in {out}/stderr.txt:\n"
+                        f"{launch['stderr']}")  # fmt: skip
+        results[rank] = json.loads(path.read_text(encoding="utf-8"))
+    return results
+
+
+# test_ddp.py's, test_ddp_guard.py's and test_strategies.py's DDP scenarios, in one launch: the compiled ones late
+# (strategy's compiled scenario fixes the planner's step times for good), planning_fails last (it ends the launch)
+DDP_SCENARIOS = [
+    "ddp_guard_run:mid-stop",
+    "ddp_guard_run:last-raise",
+    "ddp_spill_run:raise-0",
+    "ddp_spill_run:raise-1",
+    "ddp_spill_run:stop-1",
+    "ddp_tuner_run:accumulation",
+    "ddp_tuner_run:oom",
+    "ddp_tuner_run:oom_backward",
+    "ddp_strategy_run:eager",
+    "ddp_tuner_run:oom_compiled",
+    "ddp_strategy_run:compiled",
+    "ddp_strategy_run:planning_fails!",
+]
+
+
+@pytest.fixture(scope="session")
+def ddp_launch(tmp_path_factory) -> Path:
+    """The folder of the one launch that runs ``DDP_SCENARIOS`` (see ``ddp_scenarios``)."""
+    return ddp_scenarios(tmp_path_factory, "memguard", DDP_SCENARIOS, timeout=900)

@@ -1,7 +1,7 @@
 """Two CPU processes under DDP (gloo) with injected clocks and memory: what MemGuard shows and does on each rank.
 Run by test_ddp_guard.py.
 
-Usage: python ddp_guard_run.py OUT_DIR SCENARIO
+Usage: python ddp_guard_run.py OUT_DIR SCENARIO (or through ddp_run.py, with SCENARIO as its scenario)
   mid-stop:  rank 1's memory goes above its card at its 4th batch, on_spill="stop"; rank 1 steps at half the pace
   last-raise: rank 1's memory goes above its card at the very last batch of the last epoch, on_spill="raise"
 """
@@ -33,7 +33,10 @@ class Outgrow(Callback):
 
 
 def main() -> None:
-    out, scenario = sys.argv[1], sys.argv[2]
+    run(sys.argv[1], sys.argv[2])
+
+
+def run(out: str, scenario: str) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     probe = FakeProbe()  # 16 GB, 1 GB used
     on_spill, epochs, at = {"mid-stop": ("stop", 2, (0, 3)), "last-raise": ("raise", 2, (1, 7))}[scenario]

@@ -1,4 +1,5 @@
-"""Two CPU processes under DDP (gloo); the emulated card spills on one rank only. Run by test_ddp.py.
+"""Two CPU processes under DDP (gloo); the emulated card spills on one rank only. Run by test_ddp.py, through
+ddp_run.py, as scenarios ``ON_SPILL-SPILL_RANK`` (``raise-0``, ``stop-1``, ...).
 
 Usage: python ddp_spill_run.py OUT_DIR SPILL_RANK ON_SPILL
 """
@@ -17,8 +18,17 @@ from lightning_memguard import MemGuard, SysmemSpillError  # noqa: E402
 from lightning_memguard.testing import ImageClassifier, SysmemSpillEmulator  # noqa: E402
 
 
+def run(out: str, scenario: str) -> None:
+    """Scenario ``ON_SPILL-SPILL_RANK``."""
+    on_spill, spill_rank = scenario.split("-")
+    fit(out, int(spill_rank), on_spill)
+
+
 def main() -> None:
-    out, spill_rank, on_spill = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    fit(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+
+
+def fit(out: str, spill_rank: int, on_spill: str) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     capacity = "10MB" if rank == spill_rank else "1TB"  # resnet18's weights alone exceed 10 MB
     emu = SysmemSpillEmulator(capacity=capacity)

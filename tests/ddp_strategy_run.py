@@ -3,6 +3,7 @@ writes the plan it applied and its weights' checksum. Run by test_strategies.py.
 
 Usage: python ddp_strategy_run.py OUT_DIR [compiled|planning_fails]
 compiled: both fits on an aot_eager torch.compile. planning_fails: rank zero runs out of memory while it plans.
+Or through ddp_run.py, with eager and compiled as scenarios (compiled last: it fixes the planner's step times for good).
 """
 
 from __future__ import annotations
@@ -44,8 +45,12 @@ def _fit(strategy, out: str, compiled: bool, callbacks=()) -> tuple[ImageClassif
 
 
 def main() -> None:
-    out, compiled = sys.argv[1], sys.argv[2:] == ["compiled"]
-    if sys.argv[2:] == ["planning_fails"]:  # rank zero measures; the other ranks wait for its plan
+    run(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "eager")
+
+
+def run(out: str, mode: str) -> None:
+    compiled = mode == "compiled"
+    if mode == "planning_fails":  # rank zero measures; the other ranks wait for its plan
         from lightning_memguard.checkpointing import policy
 
         def out_of_memory(*args, **kwargs):

@@ -1,6 +1,7 @@
 """Two CPU processes under DDP (gloo) tune; run by test_ddp.py.
 
 Usage: python ddp_tuner_run.py OUT_DIR [accumulation|oom|oom_backward|oom_compiled]
+(or through ddp_run.py, with these as scenarios)
 
 accumulation: AccumulationTuner, rank 1's card is smaller. oom: BatchSizeTuner, and only rank 1 raises
 torch.OutOfMemoryError in its training step once a batch holds more than 8 samples. oom_backward: the same, raised
@@ -81,8 +82,10 @@ class OomInRankOnesBackward(ImageClassifier):
 
 
 def main() -> None:
-    out = sys.argv[1]
-    mode = sys.argv[2] if len(sys.argv) > 2 else "accumulation"
+    run(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "accumulation")
+
+
+def run(out: str, mode: str) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     from lightning.pytorch import Callback
 

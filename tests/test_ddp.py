@@ -2,38 +2,20 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from conftest import ddp_scenario_results
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_spill_run.py")
+# the scenarios run in one launch with test_ddp_guard.py's and test_strategies.py's (conftest.DDP_SCENARIOS, the
+# ddp_launch fixture)
 
 
-def _run(tmp_path, spill_rank: int, on_spill: str) -> dict[int, dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["PYTHONWARNINGS"] = "ignore"
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, str(tmp_path), str(spill_rank), on_spill],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        cwd=tmp_path,
-    )
-    results = {}
-    for rank in (0, 1):
-        path = tmp_path / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote nothing; stderr:\n{proc.stderr[-3000:]}"
-        results[rank] = json.loads(path.read_text())
-    return results
+def _run(ddp_launch, spill_rank: int, on_spill: str) -> dict[int, dict]:
+    return ddp_scenario_results(ddp_launch, f"ddp_spill_run:{on_spill}-{spill_rank}", "rank{rank}.json")
 
 
 @pytest.mark.parametrize("spill_rank", [0, 1])
-def test_spill_on_one_rank_raises_on_both(tmp_path, spill_rank):
-    results = _run(tmp_path, spill_rank, "raise")
+def test_spill_on_one_rank_raises_on_both(ddp_launch, spill_rank):
+    results = _run(ddp_launch, spill_rank, "raise")
     other = 1 - spill_rank
     assert results[spill_rank]["error"] == "SysmemSpillError"
     assert results[spill_rank]["own_report"] is True
@@ -44,34 +26,20 @@ def test_spill_on_one_rank_raises_on_both(tmp_path, spill_rank):
     assert results[0]["global_step"] == results[1]["global_step"] <= 2 + 3
 
 
-def test_stop_mode_stops_both_ranks(tmp_path):
-    results = _run(tmp_path, 1, "stop")
+def test_stop_mode_stops_both_ranks(ddp_launch):
+    results = _run(ddp_launch, 1, "stop")
     assert results[0]["error"] is None and results[1]["error"] is None
     assert results[0]["should_stop"] and results[1]["should_stop"]
     assert results[0]["global_step"] == results[1]["global_step"] <= 2 + 4
 
 
-def _run_tuner(tmp_path, mode: str) -> dict[int, dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["PYTHONWARNINGS"] = "ignore"
-    script = os.path.join(os.path.dirname(__file__), "ddp_tuner_run.py")
-    try:  # a rank left waiting in a collective would hang until gloo's 30-minute timeout: fail fast instead
-        proc = subprocess.run(
-            [sys.executable, script, str(tmp_path), mode], capture_output=True, text=True, timeout=240, env=env,
-            cwd=tmp_path,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"the DDP tuner run did not end within {err.timeout} s: a rank was left waiting")
-    results = {}
-    for rank in (0, 1):
-        path = tmp_path / f"{mode}{rank}.json"
-        assert path.exists(), f"rank {rank} wrote nothing; stderr:\n{proc.stderr[-3000:]}"
-        results[rank] = json.loads(path.read_text())
-    return results
+def _run_tuner(ddp_launch, mode: str) -> dict[int, dict]:
+    # a rank left waiting in a collective would hang until gloo's 30-minute timeout: the launch fails fast instead
+    return ddp_scenario_results(ddp_launch, f"ddp_tuner_run:{mode}", mode + "{rank}.json")
 
 
-def test_accumulation_tuner_ranks_agree_on_one_choice_that_fits_everywhere(tmp_path):
-    results = _run_tuner(tmp_path, "accumulation")
+def test_accumulation_tuner_ranks_agree_on_one_choice_that_fits_everywhere(ddp_launch):
+    results = _run_tuner(ddp_launch, "accumulation")
     assert results[0] == results[1]
     r = results[0]
     # 32 samples per device: micro 4 x 8, 8 x 4; then 16 x 2 is predicted above rank 1's card (1.6 GB on 1.2 GB),
@@ -82,10 +50,10 @@ def test_accumulation_tuner_ranks_agree_on_one_choice_that_fits_everywhere(tmp_p
 
 
 @pytest.mark.parametrize("mode", ["oom", "oom_backward", "oom_compiled"])
-def test_an_out_of_memory_error_on_one_rank_is_every_ranks_and_nobody_waits(tmp_path, mode):
+def test_an_out_of_memory_error_on_one_rank_is_every_ranks_and_nobody_waits(ddp_launch, mode):
     """In the training step, or at the end of backward, when DDP would already have sent the gradients off; and
     with the model compiled (each trial size its own graph on both ranks)."""
-    results = _run_tuner(tmp_path, mode)
+    results = _run_tuner(ddp_launch, mode)
     assert results[0] == results[1]
     r = results[0]
     assert r["compiled"] == [mode == "oom_compiled"] * 3

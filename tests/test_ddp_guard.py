@@ -3,35 +3,20 @@ a spill in the very last step. Rank 0 steps every 0.1 s, rank 1 every 0.2 s, 4 s
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from conftest import ddp_scenario_results
 
-HERE = os.path.dirname(__file__)
+# the scenarios run in one launch with test_ddp.py's and test_strategies.py's (conftest.DDP_SCENARIOS, the ddp_launch
+# fixture)
 
 
-def _run(tmp_path, scenario: str) -> dict[int, dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["PYTHONWARNINGS"] = "ignore"
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])  # this checkout's code
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "ddp_guard_run.py"), str(tmp_path), scenario],
-        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
-    )  # fmt: skip
-    results = {}
-    for rank in (0, 1):
-        path = tmp_path / f"{scenario}-rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote nothing; stderr:\n{proc.stderr[-3000:]}"
-        results[rank] = json.loads(path.read_text())
-    return results
+def _run(ddp_launch, scenario: str) -> dict[int, dict]:
+    return ddp_scenario_results(ddp_launch, f"ddp_guard_run:{scenario}", scenario + "-rank{rank}.json")
 
 
 @pytest.mark.slow
-def test_stop_shows_the_spilling_ranks_numbers_and_the_table_sums_the_ranks(tmp_path):
-    results = _run(tmp_path, "mid-stop")
+def test_stop_shows_the_spilling_ranks_numbers_and_the_table_sums_the_ranks(ddp_launch):
+    results = _run(ddp_launch, "mid-stop")
     assert results[0]["should_stop"] and results[1]["should_stop"]
     assert results[0]["global_step"] == results[1]["global_step"]
     # rank 0 did not spill; its warning (the one the user sees) carries rank 1's numbers
@@ -46,8 +31,8 @@ def test_stop_shows_the_spilling_ranks_numbers_and_the_table_sums_the_ranks(tmp_
 
 
 @pytest.mark.slow
-def test_a_spill_in_the_last_step_of_the_last_epoch_raises_on_every_rank(tmp_path):
-    results = _run(tmp_path, "last-raise")
+def test_a_spill_in_the_last_step_of_the_last_epoch_raises_on_every_rank(ddp_launch):
+    results = _run(ddp_launch, "last-raise")
     assert results[0]["error"] == results[1]["error"] == "SysmemSpillError"
     assert results[0]["global_step"] == results[1]["global_step"] == 16
     assert results[1]["message"].startswith("GPU memory is spilling into system RAM at training step 16")

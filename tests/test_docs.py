@@ -46,6 +46,7 @@ import sys
 from dataclasses import dataclass
 
 import pytest
+from filelock import FileLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = [
@@ -153,8 +154,26 @@ for b in blocks:
 
 @pytest.fixture(scope="session")
 def python_results(tmp_path_factory) -> tuple[dict[str, dict], str]:
-    """Runs every page's python blocks once, in one fresh process; returns the results by block id, and the log."""
-    folder = tmp_path_factory.mktemp("docs")
+    """Runs every page's python blocks once, in one fresh process; returns the results by block id, and the log.
+    Once a session: under pytest-xdist the workers share the run through a lock in their common temporary folder."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this session
+    folder = root / "docs-python-blocks"
+    out = folder / "results.json"
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / "log.txt").exists():
+            folder.mkdir(exist_ok=True)
+            (folder / "log.txt").write_text(_run_python_blocks(folder, out), encoding="utf-8")
+        log = (folder / "log.txt").read_text(encoding="utf-8")
+    results = {}
+    if out.exists():
+        with open(out, encoding="utf-8") as f:
+            results = json.load(f)
+    return results, log
+
+
+def _run_python_blocks(folder, out) -> str:
     blocks = []
     for block in _of("python"):
         page_folder = folder / re.sub(r"\W", "_", block.page)
@@ -166,18 +185,12 @@ def python_results(tmp_path_factory) -> tuple[dict[str, dict], str]:
     path = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": path,
            "PYTHONWARNINGS": "ignore"}  # fmt: skip
-    out = folder / "results.json"
     try:
         proc = subprocess.run([sys.executable, "-c", _RUNNER, str(folder / "blocks.json"), str(out)], cwd=folder,
                               env=env, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
-        log = proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout[-3000:] + proc.stderr[-3000:]
     except subprocess.TimeoutExpired:
-        log = f"the blocks ran past {TIMEOUT_S} s"
-    results = {}
-    if out.exists():
-        with open(out, encoding="utf-8") as f:
-            results = json.load(f)
-    return results, log
+        return f"the blocks ran past {TIMEOUT_S} s"
 
 
 @pytest.mark.parametrize("block", _of("python"), ids=lambda b: b.id)

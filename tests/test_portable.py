@@ -18,12 +18,17 @@ from lightning_memguard.checkpointing import checkpoint_resnet
 SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_spawn_run.py")
 
 _LOAD_AND_STEP = """
-import sys, torch
-model = torch.load(sys.argv[1], weights_only=False)
-x = torch.load(sys.argv[2])
-model(x).square().mean().backward()
-print(sorted({type(m).__name__ for m in model.modules() if hasattr(m, "_memguard_original")}))
-torch.save([p.grad for p in model.parameters()], sys.argv[3])
+import json, sys, torch, traceback
+for model_path, x_path, grads_path in zip(*[iter(sys.argv[1:])] * 3):  # each case on a line of its own
+    try:
+        model = torch.load(model_path, weights_only=False)
+        x = torch.load(x_path)
+        model(x).square().mean().backward()
+        swapped = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "_memguard_original")})
+        torch.save([p.grad for p in model.parameters()], grads_path)
+        print(json.dumps({"swapped": str(swapped)}))
+    except Exception:
+        print(json.dumps({"error": traceback.format_exc()}))
 """
 
 
@@ -34,23 +39,35 @@ def _model(rebuild: bool) -> torch.nn.Module:
     return model
 
 
+@pytest.fixture(scope="module")
+def fresh_interpreter(tmp_path_factory):
+    """Both models (without and with the rebuild) saved, then loaded and stepped in one fresh interpreter: by rebuild,
+    the model, its input, the path of the gradients the interpreter saved, and what it said (the swapped classes, or
+    its error)."""
+    folder = tmp_path_factory.mktemp("portable")
+    cases, argv = {}, []
+    for rebuild in (False, True):
+        model, x = _model(rebuild), torch.randn(4, 3, 32, 32)
+        paths = [folder / f"{name}{int(rebuild)}.pt" for name in ("model", "x", "grads")]
+        torch.save(model, paths[0])
+        torch.save(x, paths[1])
+        cases[rebuild] = (model, x, paths[2])
+        argv += [str(p) for p in paths]
+    done = subprocess.run([sys.executable, "-c", _LOAD_AND_STEP, *argv], capture_output=True, text=True, timeout=120)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    lines += [{"error": f"no result; exit code {done.returncode}:\n{done.stderr[-3000:]}"}] * (len(cases) - len(lines))
+    return {rebuild: (*cases[rebuild], lines[i]) for i, rebuild in enumerate(cases)}
+
+
 @pytest.mark.parametrize("rebuild", [False, True])
-def test_a_saved_model_loads_and_trains_the_same_in_a_fresh_interpreter(tmp_path, rebuild):
-    model = _model(rebuild)
+def test_a_saved_model_loads_and_trains_the_same_in_a_fresh_interpreter(fresh_interpreter, rebuild):
+    model, x, grads, theirs = fresh_interpreter[rebuild]
+    assert "error" not in theirs, theirs["error"]
     swapped = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "_memguard_original")})
     assert swapped  # something was changed, and it has to survive
-    x = torch.randn(4, 3, 32, 32)
-    torch.save(model, tmp_path / "model.pt")
-    torch.save(x, tmp_path / "x.pt")
     model(x).square().mean().backward()
-    done = subprocess.run(
-        [sys.executable, "-c", _LOAD_AND_STEP, *(str(tmp_path / n) for n in ("model.pt", "x.pt", "grads.pt"))],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == str(swapped)
-    theirs = torch.load(tmp_path / "grads.pt")
-    for mine, other in zip((p.grad for p in model.parameters()), theirs, strict=True):
+    assert theirs["swapped"] == str(swapped)
+    for mine, other in zip((p.grad for p in model.parameters()), torch.load(grads), strict=True):
         assert torch.equal(mine, other)
 
 

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import trainer_kwargs
+from conftest import ddp_scenario_results, trainer_kwargs
 from lightning.pytorch import Trainer
 from torchvision.models.resnet import BasicBlock
 
 from lightning_memguard.strategies import CheckpointingDDPStrategy, CheckpointingSingleDeviceStrategy
 from lightning_memguard.testing import ImageClassifier
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_strategy_run.py")
 
 
 def _model() -> ImageClassifier:
@@ -65,19 +60,16 @@ def test_a_budget_without_an_example_input_is_a_clear_error(tmp_path):
         Trainer(**kwargs).fit(model)
 
 
+# the DDP scenarios run in one launch with test_ddp.py's and test_ddp_guard.py's (conftest.DDP_SCENARIOS, the
+# ddp_launch fixture); planning_fails last, as it ends the launch
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
-def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(tmp_path, mode):
+def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(ddp_launch, mode):
     """Compiled: rank zero measures under compile and both ranks take its runs and compile's setting with them."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["PYTHONWARNINGS"] = "ignore"
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(SCRIPT)), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, SCRIPT, str(tmp_path), *(["compiled"] if mode == "compiled" else [])],
-        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"strategy{r}.json").read_text(encoding="utf-8")) for r in (0, 1)]
+    results = ddp_scenario_results(ddp_launch, f"ddp_strategy_run:{mode}", "strategy{rank}.json")
+    ranks = [results[0], results[1]]
     assert ranks[0]["runs"] and ranks[0]["runs"] == ranks[1]["runs"]
     assert ranks[0]["swapped"] == ranks[1]["swapped"]
     # rank zero's choice of a graph per stage (or one graph), made by timing, is every rank's
@@ -91,18 +83,14 @@ def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(tmp_path, mode):
 
 
 @pytest.mark.slow
-def test_ddp_rank_zero_failing_while_it_plans_ends_every_rank(tmp_path):
+def test_ddp_rank_zero_failing_while_it_plans_ends_every_rank(ddp_launch):
     """The other ranks wait in the broadcast for rank zero's plan: its error must end the run, not leave them there."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["PYTHONWARNINGS"] = "ignore"
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(SCRIPT)), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, SCRIPT, str(tmp_path), "planning_fails"],
-        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
-    )  # fmt: skip  # a hang would wait for gloo's 30-minute timeout: past this limit
-    assert done.returncode != 0
-    assert "injected while rank zero plans" in done.stderr
-    assert not list(tmp_path.glob("strategy*.json"))
+    launch = json.loads((ddp_launch / "launch.json").read_text(encoding="utf-8"))
+    stderr = (ddp_launch / "stderr.txt").read_text(encoding="utf-8")
+    # a hang would wait for gloo's 30-minute timeout: past the launch's limit (returncode None)
+    assert launch["returncode"] is not None and launch["returncode"] != 0, stderr[-3000:]
+    assert "injected while rank zero plans" in stderr
+    assert not list((ddp_launch / "ddp_strategy_run" / "planning_fails").glob("strategy*.json"))
 
 
 def test_a_lightning_cli_config_builds_the_strategy(tmp_path):
