@@ -226,6 +226,12 @@ DDP_SCENARIOS = [
     "ddp_strategy_run:eager",
     "ddp_tuner_run:oom_compiled",
     "ddp_strategy_run:compiled",
+    "strategy_cells_run:ddp",
+    "sharded_run:batch_size",
+    "sharded_run:accumulation",
+    "sharded_run:guard",
+    "sharded_run:checkpointing",
+    "sharded_run:budget",
     "ddp_strategy_run:planning_fails!",
 ]
 

@@ -8,7 +8,8 @@ Usage: python sharded_run.py OUT_DIR SCENARIO...
                  half the pace
   checkpointing: ActivationCheckpointing() on the sharded blocks, against the same run without it
   budget:        ActivationCheckpointing(memory_budget=0.7): every rank measures, rank zero's plan on all
-Each rank writes SCENARIO-rankN.json into OUT_DIR.
+Each rank writes SCENARIO-rankN.json into OUT_DIR. The suite runs the scenarios inside the one DDP launch
+(``ddp_run.py``, ``conftest.DDP_SCENARIOS``) through :func:`run`.
 """
 
 from __future__ import annotations
@@ -191,18 +192,24 @@ def budget(out):
     }
 
 
+def run(out: str, scenario: str) -> None:
+    """One scenario on this rank, its result in OUT/SCENARIO-rankN.json (``ddp_run.py`` calls it)."""
+    if scenario in ("batch_size", "accumulation"):
+        result = tuned(out, scenario)
+    else:
+        result = {"guard": guard, "checkpointing": checkpointing, "budget": budget}[scenario](out)
+    with open(os.path.join(out, f"{scenario}-rank{RANK}.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f)
+
+
 def main() -> None:
     out, scenarios = sys.argv[1], sys.argv[2:]
     for scenario in scenarios:
         try:
-            if scenario in ("batch_size", "accumulation"):
-                result = tuned(out, scenario)
-            else:
-                result = {"guard": guard, "checkpointing": checkpointing, "budget": budget}[scenario](out)
-        except Exception as err:  # the test names the scenario and its error; the next scenario still runs
-            result = {"error": f"{type(err).__name__}: {err}"}
-        with open(os.path.join(out, f"{scenario}-rank{RANK}.json"), "w", encoding="utf-8") as f:
-            json.dump(result, f)
+            run(out, scenario)
+        except Exception as err:  # named in the scenario's result; the next scenario still runs
+            with open(os.path.join(out, f"{scenario}-rank{RANK}.json"), "w", encoding="utf-8") as f:
+                json.dump({"error": f"{type(err).__name__}: {err}"}, f)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,11 @@ class Report(Callback):
 
 
 def main() -> None:
-    out, strategy = sys.argv[1], sys.argv[2]
+    run(sys.argv[1], sys.argv[2])
+
+
+def run(out: str, strategy: str) -> None:
+    """Both fits under ``strategy`` (``ddp_run.py`` calls it for ``ddp``)."""
     for fit in ("batch_size", "accumulation"):
         torch.manual_seed(0)
         model = ImageClassifier("resnet18", image_size=16, batch_size=4, steps_per_epoch=40, pool_size=8)

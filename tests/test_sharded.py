@@ -1,18 +1,15 @@
 """The callbacks under sharded strategies on the CPU: ModelParallelStrategy with FSDP2's ``fully_shard`` on two gloo
-processes (one launch, every scenario its own ``fit``: tests/sharded_run.py), the tuners' in-place restore of each
-rank's shards, and the refusals. Lightning builds FSDPStrategy only on a GPU: its cells are tests/test_gpu.py's."""
+processes (tests/sharded_run.py's scenarios, each its own ``fit``, in the suite's one two-rank launch), the tuners'
+in-place restore of each rank's shards, and the refusals. Lightning builds FSDPStrategy only on a GPU: its cells are
+tests/test_gpu_sharded.py's."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TinyModel
+from conftest import TinyModel, ddp_scenario_results
 
 from lightning_memguard import AccumulationTuner, ActivationCheckpointing, BatchSizeTuner
 
@@ -20,31 +17,13 @@ SCENARIOS = ("batch_size", "accumulation", "guard", "checkpointing", "budget")
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory) -> dict[str, dict[int, dict]]:
-    out = tmp_path_factory.mktemp("sharded")
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["PYTHONWARNINGS"] = "ignore"
-    script = os.path.join(os.path.dirname(__file__), "sharded_run.py")
-    try:  # a rank left waiting in a collective would hang until gloo's timeout: fail fast instead
-        proc = subprocess.run(
-            [sys.executable, script, str(out), *SCENARIOS], capture_output=True, text=True, timeout=420, env=env,
-            cwd=out,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"the sharded run did not end within {err.timeout} s: a rank was left waiting")
-    results: dict[str, dict[int, dict]] = {}
-    for scenario in SCENARIOS:
-        results[scenario] = {}
-        for rank in (0, 1):
-            path = out / f"{scenario}-rank{rank}.json"
-            results[scenario][rank] = json.loads(path.read_text()) if path.exists() else {"error": proc.stderr[-3000:]}
-    return results
+def sharded(ddp_launch) -> dict[str, dict[int, dict]]:
+    """Each scenario's results on both ranks, from the suite's one two-rank launch (conftest.DDP_SCENARIOS)."""
+    return {s: ddp_scenario_results(ddp_launch, f"sharded_run:{s}", s + "-rank{rank}.json") for s in SCENARIOS}
 
 
 def _ranks(sharded, scenario):
-    r0, r1 = sharded[scenario][0], sharded[scenario][1]
-    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
-    return r0, r1
+    return sharded[scenario][0], sharded[scenario][1]
 
 
 @pytest.mark.parametrize("scenario", ["batch_size", "accumulation"])

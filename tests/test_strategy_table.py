@@ -1,6 +1,7 @@
 """The README's strategy table, for ``ddp`` and ``ddp_spawn``: every callback in two fits on two gloo processes
-(tests/strategy_cells_run.py, one launch per strategy). The sharded strategies' cells are tests/test_sharded.py's
-and tests/test_gpu_sharded.py's; the single device's are the rest of the suite."""
+(tests/strategy_cells_run.py: ``ddp`` in the suite's one two-rank launch, ``ddp_spawn`` its own). The sharded
+strategies' cells are tests/test_sharded.py's and tests/test_gpu_sharded.py's; the single device's are the rest of
+the suite."""
 
 from __future__ import annotations
 
@@ -10,12 +11,22 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ddp_scenario_results
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "strategy_cells_run.py")
 
 
 @pytest.fixture(scope="module", params=["ddp", "ddp_spawn"])
-def cells(request, tmp_path_factory):
+def cells(request, tmp_path_factory, ddp_launch):
+    if request.param == "ddp":  # in the suite's one two-rank launch (conftest.DDP_SCENARIOS)
+        fits = ("batch_size", "accumulation")
+        return "ddp", {
+            f"{fit}-rank{rank}": result
+            for fit in fits
+            for rank, result in ddp_scenario_results(
+                ddp_launch, "strategy_cells_run:ddp", fit + "-rank{rank}.json"
+            ).items()
+        }
     out = tmp_path_factory.mktemp(request.param)
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["PYTHONWARNINGS"] = "ignore"
@@ -27,8 +38,7 @@ def cells(request, tmp_path_factory):
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"the {request.param} run did not end within {err.timeout} s: a rank was left waiting")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in out.glob("*.json")}
-    return request.param, results
+    return request.param, {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in out.glob("*.json")}
 
 
 @pytest.mark.parametrize("fit", ["batch_size", "accumulation"])
