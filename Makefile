@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	# --no-compile: Python compiles only the modules a run imports, when it first imports them, not all of torch's
+	$(BIN)/python -m pip install -q --no-compile -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
