@@ -27,11 +27,10 @@ from conftest import FakeProbe, StepClock  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from tuner_helpers import BatchClock  # noqa: E402
+from tuner_helpers import BatchClock, PerSample  # noqa: E402
 
 from lightning_memguard import AccumulationTuner, ActivationCheckpointing, BatchSizeTuner, MemGuard  # noqa: E402
 from lightning_memguard.checkpointing import is_checkpointed  # noqa: E402
-from lightning_memguard.probes import MemoryReading  # noqa: E402
 from lightning_memguard.testing import ShardedClassifier  # noqa: E402
 
 RANK = int(os.environ.get("LOCAL_RANK", "0"))
@@ -44,23 +43,6 @@ def own(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             name: (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
             for name, t in [*module.named_parameters(), *module.named_buffers()]
         }
-
-
-class PerSampleProbe:
-    """100 MB per sample of the model's current batch size; rank 1's card is ``small`` bytes."""
-
-    def __init__(self, model, small):
-        self.model, self._capacity = model, int(10e9) if RANK == 0 else small
-
-    def capacity(self):
-        return self._capacity
-
-    def reset_peak(self):
-        pass
-
-    def read(self):
-        peak = self.model.batch_size * 100 * 10**6
-        return MemoryReading(peak, peak, self._capacity)
 
 
 class Before(Callback):
@@ -111,14 +93,14 @@ def tuned(out, scenario):
     net = model()
     clock, before, first = BatchClock(), Before(), FirstBatch()
     if scenario == "batch_size":
-        probe = PerSampleProbe(net, int(1.3e9))  # rank 1: 12 samples fit within the headroom, 16 do not
+        probe = PerSample(net, int(10e9) if RANK == 0 else int(1.3e9))  # rank 1: 12 samples fit, 16 do not
         tuner = BatchSizeTuner(
             mode="max_fit", init_size=4, max_size=32, probe=probe, cache=False, warmup_steps=1, timed_steps=2,
             clock=clock,
         )  # fmt: skip
         kwargs = {}
     else:
-        probe = PerSampleProbe(net, int(1.2e9))  # rank 1: micro-batches above 11 do not fit
+        probe = PerSample(net, int(10e9) if RANK == 0 else int(1.2e9))  # rank 1: above 11 samples do not fit
         tuner = AccumulationTuner(
             effective_batch_size=32, min_micro_batch=4, probe=probe, cache=False, warmup_steps=1, timed_steps=1,
             clock=clock,

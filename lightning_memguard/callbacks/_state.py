@@ -54,7 +54,8 @@ def training_state(trainer: Trainer) -> dict[str, Any]:
     """
     strategy = trainer.strategy
     datamodule = getattr(trainer, "datamodule", None)
-    if holds_shards(strategy):
+    sharded = holds_shards(strategy)
+    if sharded:
         model: Any = _own_tensors(trainer.lightning_module)
         optimizers = [_own_optimizer_state(o) for o in trainer.optimizers]
     else:
@@ -62,7 +63,7 @@ def training_state(trainer: Trainer) -> dict[str, Any]:
         optimizers = [strategy.optimizer_state(o) for o in trainer.optimizers]
     return host_copy(
         {
-            "sharded": holds_shards(strategy),
+            "sharded": sharded,
             "state_dict": model,
             "optimizer_states": optimizers,
             "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
