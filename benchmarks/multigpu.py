@@ -43,7 +43,10 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import StepPeak  # noqa: E402
 
 from lightning_memguard import (  # noqa: E402
     AccumulationTuner,
@@ -182,27 +185,6 @@ def part_compiled(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     }
 
 
-class _StepPeak(Callback):
-    """Each training step's forward and backward peak above what was allocated before it, the gradients set to
-    None first (as the checkpointing plan measures; Lightning zeroes them next anyway), on CUDA; the optimizer step
-    left out."""
-
-    def __init__(self) -> None:
-        self.peaks: list[int] = []
-        self._before = 0
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if torch.cuda.is_available():
-            pl_module.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            self._before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
-        if torch.cuda.is_available():
-            self.peaks.append(torch.cuda.max_memory_allocated() - self._before)
-
-
 def part_strategy(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     batch = 8 if args.smoke else 64
     gloo = {"process_group_backend": "gloo"} if args.smoke else {}
@@ -224,7 +206,7 @@ def part_strategy(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         plain = fit(DDPStrategy(**gloo), [])
         plain_again = fit(DDPStrategy(**gloo), [])
         strategy = CheckpointingDDPStrategy(memory_budget=0.6, **gloo)
-        peaks = _StepPeak()
+        peaks = StepPeak()
         checked = fit(strategy, [peaks])
     finally:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = deterministic
@@ -291,7 +273,7 @@ def part_sharded(args: argparse.Namespace, rank: int, name: str) -> dict[str, An
     batch = 8 if args.smoke else 64
     net = model(args, batch, 10_000, ShardedClassifier)
     net.example_input_array = net.images[:batch].clone()
-    peaks, checkpointing = _StepPeak(), ActivationCheckpointing(memory_budget=0.6)
+    peaks, checkpointing = StepPeak(), ActivationCheckpointing(memory_budget=0.6)
     try:
         trainer(args, [checkpointing, peaks], 3, strategy=strategy()).fit(net)
     except ValueError as err:  # refused in setup
