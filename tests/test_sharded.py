@@ -172,3 +172,26 @@ def test_activation_checkpointing_budget_on_one_fsdp_device_is_not_refused():
     model.example_input_array = torch.randn(2, 16)
     trainer = SimpleNamespace(strategy=FSDPStrategy(), world_size=1)
     ActivationCheckpointing(memory_budget=0.6).setup(trainer, model, "fit")  # planned at fit start, on the device
+
+
+def test_a_run_may_not_join_blocks_that_fully_shard_made_units_of_their_own(tmp_path):
+    """A run calls its members' forward, which FSDP2's gathering hooks do not see: a plan that joins two sharded
+    blocks (made on the unsharded model, say) is refused by name, as the planner never makes one."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchvision.models.resnet import BasicBlock
+
+    from lightning_memguard.checkpointing import apply_plan
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        net = torch.nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 8))
+        apply_plan(torch.nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 8)), [["0", "1"]])  # unsharded: one run
+        for block in net:
+            fully_shard(block, mesh=mesh)
+        with pytest.raises(ValueError, match="'0' and '1' cannot share a run.*fully_shard"):
+            apply_plan(net, [["0", "1"]])
+    finally:
+        dist.destroy_process_group()

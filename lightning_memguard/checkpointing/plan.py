@@ -433,7 +433,8 @@ def _runs_named(links: list[Link], joinable: list[bool], runs: list[list[str]]) 
         for a, b in zip(run, run[1:], strict=False):
             if index[b] != index[a] + 1 or not joinable[index[a]]:
                 raise ValueError(
-                    f"{a!r} and {b!r} cannot share a run: a run is made of consecutive blocks of one nn.Sequential"
+                    f"{a!r} and {b!r} cannot share a run: a run is made of consecutive blocks of one nn.Sequential,"
+                    " none of them sharded by FSDP2's fully_shard"
                 )
     return [[links[index[n]] for n in run] for run in runs]
 
