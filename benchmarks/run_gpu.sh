@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Every single-GPU measurement the README quotes, in one go (about 9 minutes on an H200).
 # Usage: bash benchmarks/run_gpu.sh OUT_DIR [STEP...]   STEP: tests overhead spill checkpointing tuners sweeps
-# (all when none is named), or one of: sharded (ours against FSDP's own checkpointing switch, 2-4 minutes), zoo compile_frontier compile_rerun compile_tuner compile_budgets compile_peak (each 3-8
+# (all when none is named), or one of: deepspeed (the callbacks under DeepSpeedStrategy, 1-2 minutes; DeepSpeed is not
+# a dependency: where it is missing it is installed from the wheels in DS_WHEELS, made on a machine with internet by
+# `bash benchmarks/deepspeed_wheels.sh DIR`), sharded (ours against FSDP's own checkpointing switch, 2-4 minutes), zoo compile_frontier compile_rerun compile_tuner compile_budgets compile_peak (each 3-8
 # minutes), families (timm and Hugging Face against their own switches; FAMILY_MODELS=a,b picks a part: split the six
 # models over several calls, each within 9 minutes), checkpoint_overhead (timm's switch against ours and the ablations
 # between them, profiled; CKPT_MODEL=resnet50 or vit_small_patch16_224 for another model than convnext_tiny; 3-4 minutes).
@@ -22,6 +24,18 @@ if want tests; then
         -o addopts=--strict-markers 2>&1 |
         grep -vE "$quiet" >"$out/gpu_tests.txt"  # the compiled test takes about a minute
     tail -4 "$out/gpu_tests.txt"
+fi
+if want deepspeed; then
+    if ! python3 -c "import deepspeed" 2>/dev/null; then
+        ds=$(mktemp -d)  # DeepSpeed and what it needs beyond torch, numpy, psutil, tqdm and packaging
+        python3 -m pip install -q --no-index --no-deps --find-links "${DS_WHEELS:?DeepSpeed is missing: set DS_WHEELS}" \
+            --target "$ds" deepspeed einops hjson msgpack ninja py-cpuinfo pydantic pydantic-core annotated-types \
+            typing-inspection typing-extensions && export PYTHONPATH="$PYTHONPATH:$ds" DS_BUILD_OPS=0
+    fi
+    echo "== pytest -m cuda tests/test_gpu_deepspeed.py"
+    timeout 400 python3 -m pytest -m cuda -q -rA -s -p no:cacheprovider tests/test_gpu_deepspeed.py \
+        -o addopts=--strict-markers 2>&1 | grep -vE "$quiet" >"$out/gpu_deepspeed_tests.txt"
+    tail -4 "$out/gpu_deepspeed_tests.txt"
 fi
 want overhead && run timeout 240 python3 benchmarks/overhead.py --rounds 3 --out "$out/overhead.json"
 want spill && run timeout 120 python3 benchmarks/spill.py --out "$out/spill.json"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,6 +35,7 @@ def main() -> None:
         folder = os.path.join(out, script, scenario)
         os.makedirs(folder, exist_ok=True)
         print(f"[ddp_run] rank {rank}: {spec}", file=sys.stderr, flush=True)  # where a hang left the launch
+        started = time.perf_counter()
         if raises:
             importlib.import_module(script).run(folder, scenario)
             return
@@ -43,6 +45,7 @@ def main() -> None:
             with open(os.path.join(folder, f"crash-rank{rank}.txt"), "w", encoding="utf-8") as f:
                 f.write(traceback.format_exc())
             traceback.print_exc()
+        print(f"[ddp_run] rank {rank}: {spec} took {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
