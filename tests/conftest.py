@@ -232,6 +232,9 @@ DDP_SCENARIOS = [
     "sharded_run:guard",
     "sharded_run:checkpointing",
     "sharded_run:budget",
+    "sharded_run:oom_forward",
+    "sharded_run:oom_backward",
+    "sharded_run:oom_head",
     "ddp_strategy_run:planning_fails!",
 ]
 

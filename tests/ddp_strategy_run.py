@@ -16,6 +16,7 @@ import types
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.strategies import DDPStrategy
+from models import one_block_a_stage
 
 from lightning_memguard.strategies import CheckpointingDDPStrategy
 from lightning_memguard.testing import ImageClassifier
@@ -33,6 +34,8 @@ class _Setting(Callback):
 
 def _fit(strategy, out: str, compiled: bool, callbacks=()) -> tuple[ImageClassifier, Trainer]:
     model = ImageClassifier("resnet18", image_size=16, batch_size=4, steps_per_epoch=6, pool_size=16, seed=0)
+    if compiled:
+        model = one_block_a_stage(model)
     model.example_input_array = model.images[:4].clone()
     trainer = Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,

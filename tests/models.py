@@ -28,3 +28,16 @@ def small_classifier(**kwargs) -> ImageClassifier:
     defaults = dict(arch="resnet18", image_size=16, batch_size=8, steps_per_epoch=12, pool_size=16)
     defaults.update(kwargs)
     return ImageClassifier(**defaults)
+
+
+def one_block_a_stage(model: ImageClassifier, seed: int = 0) -> ImageClassifier:
+    """``model`` with its resnet18 replaced by a torchvision ResNet of one BasicBlock a stage (same stem, stages and
+    head, half the blocks): about half the time to compile, for the compiled scenarios whose checks hold for any
+    such ResNet."""
+    import torchvision
+    from torchvision.models.resnet import BasicBlock
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model.net = torchvision.models.ResNet(BasicBlock, [1, 1, 1, 1], num_classes=model.hparams["num_classes"])
+    return model

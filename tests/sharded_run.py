@@ -8,6 +8,8 @@ Usage: python sharded_run.py OUT_DIR SCENARIO...
                  half the pace
   checkpointing: ActivationCheckpointing() on the sharded blocks, against the same run without it
   budget:        ActivationCheckpointing(memory_budget=0.7): every rank measures, rank zero's plan on all
+  oom_forward, oom_backward, oom_head: BatchSizeTuner; rank 1 runs out of memory above 8 samples inside a sharded
+                 block's forward, inside a sharded block's backward, or in the head's backward
 Each rank writes SCENARIO-rankN.json into OUT_DIR. The suite runs the scenarios inside the one DDP launch
 (``ddp_run.py``, ``conftest.DDP_SCENARIOS``) through :func:`run`.
 """
@@ -174,10 +176,63 @@ def budget(out):
     }
 
 
+def _out_of_memory(where):
+    raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 20.00 GiB (injected on rank 1, {where})")
+
+
+def inject_out_of_memory(net, where):
+    """Rank 1 runs out of memory above 8 samples: inside a sharded block's forward (``forward``), inside a sharded
+    block's backward (``backward``), or in the backward of the model's own head, before any block's (``head``)."""
+    if RANK != 1:
+        return
+
+    def big(x):
+        return torch.is_grad_enabled() and x.shape[0] > 8
+
+    def in_forward(module, args, output):
+        if big(output):
+            _out_of_memory("in layer2.0's forward")
+
+    def in_backward(module, args, output):
+        if big(output):
+            output.register_hook(lambda grad: _out_of_memory(f"in the backward of {where}"))
+
+    if where == "forward":
+        net.net.layer2[0].conv2.register_forward_hook(in_forward)
+    elif where == "backward":
+        net.net.layer3[0].conv1.register_forward_hook(in_backward)
+    else:
+        net.net.fc.register_forward_hook(in_backward)
+
+
+def out_of_memory(out, where):
+    """BatchSizeTuner, both cards large; rank 1 fails above 8 samples, in the middle of FSDP's collectives."""
+    net = model()
+    inject_out_of_memory(net, where)
+    clock, before, first = BatchClock(), Before(), FirstBatch()
+    tuner = BatchSizeTuner(
+        mode="max_fit", init_size=4, max_size=32, probe=PerSample(net, int(10e9)), cache=False, warmup_steps=1,
+        timed_steps=2, clock=clock,
+    )  # fmt: skip
+    t = trainer(out, [before, clock, tuner, first])
+    t.fit(net)
+    return {
+        "batch_size": tuner.batch_size,
+        "model_batch_size": net.batch_size,
+        "results": [[r.size, r.accumulate, r.outcome] for r in tuner.results],
+        "samples_at_first_batch": first.samples,
+        "global_step": t.global_step,
+        "weights_put_back": all(torch.equal(before.weights[k], v) for k, v in first.weights.items()),
+        "optimizer_state_before_and_at_first_batch": [before.optimizer_state, first.optimizer_state],
+    }
+
+
 def run(out: str, scenario: str) -> None:
     """One scenario on this rank, its result in OUT/SCENARIO-rankN.json (``ddp_run.py`` calls it)."""
     if scenario in ("batch_size", "accumulation"):
         result = tuned(out, scenario)
+    elif scenario.startswith("oom_"):
+        result = out_of_memory(out, scenario.removeprefix("oom_"))
     else:
         result = {"guard": guard, "checkpointing": checkpointing, "budget": budget}[scenario](out)
     with open(os.path.join(out, f"{scenario}-rank{RANK}.json"), "w", encoding="utf-8") as f:

@@ -13,7 +13,16 @@ from conftest import TinyModel, ddp_scenario_results
 
 from lightning_memguard import AccumulationTuner, ActivationCheckpointing, BatchSizeTuner
 
-SCENARIOS = ("batch_size", "accumulation", "guard", "checkpointing", "budget")
+SCENARIOS = (
+    "batch_size",
+    "accumulation",
+    "guard",
+    "checkpointing",
+    "budget",
+    "oom_forward",
+    "oom_backward",
+    "oom_head",
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +51,57 @@ def test_the_tuners_under_model_parallel_put_every_ranks_shards_back_and_agree(s
     # the run starts where it was: each rank's shards as before the trials, no optimizer state, no step taken
     assert r["weights_put_back"] and r["global_step_at_first_batch"] == 0
     assert r["optimizer_state_before_and_at_first_batch"] == [0, 0]
+
+
+@pytest.mark.parametrize("scenario", ["oom_forward", "oom_backward", "oom_head"])
+def test_an_out_of_memory_error_on_one_sharded_rank_is_every_ranks_and_nobody_waits(sharded, scenario):
+    """Rank 1 alone runs out of memory above 8 samples, in the middle of FSDP2's collectives: inside a sharded
+    block's forward, inside a sharded block's backward, or in the head's backward before any block's. Every rank
+    learns it at the next agreement point, the search goes on, and the run trains at 8 on both ranks."""
+    r0, r1 = _ranks(sharded, scenario)
+    assert r0 == r1
+    assert r0["results"] == [[4, 1, "ok"], [8, 1, "ok"], [16, 1, "oom"]]
+    assert r0["batch_size"] == r0["model_batch_size"] == r0["samples_at_first_batch"] == 8
+    assert r0["weights_put_back"] and r0["optimizer_state_before_and_at_first_batch"] == [0, 0]
+    assert r0["global_step"] == 2  # and then trained
+
+
+def test_a_failure_after_a_backwards_last_agreement_point_is_not_said_where_nobody_listens(tmp_path):
+    """FSDP2 on one gloo process, the agreement counted instead of exchanged: one point before each unit's forward;
+    in backward, one as each unit's output gradient arrives (the root's, the sharded block's) and one once the
+    block's backward is done (the root's inputs need no gradient). A rank failing while points lie ahead says so at
+    the next one; after the last, the other ranks are inside FSDP's last reduce-scatter, so nothing is said there
+    (the trial ends the run instead)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_memguard.callbacks._sharded_agreement import UnitPoints, fsdp_units
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
+        )
+        fully_shard(net[2], mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        said: list[bool] = []
+        points = UnitPoints(fsdp_units(net), lambda failed: said.append(failed) or failed)
+        with points.installed():
+            points.new_step()
+            out = net(torch.randn(4, 8))
+            assert said == [False, False] and points.backward_points == 3
+            assert points.failed_here(in_backward=True) and said[-1] is True  # failing while points lie ahead
+            out.sum().backward()
+            assert said[3:] == [False, False, False] and points.backward_points == 0
+            assert not points.failed_here(in_backward=True) and len(said) == 6  # failing in the first layer's
+        assert all(p.grad is not None for p in net.parameters())
+        net(torch.randn(4, 8))  # the hooks are gone
+        assert len(said) == 6
+    finally:
+        dist.destroy_process_group()
 
 
 def test_memguard_under_model_parallel_stops_every_rank_with_the_spilling_ranks_numbers(sharded):

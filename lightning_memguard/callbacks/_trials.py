@@ -37,14 +37,22 @@ from lightning_memguard.callbacks._private import (
     strategy_methods_replaced,
     train_loader,
 )
-from lightning_memguard.callbacks._state import host_copy, interrupts_held, load_training_state, training_state
+from lightning_memguard.callbacks._sharded_agreement import (
+    AgreedOutOfMemory,
+    OutOfMemoryUnshared,
+    UnitPoints,
+    fsdp_units,
+)
+from lightning_memguard.callbacks._state import (
+    holds_shards,
+    host_copy,
+    interrupts_held,
+    load_training_state,
+    training_state,
+)
 from lightning_memguard.core.search import OK, OOM, TrialResult, trial_outcome
 from lightning_memguard.core.spill import Evidence, shared_baseline
 from lightning_memguard.probes import MemoryProbe
-
-
-class _AgreedOutOfMemory(torch.OutOfMemoryError):
-    """Raised on every rank, in the same step, once any rank ran out of memory inside a trial."""
 
 
 class _StepClock(Callback):
@@ -372,6 +380,13 @@ class TrialSession:
         try:
             with _ranks_agree_on_oom(t), _about_the_run_only():
                 run_fit_loop(t)
+        except OutOfMemoryUnshared as err:
+            shape = f"{size} x {accumulate}" if accumulate > 1 else f"batch size {size}"
+            raise RuntimeError(
+                f"Out of memory on rank {t.global_rank} in a trial at {shape} under {type(t.strategy).__name__}: {err}."
+                f" The run ends here instead of waiting: give the tuner a smaller upper bound than {size}, or search"
+                " on one device and pass the choice to this run."
+            ) from err.__cause__
         except (torch.OutOfMemoryError, RuntimeError) as err:
             if not (isinstance(err, torch.OutOfMemoryError) or is_oom_error(err)):
                 raise
@@ -462,13 +477,17 @@ def _ranks_agree_on_oom(trainer: Trainer) -> Iterator[None]:
 
     The forward runs under DDP's ``no_sync``, so backward sends nothing, and the gradients are averaged in one
     all-reduce after the ranks agree: the trial's step time includes that exchange, not overlapped with backward as
-    in training.
+    in training. Under FSDP, whose collectives are the forward and backward themselves, the ranks also meet between
+    them (:mod:`._sharded_agreement`); where no meeting point is left, the failing rank ends the run.
     """
     strategy = trainer.strategy
     if trainer.world_size <= 1:
         yield
         return
     names = ("training_step", "backward", "optimizer_step")
+    # FSDP: collectives inside forward and backward; agreement points between them (_sharded_agreement)
+    units = fsdp_units(strategy.model) if holds_shards(strategy) and strategy.model is not None else []
+    points = UnitPoints(units, lambda failed: strategy.reduce_boolean_decision(failed, all=False)) if units else None
     originals = {name: getattr(strategy, name) for name in names}
 
     # torch's DistributedDataParallel; FSDP reduces its gradients' shards inside backward and is left as it is
@@ -479,6 +498,8 @@ def _ranks_agree_on_oom(trainer: Trainer) -> Iterator[None]:
         def call(*args: Any, **kwargs: Any) -> Any:
             failed = False
             local = name == "training_step" and ddp is not None and bool(ddp.require_backward_grad_sync)
+            if points is not None and name == "training_step":
+                points.new_step()
             try:
                 if local:
                     # DDP all-reduces gradients from inside backward: a rank that fails halfway would leave the
@@ -489,15 +510,22 @@ def _ranks_agree_on_oom(trainer: Trainer) -> Iterator[None]:
                         out = fn(*args, **kwargs)
                 else:
                     out = fn(*args, **kwargs)
-            except _AgreedOutOfMemory:
+            except AgreedOutOfMemory:
                 raise  # every rank already knows
             except (torch.OutOfMemoryError, RuntimeError) as err:
                 if not (isinstance(err, torch.OutOfMemoryError) or is_oom_error(err)):
                     raise
+                if points is not None:  # said at the point the other ranks reach next, or nowhere
+                    if not points.failed_here(in_backward=name == "backward"):
+                        raise OutOfMemoryUnshared(
+                            "the other ranks wait inside FSDP's collectives of this step's backward, which no"
+                            " agreement can reach from where it failed"
+                        ) from err
+                    raise AgreedOutOfMemory("out of memory on this rank inside a trial") from err
                 failed, out = True, None
             if strategy.reduce_boolean_decision(failed, all=False):
                 pending[0] = False
-                raise _AgreedOutOfMemory(f"out of memory on {'this' if failed else 'another'} rank inside a trial")
+                raise AgreedOutOfMemory(f"out of memory on {'this' if failed else 'another'} rank inside a trial")
             if name == "backward" and pending[0]:
                 pending[0] = False
                 _average_gradients(ddp, trainer.world_size)  # type: ignore[arg-type]
@@ -505,7 +533,10 @@ def _ranks_agree_on_oom(trainer: Trainer) -> Iterator[None]:
 
         return call
 
-    with strategy_methods_replaced(strategy, {name: agreeing(fn, name) for name, fn in originals.items()}):
+    with ExitStack() as stack:
+        if points is not None:
+            stack.enter_context(points.installed())
+        stack.enter_context(strategy_methods_replaced(strategy, {n: agreeing(fn, n) for n, fn in originals.items()}))
         yield
 
 
