@@ -134,7 +134,6 @@ class UnitPoints:
             for handle in handles:
                 handle.remove()
 
-
     def _recover(self) -> None:
         """The step ended between FSDP2's gathers and reshards: every unit back to its own shard and FSDP's
         per-step state cleared, as the trials' restore and the next step expect. torch 2.14 has the call for it
