@@ -255,3 +255,38 @@ def test_a_run_may_not_join_blocks_that_fully_shard_made_units_of_their_own(tmp_
             apply_plan(net, [["0", "1"]])
     finally:
         dist.destroy_process_group()
+
+
+def test_an_out_of_memory_error_nobody_can_learn_ends_the_run_naming_the_trial(tmp_path):
+    """What a sharded rank raises where no agreement point is left (see above), here from the training step on one
+    device: the tuner puts the run back and ends it with the trial's size and what to do, instead of searching on
+    while the other ranks would wait."""
+    from lightning.pytorch import Trainer
+    from tuner_helpers import BatchClock
+
+    from lightning_memguard.callbacks._sharded_agreement import OutOfMemoryUnshared
+    from lightning_memguard.testing import ImageClassifier
+
+    class FailsUnshared(ImageClassifier):
+        def training_step(self, batch, batch_idx):
+            if batch.shape[0] > 8:
+                try:
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+                except torch.OutOfMemoryError as err:
+                    raise OutOfMemoryUnshared("the other ranks wait inside FSDP's collectives") from err
+            return super().training_step(batch, batch_idx)
+
+    from conftest import FakeProbe, trainer_kwargs
+
+    model = FailsUnshared(arch="resnet18", image_size=16, batch_size=4, steps_per_epoch=50, pool_size=16)
+    clock = BatchClock()  # throughput rises with the size: the search reaches 16
+    tuner = BatchSizeTuner(
+        init_size=4, max_size=64, probe=FakeProbe(), cache=False, warmup_steps=1, timed_steps=1, clock=clock
+    )
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[clock, tuner]))
+    with pytest.raises(RuntimeError, match="Out of memory on rank 0 in a trial at batch size 16 under") as caught:
+        trainer.fit(model)
+    assert "wait inside FSDP's collectives" in str(caught.value)
+    assert "smaller upper bound than 16" in str(caught.value)
+    assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
+    assert model.batch_size == 4  # put back
