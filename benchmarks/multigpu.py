@@ -21,7 +21,9 @@ ResNet50, bf16-mixed, channels_last, strategy="ddp", 2 GPUs; the parts (all by d
   ``ShardedClassifier``, FSDP2's ``fully_shard`` on every block): MemGuard() + AccumulationTuner(512) (every rank's
   choice, the weights at the first real batch as before the trials, logged samples/s against each rank's table),
   then ActivationCheckpointing(memory_budget=0.6) (every rank's plan and step peaks against the budget; under
-  FSDPStrategy on several devices a budget is refused, and the refusal is recorded).
+  FSDPStrategy on several devices a budget is refused, and the refusal is recorded);
+- ``sharded_oom``: as ``oom``, under ModelParallelStrategy with ``ShardedClassifier`` (FSDP2's collectives inside
+  the forward and backward where rank 1 runs out of memory).
 Every rank writes its own JSON; rank 0 merges them. `--smoke` runs a tiny version on 2 CPU processes (gloo; the
 ``oom`` part then raises the error in rank 1's training step instead of allocating a ballast, and ``compiled``
 uses the ``aot_eager`` backend; Lightning builds FSDPStrategy only on a GPU, so ``fsdp`` records that it was skipped).
@@ -58,7 +60,7 @@ from lightning_memguard import (  # noqa: E402
 from lightning_memguard.strategies import CheckpointingDDPStrategy  # noqa: E402
 from lightning_memguard.testing import ImageClassifier, ShardedClassifier, StepTimer, SysmemSpillEmulator  # noqa: E402
 
-PARTS = ("tuning", "overhead", "spill", "oom", "compiled", "strategy", "fsdp", "model_parallel")
+PARTS = ("tuning", "overhead", "spill", "oom", "compiled", "strategy", "fsdp", "model_parallel", "sharded_oom")
 WORLD = 2  # devices=2
 
 
@@ -75,12 +77,22 @@ def trainer(args: argparse.Namespace, callbacks: list[Any], max_steps: int, **kw
 def model(args: argparse.Namespace, batch: int, steps: int, cls: type[ImageClassifier] = ImageClassifier) -> Any:
     if args.smoke:
         return cls("resnet18", image_size=32, batch_size=batch, steps_per_epoch=steps, pool_size=32, seed=0)
+    channels_last = not issubclass(cls, ShardedClassifier)  # fully_shard takes contiguous weights only
     return cls("resnet50", image_size=224, num_classes=1000, batch_size=batch, steps_per_epoch=steps,
-               channels_last=True, pool_size=256, seed=0)  # fmt: skip
+               channels_last=channels_last, pool_size=256, seed=0)  # fmt: skip
 
 
 class _OomOnRankOne(ImageClassifier):
     """Smoke only: rank 1 raises CUDA's out-of-memory error in its training step above 8 samples."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_rank == 1 and batch.shape[0] > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (smoke: rank 1 only)")
+        return super().training_step(batch, batch_idx)
+
+
+class _ShardedOomOnRankOne(ShardedClassifier):
+    """Smoke only: as :class:`_OomOnRankOne`, sharded."""
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if self.global_rank == 1 and batch.shape[0] > 8:
@@ -130,7 +142,9 @@ def part_spill(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     return outcome
 
 
-def part_oom(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+def part_oom(args: argparse.Namespace, rank: int, sharded: bool = False) -> dict[str, Any]:
+    """``sharded``: under ModelParallelStrategy, FSDP2 on every block, whose gathers and reductions are inside the
+    forward and backward where rank 1 runs out of memory."""
     ballast = None
     if not args.smoke and rank == 1:
         device = torch.device("cuda", rank)  # this rank's GPU: Lightning sets the current device only inside fit
@@ -140,9 +154,22 @@ def part_oom(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         ballast = torch.empty(max(0, free - 40 * 2**30), dtype=torch.uint8, device=device)  # leaves 40 GiB
     init, top, steps = (4, 16, 4) if args.smoke else (64, 1024, 20)
     tuner = BatchSizeTuner(init_size=init, max_size=top, mode="max_fit", cache=False)
-    t = trainer(args, [tuner], steps)
+    if sharded:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy: Any = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
+        cls: type[ImageClassifier] = _ShardedOomOnRankOne if args.smoke else ShardedClassifier
+    else:
+        strategy, cls = "ddp", _OomOnRankOne if args.smoke else ImageClassifier
+    t = trainer(args, [tuner], steps, strategy=strategy)
     start = time.perf_counter()
-    t.fit(model(args, init, 10_000, _OomOnRankOne if args.smoke else ImageClassifier))
+    try:
+        t.fit(model(args, init, 10_000, cls))
+    except RuntimeError as err:  # a trial the search cannot go on from ends the run on every rank: recorded
+        if not sharded:
+            raise
+        return {"ended": str(err), "choice": None, "trials": [], "trained_steps": t.global_step,
+                "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
     result = {
         "ballast_bytes": None if ballast is None else ballast.numel(),
         "choice": tuner.batch_size,
@@ -335,17 +362,19 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         summary["overhead_ratio"] = statistics.median(with_g) / statistics.median(without)
     if "spill" in first:
         summary["spill"] = {r["rank"]: r["spill"] for r in ranks}
-    if "oom" in first:
-        summary["oom"] = {
-            "same_choice_on_every_rank": len({r["oom"]["choice"] for r in ranks}) == 1,
-            "choice": first["oom"]["choice"],
-            "trials": {r["rank"]: r["oom"]["trials"] for r in ranks},
-            "sizes_out_of_memory": sorted(
-                {t["size"] for r in ranks for t in r["oom"]["trials"] if t["outcome"] == "oom"}
-            ),
-            "trained_steps": [r["oom"]["trained_steps"] for r in ranks],
-            "seconds": [r["oom"]["seconds"] for r in ranks],
-        }
+    for part in ("oom", "sharded_oom"):
+        if part in first:
+            summary[part] = {
+                "ended": [r[part].get("ended") for r in ranks],
+                "same_choice_on_every_rank": len({r[part]["choice"] for r in ranks}) == 1,
+                "choice": first[part]["choice"],
+                "trials": {r["rank"]: r[part]["trials"] for r in ranks},
+                "sizes_out_of_memory": sorted(
+                    {t["size"] for r in ranks for t in r[part]["trials"] if t["outcome"] == "oom"}
+                ),
+                "trained_steps": [r[part]["trained_steps"] for r in ranks],
+                "seconds": [r[part]["seconds"] for r in ranks],
+            }
     if "compiled" in first:
         rows = [r["compiled"] for r in ranks]
         summary["compiled"] = {
@@ -407,6 +436,8 @@ def main() -> None:
     for name in ("fsdp", "model_parallel"):
         if name in parts:
             mine[name] = part_sharded(args, rank, name)
+    if "sharded_oom" in parts:
+        mine["sharded_oom"] = part_oom(args, rank, sharded=True)
 
     os.makedirs(args.tmp, exist_ok=True)
     with open(own + ".tmp", "w", encoding="utf-8") as f:

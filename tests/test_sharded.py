@@ -257,6 +257,41 @@ def test_a_run_may_not_join_blocks_that_fully_shard_made_units_of_their_own(tmp_
         dist.destroy_process_group()
 
 
+def test_an_agreed_error_ends_the_run_where_torch_cannot_reset_fsdps_step(tmp_path, monkeypatch):
+    """Before torch 2.14 nothing public puts FSDP2's half-done step back: the agreed error becomes one that ends the
+    run (on every rank, as every rank agreed) instead of a search going on with gathered weights and a gradient
+    reduction never queued. With ``reset_iter_state`` the units are resharded and the error stays the agreed one."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from lightning_memguard.callbacks._sharded_agreement import (
+        AgreedOutOfMemory,
+        OutOfMemoryEndsRun,
+        UnitPoints,
+        fsdp_units,
+    )
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        fully_shard(net[2], mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        another_rank_failed = iter([False, True])  # the root's forward passes, the block's point hears of it
+        points = UnitPoints(fsdp_units(net), lambda failed: next(another_rank_failed))
+        with pytest.raises(AgreedOutOfMemory), points.installed():
+            net(torch.randn(4, 8))
+        assert all(isinstance(p, DTensor) for p in net.parameters())  # every unit back to its shard
+        monkeypatch.delattr(FSDPModule, "reset_iter_state", raising=False)
+        another_rank_failed = iter([False, True])
+        with pytest.raises(OutOfMemoryEndsRun, match="reset_iter_state"), points.installed():
+            net(torch.randn(4, 8))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_out_of_memory_error_nobody_can_learn_ends_the_run_naming_the_trial(tmp_path):
     """What a sharded rank raises where no agreement point is left (see above), here from the training step on one
     device: the tuner puts the run back and ends it with the trial's size and what to do, instead of searching on
@@ -264,7 +299,7 @@ def test_an_out_of_memory_error_nobody_can_learn_ends_the_run_naming_the_trial(t
     from lightning.pytorch import Trainer
     from tuner_helpers import BatchClock
 
-    from lightning_memguard.callbacks._sharded_agreement import OutOfMemoryUnshared
+    from lightning_memguard.callbacks._sharded_agreement import OutOfMemoryEndsRun
     from lightning_memguard.testing import ImageClassifier
 
     class FailsUnshared(ImageClassifier):
@@ -273,7 +308,7 @@ def test_an_out_of_memory_error_nobody_can_learn_ends_the_run_naming_the_trial(t
                 try:
                     raise torch.OutOfMemoryError("CUDA out of memory (injected)")
                 except torch.OutOfMemoryError as err:
-                    raise OutOfMemoryUnshared("the other ranks wait inside FSDP's collectives") from err
+                    raise OutOfMemoryEndsRun("the other ranks wait inside FSDP's collectives") from err
             return super().training_step(batch, batch_idx)
 
     from conftest import FakeProbe, trainer_kwargs
@@ -284,7 +319,9 @@ def test_an_out_of_memory_error_nobody_can_learn_ends_the_run_naming_the_trial(t
         init_size=4, max_size=64, probe=FakeProbe(), cache=False, warmup_steps=1, timed_steps=1, clock=clock
     )
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[clock, tuner]))
-    with pytest.raises(RuntimeError, match="Out of memory on rank 0 in a trial at batch size 16 under") as caught:
+    with pytest.raises(
+        RuntimeError, match=r"Out of memory in a trial at batch size 16 under SingleDeviceStrategy \(rank 0\)"
+    ) as caught:
         trainer.fit(model)
     assert "wait inside FSDP's collectives" in str(caught.value)
     assert "smaller upper bound than 16" in str(caught.value)

@@ -14,8 +14,8 @@ At each point every rank says whether it failed. A rank that fails between two p
 others reach, and every rank raises there, in the same step. What no point covers: a rank that runs out of memory in
 FSDP's own buffers for a collective the others have already entered, and a backward failing after its last point (the
 model's own layers before the first unit) or under FSDP1, whose gradients are reduced from inside backward without a
-hook to order against: there the run ends with an error that names the trial (:class:`OutOfMemoryUnshared`) instead
-of waiting.
+hook to order against: there the run ends with an error that names the trial (:class:`OutOfMemoryEndsRun`) instead
+of waiting. So does an agreed error before torch 2.14, which has no public way to reset FSDP2's half-done step.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ class AgreedOutOfMemory(torch.OutOfMemoryError):
     """Raised on every rank, in the same step, once any rank ran out of memory inside a trial."""
 
 
-class OutOfMemoryUnshared(RuntimeError):
-    """A rank ran out of memory where the other ranks cannot learn it: they wait in one of FSDP's collectives."""
+class OutOfMemoryEndsRun(RuntimeError):
+    """An out-of-memory error inside a trial that the search cannot go on from: where the other ranks cannot learn it
+    (they wait in one of FSDP's collectives), or, before torch 2.14, once FSDP2's step state is left half done."""
 
 
 def fsdp_units(module: nn.Module) -> list[nn.Module]:
@@ -127,24 +128,30 @@ class UnitPoints:
                 handles.append(unit.register_forward_pre_hook(self._around_backward, with_kwargs=True))
                 handles.append(unit.register_forward_hook(self._on_output, prepend=True))
             yield self
-        except AgreedOutOfMemory:
-            self._recover()
+        except AgreedOutOfMemory as err:
+            if not self._recover():
+                raise OutOfMemoryEndsRun(
+                    "every rank learnt it, but this torch cannot put FSDP2's per-step state back after a step that"
+                    " failed halfway (`FSDPModule.reset_iter_state`, torch 2.14 and later)"
+                ) from err
             raise
         finally:
             for handle in handles:
                 handle.remove()
 
-    def _recover(self) -> None:
+    def _recover(self) -> bool:
         """The step ended between FSDP2's gathers and reshards: every unit back to its own shard and FSDP's
-        per-step state cleared, as the trials' restore and the next step expect. torch 2.14 has the call for it
-        (``reset_iter_state`` on the root unit); before it, every unit is resharded, which leaves the root's
-        weights gathered after a failed forward (the restore then says so)."""
+        per-step state cleared, as the trials' restore and the next step expect, through the call torch 2.14 has
+        for it (``reset_iter_state`` on the root unit). Before it nothing public does (a root left gathered, stream
+        waits skipped, a gradient reduction never queued): False, and the search cannot go on. FSDP1's units
+        (``FSDPStrategy``) are left as they are."""
         sharded = [unit for unit in self.units if isinstance(unit, FSDPModule)]
-        if sharded and hasattr(sharded[0], "reset_iter_state"):
-            sharded[0].reset_iter_state()  # the outermost unit: the root, which FSDP2 requires
-            return
-        for unit in sharded:
-            unit.reshard()
+        if not sharded:
+            return True
+        if not hasattr(sharded[0], "reset_iter_state"):
+            return False
+        sharded[0].reset_iter_state()  # the outermost unit: the root, which FSDP2 requires
+        return True
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:

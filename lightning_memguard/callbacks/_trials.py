@@ -39,7 +39,7 @@ from lightning_memguard.callbacks._private import (
 )
 from lightning_memguard.callbacks._sharded_agreement import (
     AgreedOutOfMemory,
-    OutOfMemoryUnshared,
+    OutOfMemoryEndsRun,
     UnitPoints,
     fsdp_units,
 )
@@ -380,10 +380,10 @@ class TrialSession:
         try:
             with _ranks_agree_on_oom(t), _about_the_run_only():
                 run_fit_loop(t)
-        except OutOfMemoryUnshared as err:
+        except OutOfMemoryEndsRun as err:
             shape = f"{size} x {accumulate}" if accumulate > 1 else f"batch size {size}"
             raise RuntimeError(
-                f"Out of memory on rank {t.global_rank} in a trial at {shape} under {type(t.strategy).__name__}: {err}."
+                f"Out of memory in a trial at {shape} under {type(t.strategy).__name__} (rank {t.global_rank}): {err}."
                 f" The run ends here instead of waiting: give the tuner a smaller upper bound than {size}, or search"
                 " on one device and pass the choice to this run."
             ) from err.__cause__
@@ -517,7 +517,7 @@ def _ranks_agree_on_oom(trainer: Trainer) -> Iterator[None]:
                     raise
                 if points is not None:  # said at the point the other ranks reach next, or nowhere
                     if not points.failed_here(in_backward=name == "backward"):
-                        raise OutOfMemoryUnshared(
+                        raise OutOfMemoryEndsRun(
                             "the other ranks wait inside FSDP's collectives of this step's backward, which no"
                             " agreement can reach from where it failed"
                         ) from err
