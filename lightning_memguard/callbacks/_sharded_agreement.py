@@ -148,10 +148,15 @@ class UnitPoints:
         sharded = [unit for unit in self.units if isinstance(unit, FSDPModule)]
         if not sharded:
             return True
-        if not hasattr(sharded[0], "reset_iter_state"):
-            return False
-        sharded[0].reset_iter_state()  # the outermost unit: the root, which FSDP2 requires
-        return True
+        root = sharded[0]  # the outermost unit, which FSDP2 requires
+        if hasattr(root, "reset_iter_state"):
+            root.reset_iter_state()
+            return True
+        # every unit back to its shard all the same, so that the trials' restore puts the run back before it ends
+        root.set_reshard_after_forward(True, recurse=False)  # the root keeps its weights gathered otherwise
+        for unit in sharded:
+            unit.reshard()
+        return False
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:
