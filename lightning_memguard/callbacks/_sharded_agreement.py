@@ -15,7 +15,8 @@ others reach, and every rank raises there, in the same step. What no point cover
 FSDP's own buffers for a collective the others have already entered, and a backward failing after its last point (the
 model's own layers before the first unit) or under FSDP1, whose gradients are reduced from inside backward without a
 hook to order against: there the run ends with an error that names the trial (:class:`OutOfMemoryEndsRun`) instead
-of waiting. So does an agreed error before torch 2.14, which has no public way to reset FSDP2's half-done step.
+of waiting. So does an agreed error under FSDP1 and before torch 2.14, which have no public way to reset FSDP's
+half-done step.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ class UnitPoints:
         (``FSDPStrategy``) are left as they are."""
         sharded = [unit for unit in self.units if isinstance(unit, FSDPModule)]
         if not sharded:
-            return True
+            return False  # FSDP1 has no public reset either: the run ends
         root = sharded[0]  # the outermost unit, which FSDP2 requires
         if hasattr(root, "reset_iter_state"):
             root.reset_iter_state()
