@@ -13,6 +13,8 @@ tensors, and the saved-tensor hooks in force, which torch offers no public way t
 - :func:`version`: a tensor's version counter (``_version``), which in-place changes move: a recipe holds only
   while its tensor is unchanged.
 - :func:`view_root`: the tensor a view was made from (``_base``): the spill emulator counts storage, not views.
+- :func:`in_backward`: whether code runs inside a backward pass (``torch._C._current_graph_task_id``): a forward run
+  again there is a checkpoint's recomputation, whose graph backward never runs through.
 
 A torch release that renames one of them breaks here and nowhere else; where a node's attribute or the hooks'
 reader is missing, the functions answer None (nothing saved, no hooks), so the rebuild keeps the tensor as autograd
@@ -63,3 +65,9 @@ def view_root(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor ``tensor`` is a view of (``_base``), or ``tensor`` itself."""
     base = tensor._base
     return base if base is not None else tensor
+
+
+def in_backward() -> bool:
+    """Whether the code now running is inside a backward pass (a checkpoint's recomputation, a backward hook)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1

@@ -267,6 +267,45 @@ def test_a_run_may_not_join_blocks_that_fully_shard_made_units_of_their_own(tmp_
         dist.destroy_process_group()
 
 
+def test_a_unit_recomputed_inside_backward_sets_no_points_backward_never_reaches(tmp_path):
+    """A checkpoint around a sharded unit runs its forward, hooks and all, again inside backward: the points it would
+    set there are on a graph backward does not run through, so none is counted (else a rank failing after the last
+    real point would wait for one the others never reach)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_memguard.callbacks._sharded_agreement import UnitPoints, fsdp_units
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), Checkpointed(block), torch.nn.Linear(16, 2))
+        fully_shard(block, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        said: list[bool] = []
+        points = UnitPoints(fsdp_units(net), lambda failed: said.append(failed) or failed)
+        with points.installed():
+            points.new_step()
+            out = net(torch.randn(4, 8))
+            assert points.backward_points == 3  # the root's output, the block's output and its inputs
+            out.sum().backward()
+            assert points.backward_points == 0  # the recomputation added none
+            assert len(said) == 2 + 3 + 1  # and met once more before it, as every rank recomputes alike
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_agreed_error_ends_the_run_where_torch_cannot_reset_fsdps_step(tmp_path, monkeypatch):
     """Before torch 2.14 nothing public puts FSDP2's half-done step back: the agreed error becomes one that ends the
     run (on every rank, as every rank agreed) instead of a search going on with gathered weights and a gradient

@@ -30,6 +30,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.utils.hooks import RemovableHandle
 
+from lightning_memguard._autograd import in_backward
+
 
 class AgreedOutOfMemory(torch.OutOfMemoryError):
     """Raised on every rank, in the same step, once any rank ran out of memory inside a trial."""
@@ -90,7 +92,9 @@ class UnitPoints:
         self.meet()
 
     def _around_backward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not torch.is_grad_enabled() or not isinstance(module, FSDPModule):
+        # a forward run again inside backward (a checkpoint around the unit recomputing) sets no points: backward
+        # does not run through the recomputed graph
+        if not torch.is_grad_enabled() or not isinstance(module, FSDPModule) or in_backward():
             return None
         positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
         if not positions:
@@ -103,7 +107,7 @@ class UnitPoints:
         return tuple(new_args), kwargs
 
     def _on_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled() or not isinstance(module, FSDPModule):
+        if not torch.is_grad_enabled() or not isinstance(module, FSDPModule) or in_backward():
             return
         tensors = [t for t in _tensors(output) if t.requires_grad]
         if not tensors:
