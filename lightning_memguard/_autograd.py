@@ -15,6 +15,8 @@ tensors, and the saved-tensor hooks in force, which torch offers no public way t
 - :func:`view_root`: the tensor a view was made from (``_base``): the spill emulator counts storage, not views.
 - :func:`in_backward`: whether code runs inside a backward pass (``torch._C._current_graph_task_id``): a forward run
   again there is a checkpoint's recomputation, whose graph backward never runs through.
+- :func:`at_backward_end`: a call queued to run once the backward pass now running is done
+  (``Variable._execution_engine.queue_callback``, as FSDP and DDP queue theirs), in the order queued.
 
 A torch release that renames one of them breaks here and nowhere else; where a node's attribute or the hooks'
 reader is missing, the functions answer None (nothing saved, no hooks), so the rebuild keeps the tensor as autograd
@@ -71,3 +73,8 @@ def in_backward() -> bool:
     """Whether the code now running is inside a backward pass (a checkpoint's recomputation, a backward hook)."""
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
+
+
+def at_backward_end(fn: Callable[[], None]) -> None:
+    """Queue ``fn`` to run when the backward pass now running ends, after the callbacks queued before it."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]

@@ -235,6 +235,7 @@ DDP_SCENARIOS = [
     "sharded_run:oom_forward",
     "sharded_run:oom_backward",
     "sharded_run:oom_head",
+    "sharded_run:oom_stem",
     "ddp_strategy_run:planning_fails!",
 ]
 

@@ -8,8 +8,8 @@ Usage: python sharded_run.py OUT_DIR SCENARIO...
                  half the pace
   checkpointing: ActivationCheckpointing() on the sharded blocks, against the same run without it
   budget:        ActivationCheckpointing(memory_budget=0.7): every rank measures, rank zero's plan on all
-  oom_forward, oom_backward, oom_head: BatchSizeTuner; rank 1 runs out of memory above 8 samples inside a sharded
-                 block's forward, inside a sharded block's backward, or in the head's backward
+  oom_forward, oom_backward, oom_head, oom_stem: BatchSizeTuner; rank 1 runs out of memory above 8 samples inside a
+                 sharded block's forward, inside a sharded block's backward, in the head's or the stem's backward
 Each rank writes SCENARIO-rankN.json into OUT_DIR. The suite runs the scenarios inside the one DDP launch
 (``ddp_run.py``, ``conftest.DDP_SCENARIOS``) through :func:`run`.
 """
@@ -182,7 +182,8 @@ def _out_of_memory(where):
 
 def inject_out_of_memory(net, where):
     """Rank 1 runs out of memory above 8 samples: inside a sharded block's forward (``forward``), inside a sharded
-    block's backward (``backward``), or in the backward of the model's own head, before any block's (``head``)."""
+    block's backward (``backward``), in the backward of the model's own head, before any block's (``head``), or of
+    its stem, after every block's (``stem``)."""
     if RANK != 1:
         return
 
@@ -201,6 +202,8 @@ def inject_out_of_memory(net, where):
         net.net.layer2[0].conv2.register_forward_hook(in_forward)
     elif where == "backward":
         net.net.layer3[0].conv1.register_forward_hook(in_backward)
+    elif where == "stem":  # the last stretch of backward, after every block's gradients were reduced
+        net.net.conv1.register_forward_hook(in_backward)
     else:
         net.net.fc.register_forward_hook(in_backward)
 

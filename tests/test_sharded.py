@@ -53,12 +53,13 @@ def test_the_tuners_under_model_parallel_put_every_ranks_shards_back_and_agree(s
     assert r["optimizer_state_before_and_at_first_batch"] == [0, 0]
 
 
-@pytest.mark.parametrize("scenario", ["oom_forward", "oom_backward", "oom_head"])
+@pytest.mark.parametrize("scenario", ["oom_forward", "oom_backward", "oom_head", "oom_stem"])
 def test_an_out_of_memory_error_on_one_sharded_rank_is_every_ranks_and_nobody_waits(sharded, scenario):
     """Rank 1 alone runs out of memory above 8 samples, in the middle of FSDP2's collectives: inside a sharded
-    block's forward, inside a sharded block's backward, or in the head's backward before any block's. Every rank
-    learns it at the next agreement point, the search goes on, and the run trains at 8 on both ranks. Before torch
-    2.14 (no ``reset_iter_state``) every rank ends the run there with the same error instead (seen on torch 2.11)."""
+    block's forward, inside a sharded block's backward, in the head's backward before any block's, or in the stem's
+    after every block's (the last stretch, met at the end of backward). Every rank learns it at the next agreement
+    point, the search goes on, and the run trains at 8 on both ranks. Before torch 2.14 (no ``reset_iter_state``)
+    every rank ends the run there with the same error instead (seen on torch 2.11)."""
     from torch.distributed.fsdp import FSDPModule
 
     r0, r1 = _ranks(sharded, scenario)
@@ -78,9 +79,9 @@ def test_an_out_of_memory_error_on_one_sharded_rank_is_every_ranks_and_nobody_wa
 
 def test_a_failure_after_a_backwards_last_agreement_point_is_not_said_where_nobody_listens(tmp_path):
     """FSDP2 on one gloo process, the agreement counted instead of exchanged: one point before each unit's forward;
-    in backward, one as each unit's output gradient arrives (the root's, the sharded block's) and one once the
-    block's backward is done (the root's inputs need no gradient). A rank failing while points lie ahead says so at
-    the next one; after the last, the other ranks are inside FSDP's last reduce-scatter, so nothing is said there
+    in backward, one as each unit's output gradient arrives (the root's, the sharded block's), one once the block's
+    backward is done (the root's inputs need no gradient) and one at the end of backward, before FSDP reduces the
+    root's gradients. A rank failing while points lie ahead says so at the next one; with none left nothing is said
     (the trial ends the run instead)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -102,14 +103,14 @@ def test_a_failure_after_a_backwards_last_agreement_point_is_not_said_where_nobo
         with points.installed():
             points.new_step()
             out = net(torch.randn(4, 8))
-            assert said == [False, False] and points.backward_points == 3
+            assert said == [False, False] and points.backward_points == 4
             assert points.failed_here(in_backward=True) and said[-1] is True  # failing while points lie ahead
             out.sum().backward()
-            assert said[3:] == [False, False, False] and points.backward_points == 0
-            assert not points.failed_here(in_backward=True) and len(said) == 6  # failing in the first layer's
+            assert said[3:] == [False, False, False, False] and points.backward_points == 0
+            assert not points.failed_here(in_backward=True) and len(said) == 7  # failing after backward's end
         assert all(p.grad is not None for p in net.parameters())
         net(torch.randn(4, 8))  # the hooks are gone
-        assert len(said) == 6
+        assert len(said) == 7
     finally:
         dist.destroy_process_group()
 
@@ -298,10 +299,10 @@ def test_a_unit_recomputed_inside_backward_sets_no_points_backward_never_reaches
         with points.installed():
             points.new_step()
             out = net(torch.randn(4, 8))
-            assert points.backward_points == 3  # the root's output, the block's output and its inputs
+            assert points.backward_points == 4  # the root's output and backward's end, the block's output, inputs
             out.sum().backward()
             assert points.backward_points == 0  # the recomputation added none
-            assert len(said) == 2 + 3 + 1  # and met once more before it, as every rank recomputes alike
+            assert len(said) == 2 + 4 + 1  # and met once more before it, as every rank recomputes alike
     finally:
         dist.destroy_process_group()
 

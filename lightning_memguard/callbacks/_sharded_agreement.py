@@ -8,15 +8,15 @@ wait forever. During the trials every FSDP unit gets agreement points between it
 - before its forward gathers the weights (a forward pre-hook ahead of FSDP's own);
 - under FSDP2's ``fully_shard``, as its output's gradient arrives, before its backward gathers the weights (a hook on
   the output, ahead of FSDP's own), and once its backward is done, before its gradients are reduced (an identity on
-  its inputs, inside FSDP's own).
+  its inputs, inside FSDP's own); and once the whole backward is done, before FSDP reduces the gradients of the
+  units whose inputs need none, the root's (a callback at the end of backward, queued ahead of FSDP's own).
 
 At each point every rank says whether it failed. A rank that fails between two points says so at the next point the
 others reach, and every rank raises there, in the same step. What no point covers: a rank that runs out of memory in
-FSDP's own buffers for a collective the others have already entered, and a backward failing after its last point (the
-model's own layers before the first unit) or under FSDP1, whose gradients are reduced from inside backward without a
-hook to order against: there the run ends with an error that names the trial (:class:`OutOfMemoryEndsRun`) instead
-of waiting. So does an agreed error under FSDP1 and before torch 2.14, which have no public way to reset FSDP's
-half-done step.
+FSDP's own buffers for a collective the others have already entered, and a backward under FSDP1, whose gradients are
+reduced from inside backward without a hook to order against: there the run ends with an error that names the trial
+(:class:`OutOfMemoryEndsRun`) instead of waiting. So does an agreed error under FSDP1 and before torch 2.14, which
+have no public way to reset FSDP's half-done step.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from lightning_memguard._autograd import in_backward
+from lightning_memguard._autograd import at_backward_end, in_backward
 
 
 class AgreedOutOfMemory(torch.OutOfMemoryError):
@@ -112,13 +112,15 @@ class UnitPoints:
         tensors = [t for t in _tensors(output) if t.requires_grad]
         if not tensors:
             return
-        key = id(module)
+        key, root = id(module), module is self.units[0]
         self._met_output.discard(key)
-        self.backward_points += 1
+        self.backward_points += 2 if root else 1  # the root's: also the end of backward
 
         def on_gradient(grad: torch.Tensor) -> None:
             if key not in self._met_output:  # once per unit, whichever output's gradient comes first
                 self._met_output.add(key)
+                if root:  # queued before FSDP's root queues its own end of backward, in the hook after this one
+                    at_backward_end(lambda: self.meet(backward=True))
                 self.meet(backward=True)
 
         for tensor in tensors:
