@@ -197,27 +197,7 @@ _TRAIN = textwrap.dedent(
 )
 
 
-def _run_windows_like(body: str, *args: str) -> subprocess.CompletedProcess:
-    script = _WINDOWS_LIKE.format(unix_only=_UNIX_ONLY, body=body)
-    env = {**os.environ, "PYTHONIOENCODING": "cp1252:strict", "USERNAME": "tester"}  # a Windows console
-    return subprocess.run(
-        [sys.executable, "-c", script, *args], cwd=PACKAGE.parent, env=env, capture_output=True, text=True,
-        encoding="cp1252", timeout=300,
-    )  # fmt: skip
-
-
-@pytest.mark.slow
-def test_every_module_imports_and_trains_without_unix_modules(tmp_path):
-    done = _run_windows_like(_TRAIN, str(tmp_path))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "trained True 1 True"
-
-
-def test_the_doctor_prints_on_a_windows_console_without_unix_modules():
-    done = _run_windows_like("from lightning_memguard.cli import main\nsys.exit(main(['doctor']))")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "sysmem fallback" in done.stdout
-
+_DOCTOR = "from lightning_memguard.cli import main\nprint('doctor exit', main(['doctor']))"
 
 _COUNTERS = textwrap.dedent(
     """
@@ -242,10 +222,57 @@ _COUNTERS = textwrap.dedent(
 )
 
 
-def test_the_windows_counter_probe_reads_through_the_fake_without_unix_modules():
-    done = _run_windows_like(_COUNTERS)
+def _run_windows_like(bodies: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """One fresh interpreter without Unix's modules runs each body in turn, each after a line naming it, a failing one
+    printing its traceback and the next still running (one interpreter: the imports are the slow part)."""
+    body = "import traceback\n" + "".join(
+        f"print('== {name}', flush=True)\ntry:\n{textwrap.indent(code, '    ')}\nexcept BaseException:\n"
+        f"    print('!! {name}'); traceback.print_exc(file=sys.stdout)\n"
+        for name, code in bodies.items()
+    )
+    script = _WINDOWS_LIKE.format(unix_only=_UNIX_ONLY, body=body)
+    env = {**os.environ, "PYTHONIOENCODING": "cp1252:strict", "USERNAME": "tester"}  # a Windows console
+    return subprocess.run(
+        [sys.executable, "-c", script, *args], cwd=PACKAGE.parent, env=env, capture_output=True, text=True,
+        encoding="cp1252", timeout=300,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def windows_like(tmp_path_factory) -> dict[str, str]:
+    """What each body printed (training, the doctor, the counters), from one interpreter without Unix's modules."""
+    done = _run_windows_like(
+        {"train": _TRAIN, "doctor": _DOCTOR, "counters": _COUNTERS}, str(tmp_path_factory.mktemp("w"))
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    last = done.stdout.strip().splitlines()[-1]
+    sections, name = {}, None
+    for line in done.stdout.splitlines():
+        if line.startswith("== "):
+            name = line[3:]
+            sections[name] = ""
+        elif name is not None:
+            sections[name] += line + "\n"
+    return sections
+
+
+def _section(windows_like: dict[str, str], name: str) -> list[str]:
+    out = windows_like.get(name)
+    assert out is not None and f"!! {name}" not in out, out
+    return out.strip().splitlines()
+
+
+@pytest.mark.slow
+def test_every_module_imports_and_trains_without_unix_modules(windows_like):
+    assert _section(windows_like, "train")[-1] == "trained True 1 True"
+
+
+def test_the_doctor_prints_on_a_windows_console_without_unix_modules(windows_like):
+    out = _section(windows_like, "doctor")
+    assert out[-1] == "doctor exit 0" and "sysmem fallback" in "\n".join(out)
+
+
+def test_the_windows_counter_probe_reads_through_the_fake_without_unix_modules(windows_like):
+    last = _section(windows_like, "counters")[-1]
     counted = "Windows counts 2.30 GB of this run's GPU memory in system RAM (Shared GPU memory)"
     assert last == f"counted 3300000000 1000000000 {counted}"
 
