@@ -41,3 +41,15 @@ def one_block_a_stage(model: ImageClassifier, seed: int = 0) -> ImageClassifier:
         torch.manual_seed(seed)
         model.net = torchvision.models.ResNet(BasicBlock, [1, 1, 1, 1], num_classes=model.hparams["num_classes"])
     return model
+
+
+def tiny_convnet(model: ImageClassifier, seed: int = 0) -> ImageClassifier:
+    """``model`` with its network replaced by one convolution, BatchNorm and a linear head: seconds to compile, for a
+    compiled scenario whose checks are about the ranks, not the network."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model.net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, model.hparams["num_classes"]),
+        )  # fmt: skip
+    return model

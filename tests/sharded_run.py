@@ -215,9 +215,9 @@ def out_of_memory(out, where):
     clock, before, first = BatchClock(), Before(), FirstBatch()
     tuner = BatchSizeTuner(
         mode="max_fit", init_size=4, max_size=32, probe=PerSample(net, int(10e9)), cache=False, warmup_steps=1,
-        timed_steps=2, clock=clock,
+        timed_steps=1, clock=clock,
     )  # fmt: skip
-    t = trainer(out, [before, clock, tuner, first])
+    t = trainer(out, [before, clock, tuner, first], limit_train_batches=1)
     try:
         t.fit(net)
     except RuntimeError as err:  # before torch 2.14 the agreed error ends the run on every rank
