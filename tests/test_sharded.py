@@ -32,6 +32,19 @@ def sharded(ddp_launch) -> dict[str, dict[int, dict]]:
     return {s: ddp_scenario_results(ddp_launch, f"sharded_run:{s}", s + "-rank{rank}.json") for s in SCENARIOS}
 
 
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    """A gloo process group of this one process and its device mesh: FSDP2's ``fully_shard`` on the CPU."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
 def _ranks(sharded, scenario):
     return sharded[scenario][0], sharded[scenario][1]
 
@@ -78,42 +91,36 @@ def test_an_out_of_memory_error_on_one_sharded_rank_is_every_ranks_and_nobody_wa
     assert r0["global_step"] == 1  # and then trained
 
 
-def test_a_failure_after_a_backwards_last_agreement_point_is_not_said_where_nobody_listens(tmp_path):
+def test_a_failure_after_a_backwards_last_agreement_point_is_not_said_where_nobody_listens(one_rank_mesh):
     """FSDP2 on one gloo process, the agreement counted instead of exchanged: one point before each unit's forward;
     in backward, one as each unit's output gradient arrives (the root's, the sharded block's), one once the block's
     backward is done (the root's inputs need no gradient) and one at the end of backward, before FSDP reduces the
     root's gradients. A rank failing while points lie ahead says so at the next one; with none left nothing is said
     (the trial ends the run instead)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from lightning_memguard.callbacks._sharded_agreement import UnitPoints, fsdp_units
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
-        )
-        fully_shard(net[2], mesh=mesh)
-        fully_shard(net, mesh=mesh)
-        said: list[bool] = []
-        points = UnitPoints(fsdp_units(net), lambda failed: said.append(failed) or failed)
-        with points.installed():
-            points.new_step()
-            out = net(torch.randn(4, 8))
-            assert said == [False, False] and points.backward_points == 4
-            assert points.failed_here(in_backward=True) and said[-1] is True  # failing while points lie ahead
-            out.sum().backward()
-            assert said[3:] == [False, False, False, False] and points.backward_points == 0
-            assert not points.failed_here(in_backward=True) and len(said) == 7  # failing after backward's end
-        assert all(p.grad is not None for p in net.parameters())
-        net(torch.randn(4, 8))  # the hooks are gone
-        assert len(said) == 7
-    finally:
-        dist.destroy_process_group()
+    mesh = one_rank_mesh
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
+    )
+    fully_shard(net[2], mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    said: list[bool] = []
+    points = UnitPoints(fsdp_units(net), lambda failed: said.append(failed) or failed)
+    with points.installed():
+        points.new_step()
+        out = net(torch.randn(4, 8))
+        assert said == [False, False] and points.backward_points == 4
+        assert points.failed_here(in_backward=True) and said[-1] is True  # failing while points lie ahead
+        out.sum().backward()
+        assert said[3:] == [False, False, False, False] and points.backward_points == 0
+        assert not points.failed_here(in_backward=True) and len(said) == 7  # failing after backward's end
+    assert all(p.grad is not None for p in net.parameters())
+    net(torch.randn(4, 8))  # the hooks are gone
+    assert len(said) == 7
 
 
 def test_memguard_under_model_parallel_stops_every_rank_with_the_spilling_ranks_numbers(sharded):
@@ -145,13 +152,11 @@ def test_a_budget_under_model_parallel_is_measured_on_every_rank_and_rank_zeros_
     assert r0["checkpointed"] == r1["checkpointed"] == sorted(name for run in r0["runs"] for name in run)
 
 
-def test_the_trials_state_of_a_sharded_model_is_put_back_in_place(tmp_path):
+def test_the_trials_state_of_a_sharded_model_is_put_back_in_place(one_rank_mesh):
     """FSDP2 on one gloo process: an optimizer that already holds state and a scheduler that changed the learning
     rate; after more steps everything is put back into the same tensors (the optimizer still points at them)."""
-    import torch.distributed as dist
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.strategies import ModelParallelStrategy
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -160,50 +165,44 @@ def test_the_trials_state_of_a_sharded_model_is_put_back_in_place(tmp_path):
     def full(t):
         return (t.full_tensor() if isinstance(t, DTensor) else t).clone()
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
-        )
-        fully_shard(net[0], mesh=mesh)
-        fully_shard(net, mesh=mesh)
-        optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    mesh = one_rank_mesh
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    fully_shard(net[0], mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
 
-        def step():
-            net(torch.randn(4, 8)).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            scheduler.step()
+    def step():
+        net(torch.randn(4, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
 
-        trainer = SimpleNamespace(
-            strategy=ModelParallelStrategy(), lightning_module=net, optimizers=[optimizer],
-            lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)], precision_plugin=Precision(),
-        )  # fmt: skip
-        fresh = training_state(trainer)  # before any step: no optimizer state
-        step()
-        load_training_state(trainer, fresh)
-        assert len(optimizer.state) == 0 and optimizer.param_groups[0]["lr"] == 0.01
+    trainer = SimpleNamespace(
+        strategy=ModelParallelStrategy(), lightning_module=net, optimizers=[optimizer],
+        lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)], precision_plugin=Precision(),
+    )  # fmt: skip
+    fresh = training_state(trainer)  # before any step: no optimizer state
+    step()
+    load_training_state(trainer, fresh)
+    assert len(optimizer.state) == 0 and optimizer.param_groups[0]["lr"] == 0.01
 
-        step()
-        weights = {k: full(v) for k, v in net.state_dict().items()}
-        moments = {i: {k: full(v) for k, v in optimizer.state[p].items()} for i, p in enumerate(net.parameters())}
-        lr, params = optimizer.param_groups[0]["lr"], list(net.parameters())
-        saved = training_state(trainer)
-        step(), step()
-        load_training_state(trainer, saved)
-        assert all(torch.equal(weights[k], full(v)) for k, v in net.state_dict().items())
-        assert all(
-            torch.equal(moments[i][k], full(v))
-            for i, p in enumerate(net.parameters())
-            for k, v in optimizer.state[p].items()
-        )
-        assert optimizer.param_groups[0]["lr"] == lr and list(net.parameters()) == params
-        assert isinstance(params[0], DTensor)
-    finally:
-        dist.destroy_process_group()
+    step()
+    weights = {k: full(v) for k, v in net.state_dict().items()}
+    moments = {i: {k: full(v) for k, v in optimizer.state[p].items()} for i, p in enumerate(net.parameters())}
+    lr, params = optimizer.param_groups[0]["lr"], list(net.parameters())
+    saved = training_state(trainer)
+    step(), step()
+    load_training_state(trainer, saved)
+    assert all(torch.equal(weights[k], full(v)) for k, v in net.state_dict().items())
+    assert all(
+        torch.equal(moments[i][k], full(v))
+        for i, p in enumerate(net.parameters())
+        for k, v in optimizer.state[p].items()
+    )
+    assert optimizer.param_groups[0]["lr"] == lr and list(net.parameters()) == params
+    assert isinstance(params[0], DTensor)
 
 
 def _deepspeed():
@@ -246,35 +245,27 @@ def test_activation_checkpointing_budget_on_one_fsdp_device_is_not_refused():
     ActivationCheckpointing(memory_budget=0.6).setup(trainer, model, "fit")  # planned at fit start, on the device
 
 
-def test_a_run_may_not_join_blocks_that_fully_shard_made_units_of_their_own(tmp_path):
+def test_a_run_may_not_join_blocks_that_fully_shard_made_units_of_their_own(one_rank_mesh):
     """A run calls its members' forward, which FSDP2's gathering hooks do not see: a plan that joins two sharded
     blocks (made on the unsharded model, say) is refused by name, as the planner never makes one."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torchvision.models.resnet import BasicBlock
 
     from lightning_memguard.checkpointing import apply_plan
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        net = torch.nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 8))
-        apply_plan(torch.nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 8)), [["0", "1"]])  # unsharded: one run
-        for block in net:
-            fully_shard(block, mesh=mesh)
-        with pytest.raises(ValueError, match="'0' and '1' cannot share a run.*fully_shard"):
-            apply_plan(net, [["0", "1"]])
-    finally:
-        dist.destroy_process_group()
+    mesh = one_rank_mesh
+    net = torch.nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 8))
+    apply_plan(torch.nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 8)), [["0", "1"]])  # unsharded: one run
+    for block in net:
+        fully_shard(block, mesh=mesh)
+    with pytest.raises(ValueError, match="'0' and '1' cannot share a run.*fully_shard"):
+        apply_plan(net, [["0", "1"]])
 
 
-def test_a_unit_recomputed_inside_backward_sets_no_points_backward_never_reaches(tmp_path):
+def test_a_unit_recomputed_inside_backward_sets_no_points_backward_never_reaches(one_rank_mesh):
     """A checkpoint around a sharded unit runs its forward, hooks and all, again inside backward: the points it would
     set there are on a graph backward does not run through, so none is counted (else a rank failing after the last
     real point would wait for one the others never reach)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.utils.checkpoint import checkpoint
 
@@ -288,32 +279,26 @@ def test_a_unit_recomputed_inside_backward_sets_no_points_backward_never_reaches
         def forward(self, x):
             return checkpoint(self.inner, x, use_reentrant=False)
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
-        net = torch.nn.Sequential(torch.nn.Linear(8, 16), Checkpointed(block), torch.nn.Linear(16, 2))
-        fully_shard(block, mesh=mesh)
-        fully_shard(net, mesh=mesh)
-        said: list[bool] = []
-        points = UnitPoints(fsdp_units(net), lambda failed: said.append(failed) or failed)
-        with points.installed():
-            points.new_step()
-            out = net(torch.randn(4, 8))
-            assert points.backward_points == 4  # the root's output and backward's end, the block's output, inputs
-            out.sum().backward()
-            assert points.backward_points == 0  # the recomputation added none
-            assert len(said) == 2 + 4 + 1  # and met once more before it, as every rank recomputes alike
-    finally:
-        dist.destroy_process_group()
+    mesh = one_rank_mesh
+    block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), Checkpointed(block), torch.nn.Linear(16, 2))
+    fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    said: list[bool] = []
+    points = UnitPoints(fsdp_units(net), lambda failed: said.append(failed) or failed)
+    with points.installed():
+        points.new_step()
+        out = net(torch.randn(4, 8))
+        assert points.backward_points == 4  # the root's output and backward's end, the block's output, inputs
+        out.sum().backward()
+        assert points.backward_points == 0  # the recomputation added none
+        assert len(said) == 2 + 4 + 1  # and met once more before it, as every rank recomputes alike
 
 
-def test_an_agreed_error_ends_the_run_where_torch_cannot_reset_fsdps_step(tmp_path, monkeypatch):
+def test_an_agreed_error_ends_the_run_where_torch_cannot_reset_fsdps_step(one_rank_mesh, monkeypatch):
     """Before torch 2.14 nothing public puts FSDP2's half-done step back: the agreed error becomes one that ends the
     run (on every rank, as every rank agreed) instead of a search going on with gathered weights and a gradient
     reduction never queued. With ``reset_iter_state`` the units are resharded and the error stays the agreed one."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -324,29 +309,25 @@ def test_an_agreed_error_ends_the_run_where_torch_cannot_reset_fsdps_step(tmp_pa
         fsdp_units,
     )
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-        fully_shard(net[2], mesh=mesh)
-        fully_shard(net, mesh=mesh)
-        shards = [p.to_local().clone() for p in net.parameters()]
-        another_rank_failed = iter([False, True])  # the root's forward passes, the block's point hears of it
-        points = UnitPoints(fsdp_units(net), lambda failed: next(another_rank_failed))
-        if hasattr(FSDPModule, "reset_iter_state"):  # torch 2.14 and later
-            with pytest.raises(AgreedOutOfMemory), points.installed():
-                net(torch.randn(4, 8))
-            assert all(isinstance(p, DTensor) for p in net.parameters())  # every unit back to its shard
-            net(torch.randn(4, 8)).sum().backward()  # and the next step runs
-            monkeypatch.delattr(FSDPModule, "reset_iter_state")
-        another_rank_failed = iter([False, True])
-        with pytest.raises(OutOfMemoryEndsRun, match="reset_iter_state"), points.installed():
+    mesh = one_rank_mesh
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    fully_shard(net[2], mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    shards = [p.to_local().clone() for p in net.parameters()]
+    another_rank_failed = iter([False, True])  # the root's forward passes, the block's point hears of it
+    points = UnitPoints(fsdp_units(net), lambda failed: next(another_rank_failed))
+    if hasattr(FSDPModule, "reset_iter_state"):  # torch 2.14 and later
+        with pytest.raises(AgreedOutOfMemory), points.installed():
             net(torch.randn(4, 8))
-        # back to its shards all the same, for the trials' restore (the root would stay gathered otherwise)
-        assert all(isinstance(p, DTensor) for p in net.parameters())
-        assert [p.to_local().shape for p in net.parameters()] == [s.shape for s in shards]
-    finally:
-        dist.destroy_process_group()
+        assert all(isinstance(p, DTensor) for p in net.parameters())  # every unit back to its shard
+        net(torch.randn(4, 8)).sum().backward()  # and the next step runs
+        monkeypatch.delattr(FSDPModule, "reset_iter_state")
+    another_rank_failed = iter([False, True])
+    with pytest.raises(OutOfMemoryEndsRun, match="reset_iter_state"), points.installed():
+        net(torch.randn(4, 8))
+    # back to its shards all the same, for the trials' restore (the root would stay gathered otherwise)
+    assert all(isinstance(p, DTensor) for p in net.parameters())
+    assert [p.to_local().shape for p in net.parameters()] == [s.shape for s in shards]
 
 
 def test_an_out_of_memory_error_nobody_can_learn_ends_the_run_naming_the_trial(tmp_path):
