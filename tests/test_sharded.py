@@ -91,38 +91,6 @@ def test_an_out_of_memory_error_on_one_sharded_rank_is_every_ranks_and_nobody_wa
     assert r0["global_step"] == 1  # and then trained
 
 
-def test_a_failure_after_a_backwards_last_agreement_point_is_not_said_where_nobody_listens(one_rank_mesh):
-    """FSDP2 on one gloo process, the agreement counted instead of exchanged: one point before each unit's forward;
-    in backward, one as each unit's output gradient arrives (the root's, the sharded block's), one once the block's
-    backward is done (the root's inputs need no gradient) and one at the end of backward, before FSDP reduces the
-    root's gradients. A rank failing while points lie ahead says so at the next one; with none left nothing is said
-    (the trial ends the run instead)."""
-    from torch.distributed.fsdp import fully_shard
-
-    from lightning_memguard.callbacks._sharded_agreement import UnitPoints, fsdp_units
-
-    mesh = one_rank_mesh
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
-    )
-    fully_shard(net[2], mesh=mesh)
-    fully_shard(net, mesh=mesh)
-    said: list[bool] = []
-    points = UnitPoints(fsdp_units(net), lambda failed: said.append(failed) or failed)
-    with points.installed():
-        points.new_step()
-        out = net(torch.randn(4, 8))
-        assert said == [False, False] and points.backward_points == 4
-        assert points.failed_here(in_backward=True) and said[-1] is True  # failing while points lie ahead
-        out.sum().backward()
-        assert said[3:] == [False, False, False, False] and points.backward_points == 0
-        assert not points.failed_here(in_backward=True) and len(said) == 7  # failing after backward's end
-    assert all(p.grad is not None for p in net.parameters())
-    net(torch.randn(4, 8))  # the hooks are gone
-    assert len(said) == 7
-
-
 def test_memguard_under_model_parallel_stops_every_rank_with_the_spilling_ranks_numbers(sharded):
     r0, r1 = _ranks(sharded, "guard")
     assert r0["should_stop"] and r1["should_stop"] and r0["global_step"] == r1["global_step"]
@@ -262,37 +230,125 @@ def test_a_run_may_not_join_blocks_that_fully_shard_made_units_of_their_own(one_
         apply_plan(net, [["0", "1"]])
 
 
-def test_a_unit_recomputed_inside_backward_sets_no_points_backward_never_reaches(one_rank_mesh):
-    """A checkpoint around a sharded unit runs its forward, hooks and all, again inside backward: the points it would
-    set there are on a graph backward does not run through, so none is counted (else a rank failing after the last
-    real point would wait for one the others never reach)."""
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x=None):
+        return self.linear(x).relu()
+
+
+class _Shapes(torch.nn.Module):
+    """The shapes a sharded model's forward takes: a block called twice, a block given its input by keyword, a block
+    whose output never reaches the loss, a block checkpointed from outside (its forward runs again in backward),
+    and, with ``head_is_a_unit``, a root whose output is a sharded unit's own."""
+
+    def __init__(self, head_is_a_unit: bool):
+        super().__init__()
+        self.stem, self.twice, self.keyword, self.unused = torch.nn.Linear(8, 16), _Block(), _Block(), _Block()
+        self.recomputed, self.head = _Block(), torch.nn.Linear(16, 2)
+        self.head_is_a_unit = head_is_a_unit
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.twice(self.twice(self.stem(x)))
+        h = self.keyword(x=h)
+        self.unused(h)
+        h = checkpoint(self.recomputed, h, use_reentrant=False)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("head_is_a_unit", [False, True])
+def test_every_collective_of_a_sharded_step_comes_right_after_an_agreement_point(one_rank_mesh, head_is_a_unit):
+    """FSDP2 on one gloo process, every event of a training step in order: FSDP's gathers, reductions and end of
+    backward (its own functions, wrapped), each layer's compute (a hook as its forward starts and as its output's
+    gradient arrives) and the agreement points. A rank that fails in a compute leaves the others going on to the
+    next event: it must be a point, never a collective (else they would wait in it). So before every collective,
+    past any collective issued with it, comes a point."""
     from torch.distributed.fsdp import fully_shard
-    from torch.utils.checkpoint import checkpoint
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     from lightning_memguard.callbacks._sharded_agreement import UnitPoints, fsdp_units
 
-    class Checkpointed(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
+    events: list[str] = []
 
-        def forward(self, x):
-            return checkpoint(self.inner, x, use_reentrant=False)
+    def logged(fn, name):
+        def call(self, *args, **kwargs):
+            events.append(name)
+            return fn(self, *args, **kwargs)
 
-    mesh = one_rank_mesh
-    block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), Checkpointed(block), torch.nn.Linear(16, 2))
-    fully_shard(block, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+        return call
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(FSDPParamGroup, "unshard", logged(FSDPParamGroup.unshard, "collective"))
+    patch.setattr(FSDPParamGroup, "post_backward", logged(FSDPParamGroup.post_backward, "collective"))
+    patch.setattr(
+        FSDPState, "_root_post_backward_final_callback",
+        logged(FSDPState._root_post_backward_final_callback, "collective"),
+    )  # fmt: skip
+    try:
+        torch.manual_seed(0)
+        net = _Shapes(head_is_a_unit)
+
+        def computing(module, args, out):
+            out.register_hook(lambda grad: events.append("compute"))  # its backward starts
+
+        for block in (net.twice, net.keyword, net.unused, net.recomputed, *([net.head] if head_is_a_unit else [])):
+            fully_shard(block, mesh=one_rank_mesh)
+        fully_shard(net, mesh=one_rank_mesh)
+        for module in net.modules():  # after FSDP's hooks, as the layer's own compute comes after them
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda module, args: events.append("compute"))
+                module.register_forward_hook(computing)
+        points = UnitPoints(fsdp_units(net), lambda failed: events.append("point") or failed)
+        with points.installed():
+            for _ in range(2):  # a second step, as the trials take
+                events.clear()
+                points.new_step()
+                net(torch.randn(4, 8)).sum().backward()
+                last = None
+                for i, event in enumerate(events):
+                    if event == "collective":
+                        assert last == "point", f"a collective after a compute, at {i}: {events}"
+                    else:
+                        last = event
+                assert events.count("collective") > 10 and "compute" in events
+    finally:
+        patch.undo()
+
+
+def test_an_out_of_memory_error_inside_fsdps_own_code_is_not_agreed_on(one_rank_mesh, monkeypatch):
+    """FSDP's gather runs out of memory: the other ranks may already wait in that gather, where an agreement would
+    meet nobody, so the failing rank does not agree (its trial ends the run); an error in a layer's own compute is
+    said at the next point."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from lightning_memguard.callbacks._sharded_agreement import UnitPoints, fsdp_units
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+    fully_shard(net[1], mesh=one_rank_mesh)
+    fully_shard(net, mesh=one_rank_mesh)
     said: list[bool] = []
-    points = UnitPoints(fsdp_units(net), lambda failed: said.append(failed) or failed)
-    with points.installed():
-        points.new_step()
-        out = net(torch.randn(4, 8))
-        assert points.backward_points == 4  # the root's output and backward's end, the block's output, inputs
-        out.sum().backward()
-        assert points.backward_points == 0  # the recomputation added none
-        assert len(said) == 2 + 4 + 1  # and met once more before it, as every rank recomputes alike
+    points = UnitPoints(fsdp_units(net), lambda failed: said.append(failed) or False)
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected in FSDP's gather)")
+
+    with monkeypatch.context() as patch, points.installed():
+        patch.setattr(FSDPParamGroup, "unshard", no_room)
+        with pytest.raises(torch.OutOfMemoryError) as inside:
+            net(torch.randn(4, 8))
+    assert said == [False]  # the root's point, then its gather failed
+    assert not points.failed_here(inside.value, in_backward=False) and said == [False]
+
+    net[0].register_forward_hook(lambda module, args, out: no_room())
+    with pytest.raises(torch.OutOfMemoryError) as compute, points.installed():
+        net(torch.randn(4, 8))
+    assert points.failed_here(compute.value, in_backward=False) and said[-1] is True
 
 
 def test_an_agreed_error_ends_the_run_where_torch_cannot_reset_fsdps_step(one_rank_mesh, monkeypatch):

@@ -12,11 +12,13 @@ wait forever. During the trials every FSDP unit gets agreement points between it
   units whose inputs need none, the root's (a callback at the end of backward, queued ahead of FSDP's own).
 
 At each point every rank says whether it failed. A rank that fails between two points says so at the next point the
-others reach, and every rank raises there, in the same step. What no point covers: a rank that runs out of memory in
-FSDP's own buffers for a collective the others have already entered, and a backward under FSDP1, whose gradients are
-reduced from inside backward without a hook to order against: there the run ends with an error that names the trial
-(:class:`OutOfMemoryEndsRun`) instead of waiting. So does an agreed error under FSDP1 and before torch 2.14, which
-have no public way to reset FSDP's half-done step.
+others reach, and every rank raises there, in the same step; under FSDP2 a backward always has one ahead, the end of
+backward. What no point covers: an out-of-memory error inside FSDP's own code (the buffer of a gather or a reduction
+the other ranks may already have entered), and a backward under FSDP1, whose gradients are reduced from inside
+backward without a hook to order against: there the failing rank ends the run with an error that names the trial
+(:class:`OutOfMemoryEndsRun`) instead of waiting. An agreed error ends the run too under FSDP1 and before torch 2.14,
+which have no public way to reset FSDP's half-done step. Collectives of the user's own inside the step (a
+``sync_dist`` log, an all-gather, tensor parallelism's) have no points around them.
 """
 
 from __future__ import annotations
@@ -58,8 +60,23 @@ class _MeetInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.points.meet(backward=True)
+        ctx.points.meet()
         return (None, *grads)
+
+
+_FSDP_OWN_CODE = ("/torch/distributed/fsdp/_fully_shard/", "/torch/distributed/fsdp/_runtime_utils.py",
+                  "/torch/distributed/fsdp/_flat_param.py", "/torch/distributed/distributed_c10d.py")  # fmt: skip
+
+
+def raised_inside_fsdp(err: BaseException) -> bool:
+    """Whether ``err`` came from FSDP's own code (gathering, resharding, reducing) or a collective: the other ranks
+    may already be inside that collective, where no agreement point reaches them."""
+    tb = err.__traceback__
+    while tb is not None:
+        if any(part in tb.tb_frame.f_code.co_filename.replace("\\", "/") for part in _FSDP_OWN_CODE):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 class UnitPoints:
@@ -67,26 +84,25 @@ class UnitPoints:
 
     def __init__(self, units: list[nn.Module], agree: Callable[[bool], bool]) -> None:
         self.units, self.agree = units, agree
-        self.backward_points = 0  # points still ahead in this step's backward, counted as its forward set them
-        self._met_output: set[int] = set()
+        self.fsdp1 = any(not isinstance(unit, FSDPModule) for unit in units)
+        self._end_queued = False
 
-    def meet(self, backward: bool = False) -> None:
-        if backward:
-            self.backward_points -= 1
+    def meet(self) -> None:
         if self.agree(False):
             raise AgreedOutOfMemory("out of memory on another rank inside a trial")
 
-    def failed_here(self, in_backward: bool) -> bool:
-        """This rank failed: whether the others will reach a point to learn it (True once said there), or the
-        failure must end the run."""
-        if in_backward and self.backward_points <= 0:
+    def failed_here(self, err: BaseException, in_backward: bool) -> bool:
+        """This rank failed with ``err``: True once said at the point the other ranks reach next; False where they
+        cannot learn it (inside FSDP's own code or a collective; a backward under FSDP1, which reduces gradients
+        from inside backward), and the failure must end the run. In a backward under FSDP2 a point always lies
+        ahead: the end of backward, queued ahead of FSDP's own reduction there."""
+        if raised_inside_fsdp(err) or (in_backward and self.fsdp1):
             return False
         self.agree(True)
         return True
 
     def new_step(self) -> None:
-        self.backward_points = 0
-        self._met_output.clear()
+        self._end_queued = False
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         self.meet()
@@ -96,32 +112,26 @@ class UnitPoints:
         # does not run through the recomputed graph
         if not torch.is_grad_enabled() or not isinstance(module, FSDPModule) or in_backward():
             return None
-        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        if not positions:
+        found = _collect((args, kwargs))
+        if not found:
             return None
-        met = _MeetInBackward.apply(self, *(args[i] for i in positions))
-        new_args = list(args)
-        for i, tensor in zip(positions, met, strict=True):
-            new_args[i] = tensor
-        self.backward_points += 1
-        return tuple(new_args), kwargs
+        met = iter(_MeetInBackward.apply(self, *found))
+        return _visit((args, kwargs), lambda t: next(met))
 
     def _on_output(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or not isinstance(module, FSDPModule) or in_backward():
             return
-        tensors = [t for t in _tensors(output) if t.requires_grad]
-        if not tensors:
-            return
-        key, root = id(module), module is self.units[0]
-        self._met_output.discard(key)
-        self.backward_points += 2 if root else 1  # the root's: also the end of backward
+        tensors = _collect(output)
+        met = [False]  # once per call, whichever output's gradient comes first
 
         def on_gradient(grad: torch.Tensor) -> None:
-            if key not in self._met_output:  # once per unit, whichever output's gradient comes first
-                self._met_output.add(key)
-                if root:  # queued before FSDP's root queues its own end of backward, in the hook after this one
-                    at_backward_end(lambda: self.meet(backward=True))
-                self.meet(backward=True)
+            if met[0]:
+                return
+            met[0] = True
+            if not self._end_queued:  # the first unit's hook of this backward, ahead of FSDP's own, which queues
+                self._end_queued = True  # its end of backward in the hook after this one
+                at_backward_end(self.meet)
+            self.meet()
 
         for tensor in tensors:
             tensor.register_hook(on_gradient)
@@ -138,8 +148,8 @@ class UnitPoints:
         except AgreedOutOfMemory as err:
             if not self._recover():
                 raise OutOfMemoryEndsRun(
-                    "every rank learnt it, but this torch cannot put FSDP2's per-step state back after a step that"
-                    " failed halfway (`FSDPModule.reset_iter_state`, torch 2.14 and later)"
+                    "every rank learnt it, but nothing public puts FSDP's per-step state back after a step that"
+                    " failed halfway here (`FSDPModule.reset_iter_state`: FSDP2, torch 2.14 and later)"
                 ) from err
             raise
         finally:
@@ -149,28 +159,47 @@ class UnitPoints:
     def _recover(self) -> bool:
         """The step ended between FSDP2's gathers and reshards: every unit back to its own shard and FSDP's
         per-step state cleared, as the trials' restore and the next step expect, through the call torch 2.14 has
-        for it (``reset_iter_state`` on the root unit). Before it nothing public does (a root left gathered, stream
-        waits skipped, a gradient reduction never queued): False, and the search cannot go on. FSDP1's units
-        (``FSDPStrategy``) are left as they are."""
-        sharded = [unit for unit in self.units if isinstance(unit, FSDPModule)]
-        if not sharded:
-            return False  # FSDP1 has no public reset either: the run ends
-        root = sharded[0]  # the outermost unit, which FSDP2 requires
-        if hasattr(root, "reset_iter_state"):
-            root.reset_iter_state()
+        for it (``reset_iter_state``, on every root unit: one without a sharded unit around it). Before it nothing
+        public does (stream waits skipped, a gradient reduction never queued): the units are resharded for the
+        restore, and False: the search cannot go on. Nor can it under FSDP1 (``FSDPStrategy``), which has no
+        public reset at all."""
+        if self.fsdp1:
+            return False
+        inner = {id(m) for unit in self.units for m in unit.modules() if m is not unit}
+        roots = [unit for unit in self.units if id(unit) not in inner]
+        if all(hasattr(root, "reset_iter_state") for root in roots):
+            for root in roots:
+                root.reset_iter_state()  # type: ignore[operator]
             return True
         # every unit back to its shard all the same, so that the trials' restore puts the run back before it ends
-        root.set_reshard_after_forward(True, recurse=False)  # the root keeps its weights gathered otherwise
-        for unit in sharded:
-            unit.reshard()
+        for root in roots:
+            root.set_reshard_after_forward(True, recurse=False)  # type: ignore[operator]  # a root stays gathered
+        for unit in self.units:
+            unit.reshard()  # type: ignore[operator]
         return False
 
 
-def _tensors(output: Any) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, list | tuple):
-        return [t for item in output for t in _tensors(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors(item)]
-    return []
+def _visit(tree: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``tree`` (tensors in tuples, lists and dicts, as a module's arguments and outputs are) with ``change`` applied
+    to each tensor that requires a gradient, in a fixed order."""
+    if isinstance(tree, torch.Tensor):
+        return change(tree) if tree.requires_grad else tree
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a named tuple
+        return type(tree)(*(_visit(item, change) for item in tree))
+    if isinstance(tree, list | tuple):
+        return type(tree)(_visit(item, change) for item in tree)
+    if isinstance(tree, dict):
+        return {key: _visit(value, change) for key, value in tree.items()}
+    return tree
+
+
+def _collect(tree: Any) -> list[torch.Tensor]:
+    """The tensors of ``tree`` that require a gradient, in :func:`_visit`'s order."""
+    found: list[torch.Tensor] = []
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        found.append(tensor)
+        return tensor
+
+    _visit(tree, keep)
+    return found

@@ -516,10 +516,10 @@ def _ranks_agree_on_oom(trainer: Trainer) -> Iterator[None]:
                 if not (isinstance(err, torch.OutOfMemoryError) or is_oom_error(err)):
                     raise
                 if points is not None:  # said at the point the other ranks reach next, or nowhere
-                    if not points.failed_here(in_backward=name == "backward"):
+                    if not points.failed_here(err, in_backward=name == "backward"):
                         raise OutOfMemoryEndsRun(
-                            "the other ranks wait inside FSDP's collectives of this step's backward, which no"
-                            " agreement can reach from where it failed"
+                            "the other ranks may wait inside one of FSDP's collectives, where no agreement reaches"
+                            " them from where this rank failed"
                         ) from err
                     raise AgreedOutOfMemory("out of memory on this rank inside a trial") from err
                 failed, out = True, None
