@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.utils.hooks import RemovableHandle
@@ -112,16 +113,16 @@ class UnitPoints:
         # does not run through the recomputed graph
         if not torch.is_grad_enabled() or not isinstance(module, FSDPModule) or in_backward():
             return None
-        found = _collect((args, kwargs))
+        found = _needing_grad((args, kwargs))
         if not found:
             return None
         met = iter(_MeetInBackward.apply(self, *found))
-        return _visit((args, kwargs), lambda t: next(met))
+        return _needing_grad((args, kwargs), lambda tensor: next(met))
 
     def _on_output(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or not isinstance(module, FSDPModule) or in_backward():
             return
-        tensors = _collect(output)
+        tensors = _needing_grad(output)
         met = [False]  # once per call, whichever output's gradient comes first
 
         def on_gradient(grad: torch.Tensor) -> None:
@@ -179,27 +180,16 @@ class UnitPoints:
         return False
 
 
-def _visit(tree: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``tree`` (tensors in tuples, lists and dicts, as a module's arguments and outputs are) with ``change`` applied
-    to each tensor that requires a gradient, in a fixed order."""
-    if isinstance(tree, torch.Tensor):
-        return change(tree) if tree.requires_grad else tree
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a named tuple
-        return type(tree)(*(_visit(item, change) for item in tree))
-    if isinstance(tree, list | tuple):
-        return type(tree)(_visit(item, change) for item in tree)
-    if isinstance(tree, dict):
-        return {key: _visit(value, change) for key, value in tree.items()}
-    return tree
-
-
-def _collect(tree: Any) -> list[torch.Tensor]:
-    """The tensors of ``tree`` that require a gradient, in :func:`_visit`'s order."""
+def _needing_grad(tree: Any, change: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+    """The tensors of ``tree`` (a module's arguments or output: tuples, lists, dicts, dataclasses) that require a
+    gradient, in a fixed order; with ``change``, ``tree`` with ``change`` applied to each of them instead."""
     found: list[torch.Tensor] = []
 
-    def keep(tensor: torch.Tensor) -> torch.Tensor:
+    def visit(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.requires_grad:
+            return tensor
         found.append(tensor)
-        return tensor
+        return change(tensor) if change is not None else tensor
 
-    _visit(tree, keep)
-    return found
+    changed = apply_to_collection(tree, torch.Tensor, visit)
+    return changed if change is not None else found
