@@ -236,6 +236,7 @@ DDP_SCENARIOS = [
     "sharded_run:oom_backward",
     "sharded_run:oom_head",
     "sharded_run:oom_stem",
+    "sharded_run:oom_accumulation",
     "ddp_strategy_run:planning_fails!",
 ]
 

@@ -10,6 +10,7 @@ Usage: python sharded_run.py OUT_DIR SCENARIO...
   budget:        ActivationCheckpointing(memory_budget=0.7): every rank measures, rank zero's plan on all
   oom_forward, oom_backward, oom_head, oom_stem: BatchSizeTuner; rank 1 runs out of memory above 8 samples inside a
                  sharded block's forward, inside a sharded block's backward, in the head's or the stem's backward
+  oom_accumulation: AccumulationTuner; rank 1 runs out of memory above 8 samples in a sharded block's backward
 Each rank writes SCENARIO-rankN.json into OUT_DIR. The suite runs the scenarios inside the one DDP launch
 (``ddp_run.py``, ``conftest.DDP_SCENARIOS``) through :func:`run`.
 """
@@ -111,15 +112,22 @@ def tuned(out, scenario):
     t = trainer(out, [before, clock, tuner, first], **kwargs)
     t.fit(net)
     return {
-        "batch_size": tuner.batch_size,
+        **searched(tuner, net, before, first),
         "accumulate": tuner.accumulate_grad_batches,
-        "model_batch_size": net.batch_size,
         "trainer_accumulate": t.accumulate_grad_batches,
+        "global_step_at_first_batch": first.global_step,
+        "sharded": isinstance(next(net.parameters()), DTensor),
+    }
+
+
+def searched(tuner, net, before, first):
+    """What a tuner's search left: its trials and choice, and the run at its first real batch against before."""
+    return {
+        "batch_size": tuner.batch_size,
+        "model_batch_size": net.batch_size,
         "results": [[r.size, r.accumulate, r.outcome] for r in tuner.results],
         "samples_at_first_batch": first.samples,
-        "global_step_at_first_batch": first.global_step,
         "weights_put_back": all(torch.equal(before.weights[k], v) for k, v in first.weights.items()),
-        "sharded": isinstance(next(net.parameters()), DTensor),
         "optimizer_state_before_and_at_first_batch": [before.optimizer_state, first.optimizer_state],
     }
 
@@ -209,28 +217,26 @@ def inject_out_of_memory(net, where):
 
 
 def out_of_memory(out, where):
-    """BatchSizeTuner, both cards large; rank 1 fails above 8 samples, in the middle of FSDP's collectives."""
+    """BatchSizeTuner, both cards large; rank 1 fails above 8 samples, in the middle of FSDP's collectives.
+    ``accumulation``: AccumulationTuner, rank 1 failing in a block's backward (the micro-batches before the last
+    reduce no gradients: Lightning turns FSDP2's gradient sync off for them)."""
     net = model()
-    inject_out_of_memory(net, where)
+    inject_out_of_memory(net, "backward" if where == "accumulation" else where)
     clock, before, first = BatchClock(), Before(), FirstBatch()
-    tuner = BatchSizeTuner(
-        mode="max_fit", init_size=4, max_size=32, probe=PerSample(net, int(10e9)), cache=False, warmup_steps=1,
-        timed_steps=1, clock=clock,
-    )  # fmt: skip
-    t = trainer(out, [before, clock, tuner, first], limit_train_batches=1)
+    common = {"probe": PerSample(net, int(10e9)), "cache": False, "warmup_steps": 1, "timed_steps": 1, "clock": clock}
+    if where == "accumulation":
+        tuner = AccumulationTuner(effective_batch_size=32, min_micro_batch=4, **common)
+        limits = {"max_steps": 1, "limit_train_batches": 1.0}
+    else:
+        tuner = BatchSizeTuner(mode="max_fit", init_size=4, max_size=32, **common)
+        limits = {"limit_train_batches": 1}
+    t = trainer(out, [before, clock, tuner, first], **limits)
     try:
         t.fit(net)
     except RuntimeError as err:  # before torch 2.14 the agreed error ends the run on every rank
         return {"ended": str(err), "global_step": t.global_step}
-    return {
-        "batch_size": tuner.batch_size,
-        "model_batch_size": net.batch_size,
-        "results": [[r.size, r.accumulate, r.outcome] for r in tuner.results],
-        "samples_at_first_batch": first.samples,
-        "global_step": t.global_step,
-        "weights_put_back": all(torch.equal(before.weights[k], v) for k, v in first.weights.items()),
-        "optimizer_state_before_and_at_first_batch": [before.optimizer_state, first.optimizer_state],
-    }
+    return {**searched(tuner, net, before, first), "global_step": t.global_step,
+            "accumulate": t.accumulate_grad_batches}  # fmt: skip
 
 
 def run(out: str, scenario: str) -> None:

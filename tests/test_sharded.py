@@ -23,6 +23,7 @@ SCENARIOS = (
     "oom_backward",
     "oom_head",
     "oom_stem",
+    "oom_accumulation",
 )
 
 
@@ -67,11 +68,12 @@ def test_the_tuners_under_model_parallel_put_every_ranks_shards_back_and_agree(s
     assert r["optimizer_state_before_and_at_first_batch"] == [0, 0]
 
 
-@pytest.mark.parametrize("scenario", ["oom_forward", "oom_backward", "oom_head", "oom_stem"])
+@pytest.mark.parametrize("scenario", ["oom_forward", "oom_backward", "oom_head", "oom_stem", "oom_accumulation"])
 def test_an_out_of_memory_error_on_one_sharded_rank_is_every_ranks_and_nobody_waits(sharded, scenario):
     """Rank 1 alone runs out of memory above 8 samples, in the middle of FSDP2's collectives: inside a sharded
     block's forward, inside a sharded block's backward, in the head's backward before any block's, or in the stem's
-    after every block's (the last stretch, met at the end of backward). Every rank learns it at the next agreement
+    after every block's (the last stretch, met at the end of backward); and under AccumulationTuner in a block's
+    backward, where the micro-batches before the last reduce no gradients. Every rank learns it at the next agreement
     point, the search goes on, and the run trains a step at 8 on both ranks. Before torch 2.14 (no ``reset_iter_state``)
     every rank ends the run there with the same error instead (seen on torch 2.11)."""
     from torch.distributed.fsdp import FSDPModule
@@ -85,7 +87,11 @@ def test_an_out_of_memory_error_on_one_sharded_rank_is_every_ranks_and_nobody_wa
             assert "torch 2.14" in r["ended"] and r["global_step"] == 0
         return
     assert r0 == r1
-    assert r0["results"] == [[4, 1, "ok"], [8, 1, "ok"], [16, 1, "oom"]]
+    accumulation = scenario == "oom_accumulation"
+    expected = (
+        [[4, 4, "ok"], [8, 2, "ok"], [16, 1, "oom"]] if accumulation else [[4, 1, "ok"], [8, 1, "ok"], [16, 1, "oom"]]
+    )
+    assert r0["results"] == expected and r0["accumulate"] == (2 if accumulation else 1)
     assert r0["batch_size"] == r0["model_batch_size"] == r0["samples_at_first_batch"] == 8
     assert r0["weights_put_back"] and r0["optimizer_state_before_and_at_first_batch"] == [0, 0]
     assert r0["global_step"] == 1  # and then trained
@@ -260,13 +266,16 @@ class _Shapes(torch.nn.Module):
         return self.head(h)
 
 
-@pytest.mark.parametrize("head_is_a_unit", [False, True])
-def test_every_collective_of_a_sharded_step_comes_right_after_an_agreement_point(one_rank_mesh, head_is_a_unit):
+@pytest.mark.parametrize(("head_is_a_unit", "compiled"), [(False, False), (True, False), (False, True)])
+def test_every_collective_of_a_sharded_step_comes_right_after_an_agreement_point(
+    one_rank_mesh, head_is_a_unit, compiled
+):
     """FSDP2 on one gloo process, every event of a training step in order: FSDP's gathers, reductions and end of
     backward (its own functions, wrapped), each layer's compute (a hook as its forward starts and as its output's
     gradient arrives) and the agreement points. A rank that fails in a compute leaves the others going on to the
     next event: it must be a point, never a collective (else they would wait in it). So before every collective,
-    past any collective issued with it, comes a point."""
+    past any collective issued with it, comes a point. Also under ``torch.compile`` (aot_eager), which runs FSDP's
+    hooks and ours outside its graphs."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
@@ -304,11 +313,12 @@ def test_every_collective_of_a_sharded_step_comes_right_after_an_agreement_point
                 module.register_forward_pre_hook(lambda module, args: events.append("compute"))
                 module.register_forward_hook(computing)
         points = UnitPoints(fsdp_units(net), lambda failed: events.append("point") or failed)
+        run = torch.compile(net, backend="aot_eager") if compiled else net
         with points.installed():
             for _ in range(2):  # a second step, as the trials take
                 events.clear()
                 points.new_step()
-                net(torch.randn(4, 8)).sum().backward()
+                run(torch.randn(4, 8)).sum().backward()
                 last = None
                 for i, event in enumerate(events):
                     if event == "collective":
@@ -318,6 +328,7 @@ def test_every_collective_of_a_sharded_step_comes_right_after_an_agreement_point
                 assert events.count("collective") > 10 and "compute" in events
     finally:
         patch.undo()
+        torch._dynamo.reset()
 
 
 def test_an_out_of_memory_error_inside_fsdps_own_code_is_not_agreed_on(one_rank_mesh, monkeypatch):
