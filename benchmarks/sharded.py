@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from typing import Any
 
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import StepPeak, environment, free_memory, make_trainer, write_json  # noqa: E402
+from _common import StepPeak, environment, free_memory, make_trainer, median, write_json  # noqa: E402
 
 from lightning_memguard import ActivationCheckpointing  # noqa: E402
 from lightning_memguard.testing import ShardedClassifier, StepTimer  # noqa: E402
@@ -63,7 +62,7 @@ def run_row(row: str, args: argparse.Namespace, switch_share: float | None) -> d
     peak, timer = StepPeak(), StepTimer(skip=warmup)
     trainer = make_trainer([*callbacks, peak, timer], steps, args.tmp, strategy=_strategy(row, args.smoke))
     trainer.fit(model)
-    out = {"step_ms": statistics.median(timer.step_ms()), "step_peak_bytes": max(peak.peaks, default=None)}
+    out = {"step_ms": median(timer.step_ms()), "step_peak_bytes": max(peak.peaks, default=None)}
     if row == "ours_at_switch_memory":
         out["memory_budget"] = switch_share or 0.5
     del trainer, model
@@ -93,7 +92,7 @@ def main() -> None:
             summary[row] = results[0]
             continue
         summary[row] = {
-            "step_ms": round(statistics.median(r["step_ms"] for r in measured), 2),
+            "step_ms": round(median([r["step_ms"] for r in measured]), 2),
             "step_peak_bytes": max(r["step_peak_bytes"] or 0 for r in measured) or None,
         }
         if "memory_budget" in measured[0]:

@@ -30,16 +30,21 @@ def small_classifier(**kwargs) -> ImageClassifier:
     return ImageClassifier(**defaults)
 
 
-def one_block_a_stage(model: ImageClassifier, seed: int = 0) -> ImageClassifier:
-    """``model`` with its resnet18 replaced by a torchvision ResNet of one BasicBlock a stage (same stem, stages and
-    head, half the blocks): about half the time to compile, for the compiled scenarios whose checks hold for any
-    such ResNet."""
+def small_resnet(seed: int = 0, num_classes: int = 10) -> torch.nn.Module:
+    """A torchvision ResNet of BasicBlocks as resnet18, one block a stage: the same stem, stages and head, half the
+    blocks, so about half of resnet18's time to compile, for the tests whose checks hold for any such ResNet."""
     import torchvision
     from torchvision.models.resnet import BasicBlock
 
+    torch.manual_seed(seed)
+    return torchvision.models.ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes)
+
+
+def one_block_a_stage(model: ImageClassifier, seed: int = 0) -> ImageClassifier:
+    """``model`` with its resnet18 replaced by :func:`small_resnet`, for the compiled scenarios whose checks hold for
+    any such ResNet."""
     with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model.net = torchvision.models.ResNet(BasicBlock, [1, 1, 1, 1], num_classes=model.hparams["num_classes"])
+        model.net = small_resnet(seed, model.hparams["num_classes"])
     return model
 
 

@@ -9,7 +9,7 @@ import torch
 import torchvision
 from conftest import planner_step_times, trainer_kwargs
 from lightning.pytorch import Callback, LightningModule, Trainer
-from torchvision.models.resnet import BasicBlock
+from models import small_resnet as _small_resnet  # test_graph_splits.py takes it from here too
 
 from lightning_memguard import ActivationCheckpointing
 from lightning_memguard.checkpointing import checkpoint_resnet, remove_checkpointing
@@ -26,13 +26,6 @@ def _fresh_dynamo():
 def _resnet(seed=0):
     torch.manual_seed(seed)
     return torchvision.models.resnet18(num_classes=10)
-
-
-def _small_resnet(seed=0):
-    """A torchvision ResNet of BasicBlocks as resnet18, one block a stage: the same stem, stages and head, half the
-    blocks, so about half of resnet18's time to compile, for the tests whose checks hold for any such ResNet."""
-    torch.manual_seed(seed)
-    return torchvision.models.ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10)
 
 
 def saved_bytes(run, model, x):
