@@ -6,11 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tools/pip_indexes.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --no-compile -e '.[dev]'
-	@# pip byte-compiles on one core; compileall on every core, about half the time (some packages ship files
-	@# that do not compile, which pip skips too)
+	@# uv unpacks torch's wheels several times faster than pip, from the sources pip is set to use
+	@# (tools/pip_indexes.py) and resolving as pip does; pip itself where uv cannot be had
+	$(BIN)/python -m pip install -q uv && $(BIN)/uv pip install -q --python $(BIN)/python \
+	    --index-strategy unsafe-best-match $$($(BIN)/python tools/pip_indexes.py) -e '.[dev]' \
+	  || $(BIN)/python -m pip install -q --no-compile -e '.[dev]'
+	@# byte-compiled on every core (pip would on one; some packages ship files that do not compile, skipped)
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	touch $(STAMP)
 
