@@ -320,7 +320,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from lightning_memguard.core.report import format_sweep_table
-    from lightning_memguard.sweep import SweepConfig, default_root, plot, run_one, sweep_title, write_csv
+    from lightning_memguard.sweep import SweepConfig, plot, run_folders, run_one, sweep_title, write_csv
 
     warmup = (CUDA_DEFAULTS if cuda else CPU_DEFAULTS).warmup
     what = (f"{args.model} at {args.image_size} px, batch sizes {','.join(map(str, sizes))}, {warmup} warm-up +"
@@ -329,8 +329,7 @@ def _sweep(args: argparse.Namespace) -> int:
     cfg = SweepConfig(args.model, sizes, args.image_size, precision, args.channels_last, args.checkpoint,
                       args.accumulate, args.steps, warmup, capacity, args.device, backend)  # fmt: skip
     rows, capacity_gb = [], 0.0
-    root = default_root()
-    with tqdm(sizes, desc="memguard sweep", unit="batch size", file=sys.stderr) as bar:
+    with run_folders() as root, tqdm(sizes, desc="memguard sweep", unit="batch size", file=sys.stderr) as bar:
         for batch in bar:
             bar.set_postfix_str(f"batch {batch}")  # the size being measured, shown while it trains
             row, capacity_gb = run_one(cfg, batch, root)
@@ -367,7 +366,6 @@ def _plan(args: argparse.Namespace) -> int:
     smallest = accumulation_candidates(args.effective_batch, args.min_micro_batch)[0][0]
     _check_model_input(args.model, args.image_size, smallest, f"micro-batch {smallest} (--min-micro-batch)")
 
-    import tempfile
     import warnings
 
     import torch
@@ -375,6 +373,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from lightning_memguard.callbacks import AccumulationTuner
     from lightning_memguard.core.search import TrialResult
+    from lightning_memguard.sweep import run_folders
     from lightning_memguard.testing import ImageClassifier, SysmemSpillEmulator
 
     class _Measured(Exception):
@@ -411,15 +410,16 @@ def _plan(args: argparse.Namespace) -> int:
     model = ImageClassifier(args.model, num_classes=1000, image_size=args.image_size, batch_size=args.effective_batch,
                             steps_per_epoch=64, channels_last=args.channels_last)  # fmt: skip
     callbacks: list[Callback] = [c for c in (emu, tuner, StopBeforeTraining()) if c is not None]
-    trainer = Trainer(
-        accelerator="cuda" if cuda else "cpu", devices=1, precision=precision,  # type: ignore[arg-type]
-        max_epochs=1, callbacks=callbacks, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-        enable_model_summary=False, limit_val_batches=0, default_root_dir=tempfile.mkdtemp(),
-    )  # fmt: skip
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.fit(model if backend is None else torch.compile(model, backend=backend))  # type: ignore[arg-type]
+        with run_folders("plan") as root:
+            trainer = Trainer(
+                accelerator="cuda" if cuda else "cpu", devices=1, precision=precision,  # type: ignore[arg-type]
+                max_epochs=1, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=root,
+            )  # fmt: skip
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer.fit(model if backend is None else torch.compile(model, backend=backend))  # type: ignore[arg-type]
     except _Measured:
         pass
     except RuntimeError as err:

@@ -199,6 +199,7 @@ def sweep_title(cfg: SweepConfig, device: str) -> str:
     return f"{cfg.model} on {device}: " + ", ".join(extras)
 
 
-def default_root() -> str:
-    """Where the sweep's Trainers keep their (unused) run folders: a temporary directory, not the output folder."""
-    return tempfile.mkdtemp(prefix="memguard-sweep-")
+def run_folders(command: str = "sweep") -> tempfile.TemporaryDirectory[str]:
+    """Where the Trainers of ``memguard sweep`` (or ``plan``) keep their (unused) run folders: a temporary
+    directory, not the output folder, removed when the command ends."""
+    return tempfile.TemporaryDirectory(prefix=f"memguard-{command}-", ignore_cleanup_errors=True)

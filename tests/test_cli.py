@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -45,11 +46,21 @@ def test_verdicts():
     assert verdict("Linux", "6.8.0", None, False, None) == "cannot happen here (no CUDA GPU)"
 
 
-def test_sweep_prints_the_table_and_writes_csv_and_png(tmp_path, capsys):
+@pytest.fixture
+def temp(tmp_path, monkeypatch):
+    """The folder ``tempfile`` hands out folders in, for this test."""
+    folder = tmp_path / "temp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def test_sweep_prints_the_table_and_writes_csv_and_png(tmp_path, capsys, temp):
     out = tmp_path / "sweep"
     code = main(["sweep", *TINY, "--batch-sizes", "8,4,32", "--steps", "2", "--emulate-capacity", "1GB",
                  "--out", str(out)])  # fmt: skip
     assert code == 0
+    assert not any(temp.iterdir())  # the Trainers' run folders are gone with the sweep
     text = capsys.readouterr().out
     assert "batch    step ms    peak GB    samples/s  status" in text
     with open(out / "sweep.csv", encoding="utf-8") as f:
@@ -67,8 +78,9 @@ def test_sweep_marks_spills_on_a_small_emulated_card(tmp_path, capsys):
         assert [r["status"] for r in csv.DictReader(f)] == ["spill"]
 
 
-def test_plan_prints_a_recommendation_and_lines_to_paste(capsys):
+def test_plan_prints_a_recommendation_and_lines_to_paste(capsys, temp):
     assert main(["plan", *TINY, "--effective-batch", "16", "--min-micro-batch", "4"]) == 0
+    assert not any(temp.iterdir())  # the Trainer's run folder is gone with the plan
     out = capsys.readouterr().out
     assert "effective batch 16: micro-batch" in out
     assert "expected:" in out and "samples/s" in out

@@ -154,12 +154,14 @@ class FileLock:
 
     Example:
         >>> import tempfile
-        >>> path = os.path.join(tempfile.mkdtemp(), "x.lock")
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> path = os.path.join(folder.name, "x.lock")
         >>> with FileLock(path):
         ...     os.path.exists(path)
         True
         >>> os.path.exists(path)
         False
+        >>> folder.cleanup()
     """
 
     def __init__(self, path: str, timeout: float = 20.0, stale_after: float = 10.0, poll: float = 0.005) -> None:
@@ -255,12 +257,14 @@ class ResultCache:
 
     Example:
         >>> import tempfile
-        >>> cache = ResultCache(tempfile.mkdtemp())
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> cache = ResultCache(folder.name)
         >>> row = {"size": 8, "step_ms": 5.0, "peak_bytes": 10, "samples_per_sec": 1600.0, "outcome": "ok"}
         >>> cache.store("k", {"batch_size": 8, "accumulate_grad_batches": None, "results": [row]})
         True
         >>> cache.load("k", accumulates=False)["batch_size"], cache.load("other", accumulates=False)
         (8, None)
+        >>> folder.cleanup()
     """
 
     def __init__(

@@ -15,12 +15,14 @@ def written_atomically(path: str | os.PathLike[str]) -> Iterator[str]:
 
     Example:
         >>> import tempfile
-        >>> final = os.path.join(tempfile.mkdtemp(), "rows.csv")
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> final = os.path.join(folder.name, "rows.csv")
         >>> with written_atomically(final) as temporary:
         ...     with open(temporary, "w", encoding="utf-8") as f:
         ...         _ = f.write("batch,ok\\n")
-        >>> open(final, encoding="utf-8").read(), os.listdir(os.path.dirname(final))
+        >>> open(final, encoding="utf-8").read(), os.listdir(folder.name)
         ('batch,ok\\n', ['rows.csv'])
+        >>> folder.cleanup()
     """
     final = os.fspath(path)
     folder, name = os.path.split(final)
