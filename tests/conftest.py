@@ -59,6 +59,11 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         shutil.rmtree(SESSION_TMPDIR, ignore_errors=True)
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus) -> None:
+    if SESSION_TMPDIR is not None and exitstatus != 0:
+        terminalreporter.write_line(f"the failed tests' files are kept in {SESSION_TMPDIR} (in memory: remove it)")
+
+
 class FakeProbe:
     """A card whose peak memory the test sets; it counts resets."""
 
