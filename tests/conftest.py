@@ -193,16 +193,19 @@ def planner_step_times(monkeypatch, seconds) -> None:
     monkeypatch.setattr(plan._StepMeter, "seconds", fake)
 
 
+def session_folder(tmp_path_factory) -> Path:
+    """This test session's temporary folder, shared by its pytest-xdist workers (for work done once a session)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
 def ddp_scenarios(tmp_path_factory, name: str, specs: Sequence[str], timeout: float) -> Path:
     """Run the DDP scenarios ``specs`` (``"script:scenario"``) in one two-rank launch of ``ddp_run.py``, once per test
     session: under pytest-xdist the workers share the launch through a lock in their common temporary folder, so a
     module's tests may run on either worker. Returns the launch's folder: each scenario's results are under
     ``<folder>/<script>/<scenario>/``; ``launch.json`` holds the return code (None: timed out) and stderr's tail,
     ``stderr.txt`` all of stderr. A last spec ending in ``!`` may end the launch with its error (see ddp_run.py)."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # shared by the workers of this session
-    out = root / f"ddp-{name}"
+    out = session_folder(tmp_path_factory) / f"ddp-{name}"
     with FileLock(str(out) + ".lock"):
         record = out / "launch.json"
         if not record.exists():

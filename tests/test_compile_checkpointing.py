@@ -9,7 +9,7 @@ import torch
 import torchvision
 from conftest import planner_step_times, trainer_kwargs
 from lightning.pytorch import Callback, LightningModule, Trainer
-from models import small_resnet as _small_resnet  # test_graph_splits.py takes it from here too
+from models import small_resnet
 
 from lightning_memguard import ActivationCheckpointing
 from lightning_memguard.checkpointing import checkpoint_resnet, remove_checkpointing
@@ -145,7 +145,7 @@ def test_the_compiled_search_keeps_the_lowest_peak_when_nothing_fits_and_measure
 def compiled_plain():
     """The bytes the plain model saves compiled, for a batch of 4 64x64 images (the same for each case below)."""
     torch._dynamo.reset()
-    twin = _small_resnet()
+    twin = small_resnet()
     saved = saved_bytes(torch.compile(twin, backend="aot_eager"), twin, torch.randn(4, 3, 64, 64))
     torch._dynamo.reset()
     return saved
@@ -153,7 +153,7 @@ def compiled_plain():
 
 @pytest.mark.parametrize(("form", "budget"), [("compiled model", 0.6), ("compile=True", 0.6), ("compile=True", 0.3)])
 def test_a_budget_is_measured_and_held_under_compile(form, budget, compiled_plain):
-    model = _small_resnet()
+    model = small_resnet()
     x = torch.randn(4, 3, 64, 64)
     buffers = {k: v.clone() for k, v in model.state_dict().items()}
     setting_before = torch._functorch.config.activation_memory_budget
@@ -186,7 +186,7 @@ def test_a_budget_is_measured_and_held_under_compile(form, budget, compiled_plai
 
 
 def test_a_setting_equal_to_compiles_default_in_force_is_measured_once():
-    model = _small_resnet()
+    model = small_resnet()
     x = torch.randn(4, 3, 64, 64)
     with torch._functorch.config.patch(activation_memory_budget=0.8):  # the user's own setting, in force
         plan = checkpoint_resnet(
@@ -211,7 +211,7 @@ def test_compile_arguments_are_checked():
 class Net(LightningModule):
     def __init__(self):
         super().__init__()
-        self.net = _small_resnet()
+        self.net = small_resnet()
         self.example_input_array = torch.randn(4, 3, 64, 64)
 
     def forward(self, x):

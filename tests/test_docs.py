@@ -46,6 +46,7 @@ import sys
 from dataclasses import dataclass
 
 import pytest
+from conftest import session_folder
 from filelock import FileLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,10 +157,7 @@ for b in blocks:
 def python_results(tmp_path_factory) -> tuple[dict[str, dict], str]:
     """Runs every page's python blocks once, in one fresh process; returns the results by block id, and the log.
     Once a session: under pytest-xdist the workers share the run through a lock in their common temporary folder."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # shared by the workers of this session
-    folder = root / "docs-python-blocks"
+    folder = session_folder(tmp_path_factory) / "docs-python-blocks"
     out = folder / "results.json"
     with FileLock(str(folder) + ".lock"):
         if not (folder / "log.txt").exists():

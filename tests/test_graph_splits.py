@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest import planner_step_times, trainer_kwargs
 from lightning.pytorch import Trainer
-from test_compile_checkpointing import Net, _fresh_dynamo, _resnet, _small_resnet  # noqa: F401 - _fresh_dynamo: autouse
+from models import small_resnet
+from test_compile_checkpointing import Net, _fresh_dynamo, _resnet  # noqa: F401 - _fresh_dynamo: autouse
 
 from lightning_memguard import ActivationCheckpointing, _compiler
 from lightning_memguard.checkpointing import apply_plan, checkpoint_blocks, checkpoint_resnet, remove_checkpointing
@@ -105,7 +106,7 @@ def _compiled_plan(monkeypatch, one_graph_s):
     (0.1 s a step, other settings 0.2 s), and its blocks as one graph take ``one_graph_s``."""
     planner_step_times(monkeypatch, lambda setting, blocks, split: one_graph_s if blocks and not split else
                        0.1 if setting == 1.0 else 0.2)  # fmt: skip
-    model = _small_resnet()
+    model = small_resnet()
     x = torch.randn(4, 3, 64, 64)
     plan = checkpoint_resnet(model, memory_budget=0.2, example_input=x, compile={"backend": "aot_eager"})
     split = [c for c in plan.compile_candidates if c["graph_splits"]]
