@@ -89,7 +89,7 @@ def triton_advice(system: str, installed: str | None, pairing: str | None, works
 
     Example:
         >>> triton_advice("Windows", None, "3.7", False)
-        'missing: pip install -U "triton-windows>=3.7,<3.8" (or "lightning-memguard[windows]")'
+        'missing: pip install -U "triton-windows>=3.7,<3.8"'
         >>> triton_advice("Windows", "3.8.0", "3.7", True)
         '3.8.0, but this torch pairs with 3.7: pip install -U "triton-windows>=3.7,<3.8"'
         >>> triton_advice("Linux", "3.7.1", "3.7", True)
@@ -101,8 +101,7 @@ def triton_advice(system: str, installed: str | None, pairing: str | None, works
         major, minor = pairing.split(".")
         line = f'pip install -U "{package}>={pairing},<{major}.{int(minor) + 1}"'
     if installed is None:
-        extra = ' (or "lightning-memguard[windows]")' if system == "Windows" else ""
-        return f"missing: {line}{extra}"
+        return f"missing: {line}"
     if pairing is not None and not installed.startswith(pairing + "."):
         return f"{installed}, but this torch pairs with {pairing}: {line}"
     if not works:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
+import shutil
+import subprocess
+import sys
 
 TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "pip_indexes.py")
 
@@ -41,3 +45,46 @@ def test_the_sources_pip_is_set_to_use_are_uvs_with_pips_precedence():
 def test_nothing_set_for_pip_leaves_uv_on_pypi():
     assert _uv_options("") == []
     assert _uv_options("global.timeout='60'\n") == []
+
+
+# ---------------------------------------------------------------- the documented install from a clone
+
+ROOT = os.path.dirname(os.path.dirname(TOOL))
+
+
+def _install_lines(doc: str) -> list[str]:
+    """The ``pip install`` lines a user types into an existing environment, as ``doc`` gives them (the ones inside a
+    fresh ``.venv`` start with its python)."""
+    with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip().startswith("pip install")]
+
+
+def test_the_documented_install_into_an_existing_environment_installs_the_clone(tmp_path):
+    # the package is not on PyPI: the README and docs/windows.md give one line, run from the clone's folder
+    lines = {doc: _install_lines(doc) for doc in ("README.md", "docs/windows.md")}
+    assert lines == {"README.md": ['pip install -e ".[windows]"'], "docs/windows.md": ['pip install -e ".[windows]"']}
+    clone = tmp_path / "lightning-memguard"
+    clone.mkdir()
+    for name in ("pyproject.toml", "README.md", "lightning_memguard"):
+        source = os.path.join(ROOT, name)
+        if os.path.isdir(source):
+            shutil.copytree(source, clone / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(source, clone / name)
+    prefix = tmp_path / "environment"
+    _pip, install, *arguments = shlex.split(lines["README.md"][0])
+    # that line, offline: the environment's packages (torch, Lightning) are there already; nothing from an index
+    offline = ["--no-deps", "--no-build-isolation", "--no-index", "--prefix", str(prefix), "-q"]
+    proc = subprocess.run([sys.executable, "-m", "pip", install, *offline, *arguments], cwd=clone,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (dist,) = prefix.rglob("lightning_memguard-*.dist-info")  # in the environment's site-packages
+    metadata = (dist / "METADATA").read_text(encoding="utf-8")
+    assert "Provides-Extra: windows" in metadata
+    assert 'triton-windows>=3.2; sys_platform == "win32" and extra == "windows"' in metadata
+    assert "memguard = lightning_memguard.cli:main" in (dist / "entry_points.txt").read_text(encoding="utf-8")
+    # that environment imports the package from the clone's files (-e), not from this checkout
+    find = "import importlib.util; print(importlib.util.find_spec('lightning_memguard').origin)"
+    where = subprocess.run([sys.executable, "-S", "-c", f"import site; site.addsitedir({str(dist.parent)!r}); {find}"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert where.stdout.strip() == str(clone / "lightning_memguard" / "__init__.py"), where.stderr
