@@ -73,11 +73,14 @@ def test_the_documented_install_into_an_existing_environment_installs_the_clone(
             shutil.copy(source, clone / name)
     prefix = tmp_path / "environment"
     _pip, install, *arguments = shlex.split(lines["README.md"][0])
-    # that line, offline: the environment's packages (torch, Lightning) are there already; nothing from an index
-    offline = ["--no-deps", "--no-build-isolation", "--no-index", "--prefix", str(prefix), "-q"]
+    # that line, offline (the environment's packages, torch and Lightning, are there already: nothing from an index),
+    # into a prefix of its own; --ignore-installed, or pip would first uninstall this checkout's own editable install
+    offline = ["--no-deps", "--no-build-isolation", "--no-index", "--ignore-installed", "--prefix", str(prefix), "-q"]
     proc = subprocess.run([sys.executable, "-m", "pip", install, *offline, *arguments], cwd=clone,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+    still = subprocess.run([sys.executable, "-c", "import lightning_memguard"], cwd=tmp_path, capture_output=True)
+    assert still.returncode == 0, "the install took this checkout's own out of the environment that runs the tests"
     (dist,) = prefix.rglob("lightning_memguard-*.dist-info")  # in the environment's site-packages
     metadata = (dist / "METADATA").read_text(encoding="utf-8")
     assert "Provides-Extra: windows" in metadata
