@@ -57,9 +57,11 @@ class MemGuard(Callback):
     (a ``CombinedLoader``) count all their samples (one that has run out, under ``mode="max_size"``, none).
 
     Each ``fit`` starts afresh (no earlier spill, table or reference), unless it resumes from a checkpoint that holds
-    MemGuard's state. A spill found in the last steps of an epoch is acted on at that epoch's end, so the last
-    epoch, ``fast_dev_run`` and ``limit_train_batches=1`` raise or stop too; under DDP every rank acts at the same
-    step, and every rank's message carries the spilling rank's numbers.
+    MemGuard's state; memory readings start afresh at every training start too, so a fit resumed mid-epoch (from the
+    spill checkpoint, in the same process, on the same card) is judged by its own peak. A spill found in the last
+    steps of an epoch is acted on at that epoch's end, so the last epoch, ``fast_dev_run`` and
+    ``limit_train_batches=1`` raise or stop too; under DDP every rank acts at the same step, and every rank's message
+    carries the spilling rank's numbers.
 
     Under ``torch.compile``, steps in which the compiler ran (the first ones, a last short batch that recompiles)
     are compile time: they set no reference and are not taken for a slowdown.
@@ -226,11 +228,13 @@ class MemGuard(Callback):
         if self.prevent and trainer.strategy.root_device.type == "cuda":  # (elsewhere: said in setup)
             self._cap.apply(trainer.strategy.root_device, capacity, probe)
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # an epoch resumed mid-way (from the spill checkpoint, say) has no epoch start: this fit's readings start here,
+        # not from the peak of the preflight, of the tuners' trials or of an earlier fit in this process
+        self._start_readings(trainer)
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._loader_paths = loader_paths(trainer.train_dataloader)
-        if self._timeline is not None:
-            self._timeline.start_epoch()
-        self._require_probe().reset_peak()
+        self._start_readings(trainer)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         # every training step passes here: a clock read, the batch's size and the timeline's two appends; now and
@@ -297,6 +301,13 @@ class MemGuard(Callback):
         self._timeline = None
         self._vote = None
         self._restored_detector = {}
+
+    def _start_readings(self, trainer: Trainer) -> None:
+        """Readings start afresh: the probe's peak, the epoch's steps, where each loader's batch sits in a batch."""
+        self._loader_paths = loader_paths(trainer.train_dataloader)
+        if self._timeline is not None:
+            self._timeline.start_epoch()
+        self._require_probe().reset_peak()
 
     def _close_step_early(self) -> None:
         """Validation, a checkpoint or the epoch's end comes before the next batch: the open step is timed up to now
