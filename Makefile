@@ -30,5 +30,7 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal --durations=15
 
+# what make demo and the examples leave here: demo_logs, lightning_logs, the spill checkpoint of an older spill example
 clean:
 	rm -rf $(VENV) demo_logs lightning_logs .pytest_cache .mypy_cache .ruff_cache
+	rm -f checkpoints/memguard-spill-*.ckpt && { rmdir checkpoints 2>/dev/null || true; }

@@ -23,6 +23,17 @@ def _run(name: str, *args: str, cwd: str) -> str:
 def test_spill_example_stops_the_run(tmp_path):
     out = _run("spill_stopped.py", cwd=tmp_path)
     assert "stopped at step" in out and "spilling into system RAM" in out
+    # its checkpoint went to a temporary folder, removed, and the output says so: nothing is left where it ran
+    (checkpoint,) = re.findall(r"a checkpoint was saved to (\S+\.ckpt)", out)
+    assert not os.path.exists(checkpoint) and not any(tmp_path.iterdir())
+    assert "was a temporary one: removed now, checkpoint and all; --out DIR keeps it" in out
+
+
+def test_spill_example_keeps_its_checkpoint_in_the_folder_given(tmp_path):
+    out = _run("spill_stopped.py", "--out", "spill_run", cwd=tmp_path)
+    (checkpoint,) = re.findall(r"a checkpoint was saved to (\S+\.ckpt)", out)
+    checkpoint = os.path.relpath(os.path.join(tmp_path, checkpoint), tmp_path)  # as given: relative to where it ran
+    assert checkpoint.startswith(f"spill_run{os.sep}") and os.path.isfile(tmp_path / checkpoint)
 
 
 def test_spill_example_without_a_spill(tmp_path):
