@@ -10,9 +10,13 @@ same thing.
 
 from __future__ import annotations
 
-from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler
+from typing import Any
 
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler, LearningRateFinder
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_memguard.callbacks._batches import samples_in
 from lightning_memguard.callbacks._private import train_loader, validation_by_time
 from lightning_memguard.callbacks._trials import loader_samples
 from lightning_memguard.core.epoch import EpochLength
@@ -97,6 +101,22 @@ def refuse_accumulation_setters(trainer: Trainer, tuner: Callback, own: int | No
         )
 
 
+def before_learning_rate_finder(trainer: Trainer, tuner: Callback) -> None:
+    """Lightning moves its ``LearningRateFinder`` to the front of the callbacks, so it would search a learning rate
+    at the batch size the tuner is about to change: the tuner is moved ahead of it (a new list, so the hook
+    being called now goes on over the old one), and the finder searches at the batch the run will train with."""
+    callbacks = list(trainer.callbacks)  # type: ignore[attr-defined]
+    finders = [i for i, c in enumerate(callbacks) if isinstance(c, LearningRateFinder)]
+    if not finders or callbacks.index(tuner) < finders[0]:
+        return
+    callbacks.remove(tuner)
+    callbacks.insert(finders[0], tuner)
+    trainer.callbacks = callbacks  # type: ignore[attr-defined]
+    rank_zero_info(
+        f"{_name(tuner)} runs before LearningRateFinder, which then searches at the batch size the run trains with"
+    )
+
+
 def accumulation_in_force(trainer: Trainer) -> tuple[int, int]:
     """The accumulation training will start with and the largest it will use: the Trainer's, or a
     ``GradientAccumulationScheduler``'s (it sets the Trainer's at every epoch start)."""
@@ -107,17 +127,36 @@ def accumulation_in_force(trainer: Trainer) -> tuple[int, int]:
     return scheduler.get_accumulate_grad_batches(trainer.current_epoch), max(scheduler.scheduling.values())
 
 
-def train_epoch(trainer: Trainer) -> EpochLength:
+def train_epoch(trainer: Trainer, count_up_to: int | None = None) -> EpochLength:
     """One epoch of the train loaders on this rank, as the Trainer will run it: the loaders must be built.
 
-    The samples are the sampler's (or the dataset's) length, None without one, of the shortest loader where several
-    make each batch (a ``CombinedLoader``: every one must deliver whole batches); the batch limit is
-    ``limit_train_batches``, which Lightning sets to ``overfit_batches`` when that is on.
+    The samples are the sampler's (or the dataset's) length, of the shortest loader where several make each batch
+    (a ``CombinedLoader``: every one must deliver whole batches); the batch limit is ``limit_train_batches``, which
+    Lightning sets to ``overfit_batches`` when that is on. A loader without length (an ``IterableDataset``) is
+    counted by one pass over it, stopped past ``count_up_to`` samples (the most a tuner could ask of an epoch):
+    a finite stream shorter than that is known by what it delivers, a longer one stays unknown (None).
     """
     combined = train_loader(trainer)
     loaders = combined.flattened if combined is not None else []
-    lengths = [(loader_samples(loader), bool(getattr(loader, "drop_last", False))) for loader in loaders]
+    lengths = [
+        (loader_samples(loader) if count_up_to is None else _samples_or_count(loader, count_up_to),
+         bool(getattr(loader, "drop_last", False)))
+        for loader in loaders
+    ]  # fmt: skip
     return EpochLength.of_loaders(lengths, trainer.limit_train_batches, validation_every(trainer))
+
+
+def _samples_or_count(loader: Any, up_to: int) -> int | None:
+    """The loader's length in samples, or the samples one pass over it delivers; None: more than ``up_to``."""
+    samples = loader_samples(loader)
+    if samples is not None:
+        return samples
+    delivered = 0
+    for batch in loader:
+        delivered += samples_in(batch) or 0
+        if delivered > up_to:
+            return None
+    return delivered
 
 
 def validation_every(trainer: Trainer) -> int | None:

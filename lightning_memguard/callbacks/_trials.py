@@ -200,6 +200,13 @@ def rng_kept() -> Iterator[None]:
         set_rng_states(states)
 
 
+def optimizer_steps(trainer: Trainer) -> int | float:
+    """The optimizer steps the run will take as it is set now (Lightning's ``estimated_stepping_batches``, which a
+    ``configure_optimizers`` reads to size a schedule), its loader built without touching the RNGs."""
+    with rng_kept():
+        return trainer.estimated_stepping_batches
+
+
 def loader_samples(loader: Any) -> int | None:
     """Samples one epoch of a train loader holds on this rank; None when it has no length."""
     for source in (getattr(loader, "sampler", None), getattr(loader, "dataset", None)):
@@ -257,6 +264,9 @@ class TrialSession:
     with ``memguard_keep_in_trials = True`` (the spill emulator) stay active during trials and get their own state
     back afterwards; the others are switched off.
 
+    The trials step none of the user's learning-rate schedulers (a schedule sized by the run's optimizer steps,
+    such as ``OneCycleLR``, would run past its end); the optimizers train at the learning rate they start with.
+
     Under DDP every rank learns of an out-of-memory error on any rank at the end of the same training step,
     backward or optimizer step, and every rank then counts the trial as out of memory.
     """
@@ -308,11 +318,14 @@ class TrialSession:
             "batch_size": get_batch_size(t, self.batch_arg_name),
             "progress_bar": t.progress_bar_callback,
             "should_stop": t.should_stop,
+            "lr_scheduler_configs": t.strategy.lr_scheduler_configs,
         }
         # a compiled model gets one static graph per size tried, as training at that size alone would; training
         # after the trials runs the chosen size's graph from Dynamo's cache
         self._dynamo.enter_context(_compiler.static_graph_per_size())
         t.logger = DummyLogger() if t.logger is not None else None
+        # no trial steps the user's schedulers: a schedule sized by steps (OneCycleLR) would run past its end
+        t.strategy.lr_scheduler_configs = []
         t.limit_train_batches = 1.0
         t.limit_val_batches = 0
         # a trial on a small dataset goes on into the next epoch, and nothing keeps a trial cut short from stopping
@@ -339,6 +352,7 @@ class TrialSession:
         t.limit_val_batches = saved["limit_val_batches"]
         t.accumulate_grad_batches = saved["accumulate_grad_batches"]
         t.should_stop = saved["should_stop"]  # a trial cut short must not stop the real run
+        t.strategy.lr_scheduler_configs = saved["lr_scheduler_configs"]
         set_batch_size(t, self.batch_arg_name, saved["batch_size"])
         load_training_state(t, saved["state"])
         for callback, state in zip(saved["kept"], saved["kept_states"], strict=True):
@@ -453,7 +467,8 @@ def _check_delivered(
 ) -> None:
     """Every loader's batches hold ``size`` samples; one may hold fewer only where that loader's pass over its data
     ends: at the epoch's end, or where a shorter loader starts again (``max_size_cycle``) with a whole batch. A
-    loader that has run out (``max_size``) holds none and is not judged."""
+    loader that has run out (``max_size``) holds none and is not judged. A trial in which no batch held ``size``
+    samples measured a smaller size than it reports: an error, never a row."""
     for batches in epochs:
         for i in range(len(batches[0])):
             sizes = [parts[i] for parts in batches if parts[i]]
@@ -467,6 +482,15 @@ def _check_delivered(
                 f"{loader} delivered batches of {seen} samples while `{batch_arg_name}` was set to {size}: it does"
                 f" not build its batches from `{batch_arg_name}`, so no size can be measured or set; build {built}"
                 f" in `train_dataloader()` with `batch_size=self.{batch_arg_name}`"
+            )
+    loaders = max((len(parts) for batches in epochs for parts in batches), default=0)
+    for i in range(loaders):
+        most = max((parts[i] for batches in epochs for parts in batches if len(parts) > i), default=0)
+        if 0 < most < size:
+            loader = "the train loader" if paths is None else f"the train loader {loader_name(paths[i])}"
+            raise ValueError(
+                f"{loader} delivered at most {most} samples a batch while `{batch_arg_name}` was set to {size}: one"
+                f" epoch of its data holds fewer than {size}, so {size} cannot be measured or set"
             )
 
 

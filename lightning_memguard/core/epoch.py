@@ -106,6 +106,37 @@ class EpochLength:
         samples = self.samples_at(size)
         return samples is None or samples >= size * accumulate
 
+    def last_batch(self, size: int) -> int | None:
+        """Samples in the last batch one epoch runs at ``size`` (``size`` when every batch is full); None: unknown."""
+        batches, samples = self.batches(size), self.samples_at(size)
+        if batches is None or samples is None or batches == 0:
+            return None
+        return samples - (batches - 1) * size
+
+    def stand_in(self, accumulate: int = 1) -> int | None:
+        """The size that takes the place of sizes one epoch cannot run a whole optimizer step of: the largest that
+        can, unless its epoch would end in a short batch; then the largest size down to half of it whose batches are
+        all full, else the largest whose last batch holds at least half a batch (and two samples: a BatchNorm
+        layer in training cannot take one). None: no bound known.
+
+        Example:
+            >>> EpochLength(64, val_check=4).largest_batch()  # 21 + 21 + 21 + 1
+            21
+            >>> EpochLength(64, val_check=4).stand_in()  # 4 full batches
+            16
+            >>> EpochLength(100, val_check=3).stand_in(), EpochLength(100, limit=2).stand_in(accumulate=2)
+            (25, 50)
+        """
+        top = self.largest_batch(accumulate)
+        if not top or self.last_batch(top) in (None, top):
+            return top
+        holding = [s for s in range(top, 0, -1) if self.holds(s, accumulate)]
+        whole = [s for s in holding if 2 * s >= top and self.last_batch(s) == s]
+        if whole:
+            return whole[0]
+        half_full = [s for s in holding if 2 * (self.last_batch(s) or 0) >= s and (self.last_batch(s) or 0) >= 2]
+        return half_full[0] if half_full else top
+
     def largest_batch(self, accumulate: int = 1) -> int | None:
         """The largest batch size at which one epoch holds a whole optimizer step (0: none); None: no bound known.
 
