@@ -4,8 +4,9 @@ Usage: python ddp_tuner_run.py OUT_DIR [accumulation|oom|oom_backward|oom_compil
 (or through ddp_run.py, with these as scenarios)
 
 accumulation: AccumulationTuner, rank 1's card is smaller. oom: BatchSizeTuner, and only rank 1 raises
-torch.OutOfMemoryError in its training step once a batch holds more than 8 samples. oom_backward: the same, raised
-halfway through rank 1's backward. oom_compiled: as oom, on ``torch.compile(model, backend="aot_eager")``.
+torch.OutOfMemoryError in its training step once a batch holds more than 8 samples (its model's OneCycle schedule is
+sized by the run's steps: no trial may step it). oom_backward: the same, raised halfway through rank 1's backward.
+oom_compiled: as oom, on ``torch.compile(model, backend="aot_eager")``.
 """
 
 from __future__ import annotations
@@ -58,14 +59,24 @@ class BatchClock:
         self.now += 0.01 + 0.001 * batch.shape[0]
 
 
-class OomOnRankOne(ImageClassifier):
+class OneCycle(ImageClassifier):
+    """A schedule sized by the run's optimizer steps: no trial may step it (it would run past its end)."""
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        total = self.trainer.estimated_stepping_batches
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class OomOnRankOne(OneCycle):
     def training_step(self, batch, batch_idx):
         if self.global_rank == 1 and batch.shape[0] > 8:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected, rank 1 only)")
         return super().training_step(batch, batch_idx)
 
 
-class OomInRankOnesBackward(ImageClassifier):
+class OomInRankOnesBackward(OneCycle):
     """Rank 1 runs out of memory at the very end of its backward: the gradients of every layer exist (DDP would
     have sent them off already), the images' gradient never comes."""
 
@@ -131,6 +142,12 @@ def run(out: str, mode: str) -> None:
                 "trainer_accumulate": trainer.accumulate_grad_batches,
                 "results": [[r.size, r.accumulate, r.outcome] for r in tuner.results],
                 "compiled": [r.compiled for r in tuner.results],
+                "steps": trainer.global_step,
+                "schedules": [
+                    [c.scheduler.total_steps, c.scheduler.last_epoch]
+                    for c in trainer.lr_scheduler_configs
+                    if isinstance(c.scheduler, torch.optim.lr_scheduler.OneCycleLR)
+                ],
             },
             f,
         )

@@ -60,3 +60,4 @@ def test_an_out_of_memory_error_on_one_rank_is_every_ranks_and_nobody_waits(ddp_
     # rank 1 alone raises above 8 samples: 16 is out of memory for both ranks, in the same step
     assert r["results"] == [[4, 1, "ok"], [8, 1, "ok"], [16, 1, "oom"]]
     assert r["batch_size"] == r["model_batch_size"] == 8
+    assert r["schedules"] == [[2, 2]] and r["steps"] == 2  # no trial stepped the OneCycle: the run's 2 steps did
