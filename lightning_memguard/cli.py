@@ -498,10 +498,15 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "demo":
             if args.epochs is not None:
                 _positive("--epochs", args.epochs)
-            _check_device(args.device)
             _writable(args.out)
+            # at once, before the imports: on a fresh install, loading torch and Lightning alone can take a minute
+            print("memguard demo: a short training run of a ResNet on synthetic images with MemGuard, then its table"
+                  " of peak memory against throughput; importing torch and Lightning first", flush=True)  # fmt: skip
+            started = time.perf_counter()
+            _check_device(args.device)
             from lightning_memguard.demo import run_demo
 
+            print(f"memguard demo: imported in {time.perf_counter() - started:.1f} s", flush=True)
             run_demo(args.device, args.epochs, args.out)
             return 0
         if args.command == "doctor":

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_memguard.callbacks import MemGuard
@@ -28,6 +31,45 @@ CUDA_DEMO = DemoConfig("resnet50", 224, 128, "bf16-mixed", True, 60, 3)
 CPU_DEMO = DemoConfig("resnet18", 32, 32, "32-true", False, 15, 3)
 
 
+def _say(text: str) -> None:
+    print(f"memguard demo: {text}", flush=True)  # at once, also where stdout is a pipe or a file
+
+
+class _Progress(Callback):
+    """A line when the first step is done (it carries the start-up: the first kernels, CUDA's), one at least every
+    ``every_s`` seconds within an epoch and one per epoch, so that the demo is never silent for long, with or without
+    a terminal for Lightning's progress bar."""
+
+    def __init__(self, every_s: float = 10.0, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.every_s, self.clock = every_s, clock
+        self._started = self._said = 0.0
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._started = self._said = self.clock()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = self.clock()
+        if trainer.current_epoch == 0 and batch_idx == 0:
+            _say(f"first step done in {now - self._started:.1f} s (it carries the start-up)")
+        elif now - self._said >= self.every_s:
+            _say(f"epoch {trainer.current_epoch + 1} of {trainer.max_epochs}: step {batch_idx + 1} of"
+                 f" {trainer.num_training_batches}")  # fmt: skip
+        else:
+            return
+        self._said = now
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        steps = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        took = self.clock() - self._started
+        _say(f"epoch {trainer.current_epoch + 1} of {trainer.max_epochs}: {_count(steps, 'step')} in {took:.1f} s")
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
 def run_demo(device: str = "auto", epochs: int | None = None, out_dir: str = "demo_logs") -> MemGuard:
     """Train a torchvision ResNet on synthetic images with :class:`MemGuard` and print its table.
 
@@ -39,6 +81,11 @@ def run_demo(device: str = "auto", epochs: int | None = None, out_dir: str = "de
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     cfg = CUDA_DEMO if use_cuda else CPU_DEMO
     epochs = cfg.epochs if epochs is None else epochs
+    _say(
+        f"{cfg.arch}, batch {cfg.batch_size}, {cfg.image_size} px, {cfg.precision}"
+        f"{', channels_last' if cfg.channels_last else ''}, {_count(epochs, 'epoch')} of {cfg.steps_per_epoch} steps"
+        f" on {'CUDA' if use_cuda else 'the CPU'}; then MemGuard's table"
+    )
     seed_everything(0, verbose=False)
     model = ImageClassifier(
         cfg.arch,
@@ -54,16 +101,12 @@ def run_demo(device: str = "auto", epochs: int | None = None, out_dir: str = "de
         devices=1,
         precision=cfg.precision,  # type: ignore[arg-type]
         max_epochs=epochs,
-        callbacks=[guard],
+        callbacks=[guard, _Progress()],
         logger=CSVLogger(out_dir, name="memguard-demo"),
         enable_checkpointing=False,
         enable_model_summary=False,
         limit_val_batches=0,
         log_every_n_steps=10,
-    )
-    print(
-        f"memguard demo: {cfg.arch}, batch {cfg.batch_size}, {cfg.image_size}px, {cfg.precision}"
-        f"{', channels_last' if cfg.channels_last else ''}, {epochs} epochs on {'CUDA' if use_cuda else 'the CPU'}"
     )
     trainer.fit(model)
     assert trainer.logger is not None and trainer.logger.log_dir is not None

@@ -359,3 +359,47 @@ def test_plan_prints_a_progress_line_per_trial_as_it_goes(monkeypatch, capsys):
         size, accumulate = 4 * 2**i, 4 // 2**i
         assert re.match(rf"memguard plan: +{size} x {accumulate} +ok +[\d.]+ samples/s  peak [\d.]+ GB  \([\d.]+ s\)$",
                         lines[0])  # fmt: skip
+
+
+# ---------------------------------------------------------------- the demo is never silent for long
+
+
+def test_demo_says_what_it_does_before_importing_torch(tmp_path):
+    # torch's import is refused: what the demo printed before it is what a user sees while torch loads
+    refuse_torch = (
+        "import sys\n"
+        "class Refuse:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            raise ImportError('torch is being imported')\n"
+        "sys.meta_path.insert(0, Refuse())\n"
+        "from lightning_memguard.cli import main\n"
+        f"main(['demo', '--device', 'cpu', '--out', {str(tmp_path / 'logs')!r}])\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", refuse_torch], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=120)  # fmt: skip
+    assert "torch is being imported" in proc.stderr
+    assert proc.stdout.startswith(
+        "memguard demo: a short training run of a ResNet on synthetic images with MemGuard, then its table of peak"
+        " memory against throughput; importing torch and Lightning first\n"
+    )
+
+
+def test_demo_says_how_far_it_is_at_least_every_ten_seconds(monkeypatch, tmp_path, capsys):
+    import itertools
+
+    from lightning_memguard import demo
+
+    monkeypatch.setattr(demo, "CPU_DEMO", demo.DemoConfig("resnet18", 16, 4, "32-true", False, 4, 1))
+    clock = itertools.count(0.0, 4.0).__next__  # 4 s pass between any two readings
+    monkeypatch.setattr(demo._Progress.__init__, "__defaults__", (10.0, clock))
+    assert main(["demo", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("memguard demo: ")]
+    assert lines[1].startswith("memguard demo: imported in ")
+    assert lines[2:] == [
+        "memguard demo: resnet18, batch 4, 16 px, 32-true, 1 epoch of 4 steps on the CPU; then MemGuard's table",
+        "memguard demo: first step done in 4.0 s (it carries the start-up)",  # read at the epoch's start, then at 4 s
+        "memguard demo: epoch 1 of 1: step 4 of 4",  # at 16 s: 12 s since the last line
+        "memguard demo: epoch 1 of 1: 4 steps in 20.0 s",
+    ]
