@@ -338,7 +338,7 @@ def test_a_combined_loader_with_the_accumulation_tuner(tmp_path):
         return make(TwoLoaders, "min_size", 64, 32, batch_size=size)
 
     trainer, seen = fit(tmp_path, model_for(4), [clock, tuner, guard], max_epochs=2)
-    assert [(r.size, r.accumulate) for r in tuner.results] == [(4, 4), (8, 2)]
+    assert [(r.size, r.accumulate) for r in tuner.results] == [(4, 4), (8, 2), (16, 1)]  # each measured
     assert (tuner.batch_size, tuner.accumulate_grad_batches) == (4, 4)
     assert seen.batches == [(e, [4, 4]) for e in range(2) for _ in range(8)]  # 8 batches: b's 32 samples
     assert_as_if_set_by_hand(tmp_path, trainer, seen, tuner, model_for, max_epochs=2)

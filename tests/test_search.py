@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-import pytest
+import logging
 
+import pytest
+from conftest import FakeProbe, TinyModel, trainer_kwargs
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.data import extract_batch_size
+from tuner_helpers import BatchClock
+
+from lightning_memguard import AccumulationTuner
 from lightning_memguard.core.reading import MemoryReading
 from lightning_memguard.core.search import (
     PREDICTED,
     AccumulationSearch,
     Forecast,
+    Margin,
     SizeSearch,
     TrialResult,
     accumulation_candidates,
@@ -16,6 +24,7 @@ from lightning_memguard.core.search import (
     trial_outcome,
 )
 from lightning_memguard.core.spill import Evidence
+from lightning_memguard.core.throughput import TrialTiming, group_steps, time_trial
 
 GB = 10**9
 
@@ -195,3 +204,160 @@ def test_the_accumulation_search_does_not_run_a_micro_batch_predicted_to_spill()
     assert ran == [32, 64, 128, 256]
     assert [(r.size, r.outcome) for r in search.results][-1] == (512, PREDICTED)
     assert search.result.size == 256
+
+
+# ---------------------------------------------------------------- issue 38: the noise, every micro-batch, a trial's row
+
+
+def measured_twice(first, again=None, spread=0.08, peak_per_sample=10**6):
+    """A card that gives each size's throughput ``first[size]`` with the trial's ``spread``, and on its second
+    measurement ``again[size]`` (or ``first[size]``): card(size, nth) -> TrialResult."""
+
+    def card(size, nth):
+        rate = (again or first)[size] if nth > 1 else first[size]
+        return TrialResult(size, size / rate * 1e3, size * peak_per_sample, rate, "ok", spread=spread)
+
+    return card
+
+
+def drive(search, card) -> list[int]:
+    while (size := search.propose()) is not None:
+        search.observe(card(size, 1 + [r.size for r in search.results].count(size)))
+    return [r.size for r in search.results]
+
+
+def test_a_pair_within_the_noise_is_measured_again_and_the_tie_rule_decides_if_it_still_is():
+    """128 is 5 % faster than 64, each trial ±8 %: both are measured again, smaller first; still within the noise,
+    the one with the smaller peak memory is taken, and the margin says so."""
+    rates = {32: 1000.0, 64: 1900.0, 128: 2000.0}
+    search = SizeSearch([32, 64, 128])
+    assert drive(search, measured_twice(rates, {64: 1950.0, 128: 1960.0})) == [32, 64, 128, 64, 128]
+    assert search.result.size == 64 and search.result.samples_per_sec == 1925.0  # the two measurements' mean
+    assert search.margin == Margin(64, 1, 128, 1, gap=-0.0278, noise=0.08, remeasured=True)
+    assert search.margin.within_noise and search.remeasured == [(64, 128)]
+
+
+def test_a_pair_measured_again_that_stands_apart_is_decided_by_throughput():
+    search = SizeSearch([32, 64, 128])
+    assert drive(search, measured_twice({32: 1000.0, 64: 1900.0, 128: 2000.0}, {64: 1500.0, 128: 2100.0})) == [
+        32, 64, 128, 64, 128
+    ]  # fmt: skip
+    assert search.result.size == 128 and not search.margin.within_noise and search.margin.remeasured
+    # 64's two measurements disagree: its noise is half their gap, 11.8 %, and 128 stands 17 % above it
+    assert (search.margin.gap, search.margin.noise) == (0.1707, 0.1176)
+
+
+def test_without_a_spread_nothing_is_measured_again():
+    """One timed step a trial: no spread, the noise is not known; the climb and the choice are as they were."""
+    search = SizeSearch([32, 64, 128])
+    assert drive(search, measured_twice({32: 1000.0, 64: 1900.0, 128: 2000.0}, spread=None)) == [32, 64, 128]
+    assert search.result.size == 128 and search.margin == Margin(128, 1, 64, 1, gap=0.05, noise=0.0)
+    # no re-measure allowed: within the noise the tie rule decides at once
+    search = SizeSearch([32, 64, 128], remeasures=0)
+    assert drive(search, measured_twice({32: 1000.0, 64: 1900.0, 128: 2000.0})) == [32, 64, 128]
+    assert search.result.size == 64 and search.margin.within_noise and not search.margin.remeasured
+
+
+def test_max_fit_has_no_throughput_decision_to_measure_again():
+    search = SizeSearch([32, 64, 128], mode="max_fit")
+    assert drive(search, measured_twice({32: 1000.0, 64: 1900.0, 128: 2000.0})) == [32, 64, 128]
+    assert search.result.size == 128 and search.margin is None
+
+
+def test_the_accumulation_search_measures_every_micro_batch_up_to_the_direct_batch():
+    """Throughput is not monotonic in the micro-batch: 8 x 2 slower than 4 x 4 does not end the search, and the
+    direct batch, the fastest here, is measured and chosen. Only a micro-batch that does not fit ends it."""
+    card = measured_twice({4: 1000.0, 8: 900.0, 16: 1200.0}, spread=None)
+    search = AccumulationSearch([4, 8, 16])
+    assert drive(search, card) == [4, 8, 16] and search.result.size == 16
+
+    def oom_from_16(size, nth):
+        return TrialResult(size, None, None, None, "oom") if size >= 16 else card(size, nth)
+
+    search = AccumulationSearch([4, 8, 16, 32])
+    assert drive(search, oom_from_16) == [4, 8, 16] and search.result.size == 4  # 32 needs more memory still
+
+
+def test_the_accumulation_search_measures_a_close_pair_again_and_keeps_the_larger_micro_batch():
+    """16 x 2 is 7.8 % faster than 32 x 1, beyond `min_gain`, but within the trials' ±10 %: both are measured again;
+    still within it, the larger micro-batch, the nearer to the direct batch, is kept."""
+    search = AccumulationSearch([8, 16, 32], min_gain=0.05)
+    assert drive(search, measured_twice({8: 900.0, 16: 1100.0, 32: 1020.0}, spread=0.1)) == [8, 16, 32, 16, 32]
+    assert search.result.size == 32
+    assert search.margin == Margin(32, 1, 16, 1, gap=-0.0727, noise=0.1, remeasured=True)
+
+
+def test_a_trial_row_times_whole_optimizer_steps():
+    """step_ms is the median whole optimizer step, samples_per_sec that step's samples over it: the identity holds
+    whatever the steps' spread or count; the short step at an epoch's end and the warmup are not timed."""
+    steps = [(9.0, 64), (0.2, 64), (0.3, 64), (0.25, 64), (0.35, 64), (0.05, 16)]
+    timing = time_trial(steps, per_step=64, warmup=1)
+    assert timing == TrialTiming(step_ms=275.0, samples_per_sec=232.727, spread=0.2727, steps=4)
+    assert timing.samples_per_sec * timing.step_ms / 1e3 == pytest.approx(64, rel=1e-5)
+    # an epoch of 4 batches (the last short) at accumulation 2: Lightning steps at the epoch's end
+    batches = [(0.1, 32, False), (0.1, 32, False), (0.1, 32, False), (0.03, 8, False)]
+    assert group_steps([batches, batches], 2) == [(0.2, 64, False), (0.13, 40, False)] * 2
+
+
+# ---------------------------------------------------------------- a trial's row from a real Trainer
+
+
+class JitteryClock(BatchClock):
+    """A batch of n samples takes 2 ms + 1 ms per sample, times 1.0, 1.15 and 0.85 in turn: each trial's steps
+    spread by about ±15 %, whatever this machine's speed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches += 1
+        self.now += (0.002 + 0.001 * extract_batch_size(batch)) * (1.0, 1.15, 0.85)[self.batches % 3]
+
+
+# The trials time their steps in callbacks/_trials.py, whose owner applies the change these two need (TrialSession.run
+# through core.throughput.time_trial, _StepClock.steps through group_steps); then these markers go.
+NEEDS_TRIALS_TIMING = pytest.mark.xfail(
+    strict=True, reason="issue 38 items 9-10: TrialSession.run does not time its rows with core.throughput yet"
+)
+
+
+def _accumulation_fit(tmp_path, n):
+    clock = JitteryClock()
+    tuner = AccumulationTuner(
+        16, min_micro_batch=4, probe=FakeProbe(), clock=clock, cache=False, warmup_steps=1, timed_steps=3
+    )
+    Trainer(**trainer_kwargs(tmp_path, max_epochs=1, max_steps=1, callbacks=[clock, tuner])).fit(
+        TinyModel(batch_size=4, n=n)
+    )
+    return tuner
+
+
+@NEEDS_TRIALS_TIMING
+def test_a_trial_row_from_a_trainer_holds_its_definitions(tmp_path):
+    """40 samples: at 16 x 1 every epoch ends on a batch of 8, at 8 x 2 on a step of one batch, Lightning's; the
+    rows time whole optimizer steps only, so samples_per_sec x step_ms is the samples of one (before: 16 x 1 read
+    32 ms a step and 296 samples/s, the median of a full and a short step's rates)."""
+    tuner = _accumulation_fit(tmp_path, n=40)
+    rows = [r for r in tuner.results if r.fits]
+    assert [(r.size, r.accumulate) for r in rows][:3] == [(4, 4), (8, 2), (16, 1)]
+    for r in rows:
+        assert r.samples_per_sec * r.step_ms / 1e3 == pytest.approx(r.size * r.accumulate, rel=1e-5), r
+        assert r.spread is not None, r  # several steps timed: their spread is known
+
+
+@NEEDS_TRIALS_TIMING
+def test_the_accumulation_tuner_measures_a_close_pair_again_and_says_so(tmp_path, caplog):
+    """16 x 1 is 10 % faster than 8 x 2 with each trial's steps ±15 %: both are measured again, and the choice, by
+    the tie rule, is said with the noise."""
+    with caplog.at_level(logging.INFO):
+        tuner = _accumulation_fit(tmp_path, n=64)
+    assert [(r.size, r.accumulate) for r in tuner.results] == [(4, 4), (8, 2), (16, 1), (8, 2), (16, 1)]
+    assert (tuner.batch_size, tuner.accumulate_grad_batches) == (16, 1)
+    said = [r.getMessage() for r in caplog.records if "noise" in r.getMessage()]
+    assert said == [
+        "AccumulationTuner: 16 x 1 and 8 x 2 are within the measurement's noise (±15.0 %: 10.0 % apart); measuring"
+        " both again",
+        "AccumulationTuner: 16 x 1 and 8 x 2 are within the measurement's noise (±15.0 %: 10.0 % apart, each measured"
+        " twice); chose 16 x 1 by the larger micro-batch (the nearer to the direct batch)",
+    ]

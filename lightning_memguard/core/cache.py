@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lightning_memguard.core.search import OK, OOM, OVER_HEADROOM, PREDICTED, SPILL, TrialResult
+from lightning_memguard.core.search import OK, OOM, OVER_HEADROOM, PREDICTED, SPILL, Margin, TrialResult
 
 CACHE_FILE = "tuner-cache.json"
 _TMP_PREFIX, _TMP_SUFFIX = ".tuner-cache-", ".tmp"
@@ -82,8 +82,18 @@ _ROW_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "accumulate": (lambda v: _is_int(v, 1), "a positive int"),
     "compiled": (lambda v: isinstance(v, bool), "a bool"),
     "compile_s": (_is_number, "a number >= 0"),
+    "spread": (lambda v: v is None or _is_number(v), "None or a number >= 0"),
 }
 _ROW_REQUIRED = ("size", "step_ms", "peak_bytes", "samples_per_sec", "outcome")
+_MARGIN_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "size": (lambda v: _is_int(v, 1), "a positive int"),
+    "accumulate": (lambda v: _is_int(v, 1), "a positive int"),
+    "runner_up": (lambda v: _is_int(v, 1), "a positive int"),
+    "runner_up_accumulate": (lambda v: _is_int(v, 1), "a positive int"),
+    "gap": (lambda v: isinstance(v, int | float) and not isinstance(v, bool) and -1 <= v <= 1, "a number in [-1, 1]"),
+    "noise": (_is_number, "a number >= 0"),
+    "remeasured": (lambda v: isinstance(v, bool), "a bool"),
+}
 
 
 def _check_row(i: int, row: Any) -> TrialResult:
@@ -100,6 +110,23 @@ def _check_row(i: int, row: Any) -> TrialResult:
     return TrialResult(**row)
 
 
+def _check_margin(margin: Any, size: int) -> Margin | None:
+    if margin is None:
+        return None
+    if not isinstance(margin, dict):
+        raise BadEntry(f"margin must be None or an object, got {margin!r}")
+    unknown, missing = sorted(set(margin) - set(_MARGIN_CHECKS), key=str), sorted(set(_MARGIN_CHECKS) - set(margin))
+    if unknown or missing:
+        raise BadEntry(f"margin has unknown fields {unknown} and lacks {missing}")
+    for name, value in margin.items():
+        check, expected = _MARGIN_CHECKS[name]
+        if not check(value):
+            raise BadEntry(f"margin.{name} must be {expected}, got {value!r}")
+    if margin["size"] != size:
+        raise BadEntry(f"margin.size {margin['size']} is not the choice, batch_size {size}")
+    return Margin(**margin)
+
+
 def check_entry(entry: Any, *, accumulates: bool, per_step: int | None = None) -> dict[str, Any]:
     """``entry`` as a tuner's state (each trial with all its fields), or :class:`BadEntry` saying what is wrong.
 
@@ -107,7 +134,9 @@ def check_entry(entry: Any, *, accumulates: bool, per_step: int | None = None) -
     ``BatchSizeTuner``; a positive int for an ``AccumulationTuner``, whose micro-batch times it is ``per_step``),
     ``results`` (trials, each the fields of a :class:`~lightning_memguard.core.search.TrialResult` with values of
     their types; the chosen size, with its accumulation for an ``AccumulationTuner``, among those that fit) and,
-    for an ``AccumulationTuner`` only, ``checkpointing`` (a bool). Nothing else.
+    for an ``AccumulationTuner`` only, ``checkpointing`` (a bool); and ``margin``, how far the choice stood from the
+    fastest other size that fit (the fields of a :class:`~lightning_memguard.core.search.Margin`, or None where no
+    other did). Nothing else. An entry without ``margin`` (written before it was kept) is read as it is.
 
     Example:
         >>> row = {"size": 8, "step_ms": 5.0, "peak_bytes": 10, "samples_per_sec": 1600.0, "outcome": "ok"}
@@ -122,7 +151,8 @@ def check_entry(entry: Any, *, accumulates: bool, per_step: int | None = None) -
     if not isinstance(entry, dict):
         raise BadEntry(f"an entry must be an object, got {entry!r}")
     fields = ["batch_size", "accumulate_grad_batches", "results", *(["checkpointing"] if accumulates else [])]
-    unknown, missing = sorted(set(entry) - set(fields), key=str), [f for f in fields if f not in entry]
+    unknown = sorted(set(entry) - {*fields, "margin"}, key=str)
+    missing = [f for f in fields if f not in entry]
     if unknown or missing:
         raise BadEntry(f"the entry has unknown fields {unknown} and lacks {missing}")
     size, accumulate, rows = entry["batch_size"], entry["accumulate_grad_batches"], entry["results"]
@@ -142,7 +172,11 @@ def check_entry(entry: Any, *, accumulates: bool, per_step: int | None = None) -
     # a BatchSizeTuner measures at the accumulation training starts with, whatever it is: the size alone must match
     if not any(r.fits and r.size == size and (not accumulates or r.accumulate == accumulate) for r in results):
         raise BadEntry(f"batch_size {size}{f' x {accumulate}' if accumulates else ''} is not among the trials that fit")
-    return {**entry, "results": [r.to_dict() for r in results]}
+    checked = {**entry, "results": [r.to_dict() for r in results]}
+    if "margin" in entry:
+        margin = _check_margin(entry["margin"], size)
+        checked["margin"] = None if margin is None else margin.to_dict()
+    return checked
 
 
 class FileLock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -18,16 +19,23 @@ MODES = ("throughput", "max_fit")
 class TrialResult:
     """One measured trial.
 
+    A step is an optimizer step: ``accumulate`` batches of ``size``, ``size * accumulate`` samples. Only whole steps
+    are timed (see :func:`~lightning_memguard.core.throughput.time_trial`), so a row that fits holds
+    ``samples_per_sec * step_ms / 1000 == size * accumulate`` (to rounding).
+
     Attributes:
         size: the batch (or micro-batch) size tried.
-        step_ms: median time of one step, None if the trial failed before it was timed.
+        step_ms: the median time of one optimizer step (``size * accumulate`` samples), in milliseconds; None if
+            the trial failed before it was timed.
         peak_bytes: peak memory of the trial (plus other processes' use), None if unknown.
-        samples_per_sec: ``size`` over the median step time.
+        samples_per_sec: the samples of one optimizer step (``size * accumulate``) over ``step_ms``, per second.
         outcome: ``"ok"``, ``"oom"``, ``"spill"`` or ``"over_headroom"``; ``"predicted_over"`` for a size that was
             not run because :class:`Forecast` put it clearly above the capacity (``peak_bytes`` is the prediction).
         accumulate: gradient-accumulation steps used with this size (1 for a plain batch size).
         compiled: the model ran under ``torch.compile`` (its steps are the compiled graph's, compile time apart).
         compile_s: seconds of the trial's steps in which ``torch.compile`` compiled; not in ``step_ms``.
+        spread: the measurement's noise: half the range of the timed steps' times, as a fraction of ``step_ms``
+            (the throughput is known to about ± this much); None with one timed step, or not timed.
     """
 
     size: int
@@ -38,6 +46,7 @@ class TrialResult:
     accumulate: int = 1
     compiled: bool = False
     compile_s: float = 0.0
+    spread: float | None = None
 
     @property
     def fits(self) -> bool:
@@ -160,7 +169,7 @@ def capped_ladder(sizes: Sequence[int], deliverable: int | EpochLength | None, a
         [16, 25]
     """
     epoch = deliverable if isinstance(deliverable, EpochLength) else EpochLength(deliverable)
-    top = epoch.largest_batch(accumulate)
+    top = epoch.stand_in(accumulate)
     if top is None:
         return list(sizes)
     if epoch.samples is not None and epoch.samples < 1:
@@ -176,20 +185,141 @@ def capped_ladder(sizes: Sequence[int], deliverable: int | EpochLength | None, a
     return kept
 
 
-class _Climb:
-    """What both searches share: the sizes climbed, the results so far, the size proposed and not yet observed."""
+_WORST = (OK, OVER_HEADROOM, SPILL, OOM, PREDICTED)
 
-    def __init__(self, candidates: Sequence[int], min_gain: float, tolerance: float, forecast: Forecast | None) -> None:
+
+def combine(rows: Sequence[TrialResult]) -> TrialResult:
+    """One size measured more than once, as one row: the mean of its throughputs and of its step times, the largest
+    peak; a size that did not fit once does not fit (its worst row). Its spread is the smaller of the trials' own,
+    and no less than half the gap between their throughputs: measurements of one size that disagree are noisy,
+    however steady each was.
+
+    Example:
+        >>> a = TrialResult(64, 100.0, 10, 640.0, "ok", spread=0.02)
+        >>> b = TrialResult(64, 110.0, 12, 560.0, "ok", spread=0.03)
+        >>> both = combine([a, b])
+        >>> both.samples_per_sec, both.step_ms, both.peak_bytes, both.spread
+        (600.0, 105.0, 12, 0.0667)
+    """
+    if len(rows) == 1:
+        return rows[0]
+    worst = max(rows, key=lambda r: _WORST.index(r.outcome))
+    rates = [r.samples_per_sec for r in rows]
+    if not worst.fits or any(rate is None for rate in rates):
+        return worst
+    rate = statistics.fmean(rates)  # type: ignore[arg-type]
+    times = [r.step_ms for r in rows if r.step_ms is not None]
+    spreads = [r.spread for r in rows if r.spread is not None]
+    gap = (max(rates) - min(rates)) / 2 / rate if rate > 0 else 0.0  # type: ignore[type-var, operator]
+    return replace(
+        rows[0],
+        step_ms=round(statistics.fmean(times), 4) if times else None,
+        peak_bytes=max((r.peak_bytes for r in rows if r.peak_bytes is not None), default=None),
+        samples_per_sec=round(rate, 3),
+        compiled=any(r.compiled for r in rows),
+        compile_s=round(sum(r.compile_s for r in rows), 3),
+        spread=round(max(min(spreads, default=0.0), gap), 4),
+    )
+
+
+@dataclass(frozen=True)
+class Margin:
+    """How far a search's choice stood from the fastest other size that fit: what the cache keeps with a choice.
+
+    Attributes:
+        size, accumulate: the choice.
+        runner_up, runner_up_accumulate: the fastest other size that fit, and its accumulation.
+        gap: the choice's throughput less the runner-up's, as a fraction of the faster of the two (negative: the
+            choice is the slower one, taken by the search's rule: less memory, or less accumulation).
+        noise: the larger of the two measurements' spreads (0.0 where neither is known: one timed step each).
+        remeasured: both were measured once more, and are compared on their combined measurements.
+
+    Example:
+        >>> Margin(32, 2, 64, 1, gap=-0.012, noise=0.04).within_noise
+        True
+        >>> Margin(32, 2, 64, 1, gap=0.09, noise=0.04).within_noise, Margin(32, 2, 64, 1, 0.0, 0.0).within_noise
+        (False, False)
+    """
+
+    size: int
+    accumulate: int
+    runner_up: int
+    runner_up_accumulate: int
+    gap: float
+    noise: float
+    remeasured: bool = False
+
+    @property
+    def within_noise(self) -> bool:
+        """The two throughputs differ by no more than the noise: the measurements cannot tell them apart."""
+        return self.noise > 0 and abs(self.gap) <= self.noise
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def describe_margin(margin: Margin, tie_rule: str | None = None) -> str:
+    """The margin in words: which two sizes, how far apart, against which noise; with ``tie_rule``, what decided
+    where the measurements could not.
+
+    Example:
+        >>> within = Margin(64, 1, 32, 2, gap=0.012, noise=0.04, remeasured=True)
+        >>> print(*describe_margin(within, "the larger micro-batch").split("; "), sep="\\n")  # one line, split here
+        64 x 1 and 32 x 2 are within the measurement's noise (±4.0 %: 1.2 % apart, each measured twice)
+        chose 64 x 1 by the larger micro-batch
+        >>> print(describe_margin(Margin(128, 1, 64, 1, gap=0.15, noise=0.04)))
+        128 is 15.0 % faster than 64, beyond the measurement's noise (±4.0 %)
+    """
+
+    def shape(size: int, accumulate: int) -> str:
+        return f"{size} x {accumulate}" if margin.accumulate > 1 or margin.runner_up_accumulate > 1 else str(size)
+
+    chosen, other = shape(margin.size, margin.accumulate), shape(margin.runner_up, margin.runner_up_accumulate)
+    noise, apart = f"±{margin.noise * 100:.1f} %", f"{abs(margin.gap) * 100:.1f} %"
+    if margin.within_noise:
+        twice = ", each measured twice" if margin.remeasured else ""
+        said = f"{chosen} and {other} are within the measurement's noise ({noise}: {apart} apart{twice})"
+    else:
+        faster = f"{chosen} is {apart} {'faster' if margin.gap >= 0 else 'slower'} than {other}"
+        again = ", measured again" if margin.remeasured else ""
+        beyond = f"beyond the measurement's noise ({noise})" if margin.noise else "the noise unknown (one timed step)"
+        said = f"{faster}{again}, {beyond}"
+    if tie_rule is not None and (margin.within_noise or margin.gap < 0):
+        said += f"; chose {chosen} by {tie_rule}"
+    return said
+
+
+class _Climb:
+    """What both searches share: the sizes climbed, the results so far, the size proposed and not yet observed, and
+    the decision between the choice and the fastest other size that fit (:class:`Margin`): when the two are within
+    the measurement's noise, both are measured again (``remeasures`` times at most), and if they still are, the
+    search's tie rule (``tie_rule``) decides between them."""
+
+    tie_rule = ""  # how the search decides between two sizes within the noise, in words
+
+    def __init__(
+        self,
+        candidates: Sequence[int],
+        min_gain: float,
+        tolerance: float,
+        forecast: Forecast | None,
+        remeasures: int = 1,
+    ) -> None:
         if not candidates or any(int(c) != c or c < 1 for c in candidates):
             raise ValueError(f"`candidates` must be positive integers, got {list(candidates)!r}")
+        if isinstance(remeasures, bool) or not isinstance(remeasures, int) or remeasures < 0:
+            raise ValueError(f"`remeasures` must be an int >= 0, got {remeasures!r}")
         self.candidates = sorted(set(int(c) for c in candidates))
         self.min_gain = min_gain
         self.tolerance = tolerance
         self.forecast = forecast
+        self.remeasures = remeasures
         self.results: list[TrialResult] = []
+        self.remeasured: list[tuple[int, int]] = []  # the pairs measured again, in order
         self._next = 0
         self._climbing = True
         self._pending: int | None = None
+        self._again: list[int] = []  # sizes still to measure again
 
     @property
     def best_rate(self) -> float | None:
@@ -203,18 +333,95 @@ class _Climb:
         self._pending = None
         self.results.append(result)
 
+    # ---------------------------------------------------------------- the decision
+
+    def _decides_by_throughput(self) -> bool:
+        return True
+
+    def _rule(self, fits: list[TrialResult]) -> TrialResult:
+        """The search's choice among the sizes that fit (each one row, measurements combined)."""
+        raise NotImplementedError
+
+    def _tie(self, a: TrialResult, b: TrialResult) -> TrialResult:
+        """Of two sizes within the noise, the one the tie rule takes."""
+        raise NotImplementedError
+
+    def measured(self) -> list[TrialResult]:
+        """One row per size run, its measurements combined (:func:`combine`), in the order first measured."""
+        by_size: dict[int, list[TrialResult]] = {}
+        for r in self.results:
+            if r.outcome != PREDICTED:
+                by_size.setdefault(r.size, []).append(r)
+        return [combine(rows) for rows in by_size.values()]
+
+    def _margin(self, choice: TrialResult, other: TrialResult) -> Margin:
+        a, b = choice.samples_per_sec or 0.0, other.samples_per_sec or 0.0
+        runs = [r.size for r in self.results if r.outcome != PREDICTED]
+        return Margin(
+            choice.size,
+            choice.accumulate,
+            other.size,
+            other.accumulate,
+            gap=round((a - b) / max(a, b), 4) if max(a, b) > 0 else 0.0,
+            noise=max(choice.spread or 0.0, other.spread or 0.0),
+            remeasured=runs.count(choice.size) > 1 and runs.count(other.size) > 1,
+        )
+
+    def _decision(self) -> tuple[TrialResult | None, Margin | None]:
+        fits = [r for r in self.measured() if r.fits and r.samples_per_sec is not None]
+        if not fits:
+            return None, None
+        choice = self._rule(fits)
+        others = [r for r in fits if r.size != choice.size]
+        if not others or not self._decides_by_throughput():
+            return choice, None
+        other = max(others, key=lambda r: (r.samples_per_sec, -r.size))
+        margin = self._margin(choice, other)
+        if margin.within_noise:
+            chosen = self._tie(choice, other)
+            if chosen is not choice:
+                choice, margin = chosen, self._margin(chosen, choice)
+        return choice, margin
+
+    @property
+    def result(self) -> TrialResult | None:
+        """The choice: each size's measurements combined; between two within the noise, by the tie rule."""
+        return self._decision()[0]
+
+    @property
+    def margin(self) -> Margin | None:
+        """How far the choice stands from the fastest other size that fit; None with no other, or no throughput
+        decision (``"max_fit"``)."""
+        return self._decision()[1]
+
+    def _measure_again(self) -> int | None:
+        """The next size to measure once more: both of the decisive pair while they are within the noise."""
+        if not self._again and len(self.remeasured) < self.remeasures:
+            margin = self.margin
+            if margin is not None and margin.within_noise:
+                pair = (min(margin.size, margin.runner_up), max(margin.size, margin.runner_up))
+                self.remeasured.append(pair)
+                self._again = list(pair)
+        return self._again.pop(0) if self._again else None
+
 
 class SizeSearch(_Climb):
     """Tries sizes from small to large and stops as soon as more would not pay.
 
     ``propose()`` gives the next size to run (None when done), ``observe(result)`` takes its measurement, and
     ``result`` is the choice: in ``"throughput"`` mode the highest measured samples/s among trials that fit
-    (within ``tolerance`` of it, the smallest size); in ``"max_fit"`` mode the largest size that fit. It never
-    returns a size it did not run.
+    (within ``tolerance`` of it, the one with the smaller peak memory); in ``"max_fit"`` mode the largest size that
+    fit. It never returns a size it did not run.
 
     Climbing stops at the first trial that does not fit (OOM, spill, or memory within the headroom), and in
     ``"throughput"`` mode also once a step up gained less than ``min_gain`` or lost more than ``tolerance``.
     After a trial that does not fit, one size halfway between the best fit and the failure is tried (``refine``).
+
+    In ``"throughput"`` mode, when the choice and the fastest other size that fit are within the measurement's
+    noise (their throughputs differ by no more than the larger of their ``spread``; see :attr:`margin`), both are
+    measured again, smaller first, and the choice is made on the combined measurements (:func:`combine`). If they
+    are still within the noise, the one with the smaller peak memory is taken (``tie_rule``): the measurements
+    cannot tell them apart, and the smaller leaves more memory free, as within ``tolerance``.
 
     Args:
         candidates: sizes to climb through, e.g. :func:`power_ladder`.
@@ -225,6 +432,7 @@ class SizeSearch(_Climb):
         granularity: refined sizes are multiples of this.
         forecast: sizes it puts clearly above the capacity are not run (a ``"predicted_over"`` row); the largest
             size it predicts to fit is tried instead.
+        remeasures: how many times at most a pair within the noise is measured again.
 
     Example:
         >>> search = SizeSearch([32, 64, 128, 256])
@@ -244,10 +452,11 @@ class SizeSearch(_Climb):
         refine: bool = True,
         granularity: int = 8,
         forecast: Forecast | None = None,
+        remeasures: int = 1,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
-        super().__init__(candidates, min_gain, tolerance, forecast)
+        super().__init__(candidates, min_gain, tolerance, forecast, remeasures)
         self.mode = mode
         self.refine = refine
         self.granularity = granularity
@@ -272,6 +481,8 @@ class SizeSearch(_Climb):
             self._refined = True
             if not self._predicted_over(midpoint, record=False):
                 self._pending = midpoint
+        if self._pending is None:
+            self._pending = self._measure_again()
         return self._pending
 
     def _predicted_over(self, size: int, record: bool = True) -> bool:
@@ -316,47 +527,69 @@ class SizeSearch(_Climb):
         tried = {r.size for r in self.results}
         return mid if low < mid < high and mid not in tried else None
 
-    @property
-    def result(self) -> TrialResult | None:
-        fits = [r for r in self.results if r.fits and r.samples_per_sec is not None]
-        if not fits:
-            return None
+    tie_rule = "the smaller peak memory"
+
+    def _decides_by_throughput(self) -> bool:
+        return self.mode == "throughput"
+
+    def _rule(self, fits: list[TrialResult]) -> TrialResult:
         if self.mode == "max_fit":
             return max(fits, key=lambda r: r.size)
         best = max(r.samples_per_sec for r in fits)  # type: ignore[type-var]
         close = [r for r in fits if r.samples_per_sec >= best * (1 - self.tolerance)]  # type: ignore[operator]
-        return min(close, key=lambda r: (r.peak_bytes if r.peak_bytes is not None else r.size, r.size))
+        return min(close, key=self._memory)
+
+    def _tie(self, a: TrialResult, b: TrialResult) -> TrialResult:
+        return min((a, b), key=self._memory)
+
+    @staticmethod
+    def _memory(r: TrialResult) -> tuple[int, int]:
+        return (r.peak_bytes if r.peak_bytes is not None else r.size, r.size)
 
 
 class AccumulationSearch(_Climb):
-    """Tries micro-batches from the smallest up and keeps the one that accumulates least unless another is clearly
-    faster.
+    """Measures every micro-batch from the smallest up, the direct batch included, and keeps the one that
+    accumulates least unless another is clearly faster.
 
     Every (micro-batch, accumulation) pair holds the same samples per optimizer step, so they differ in speed and
     memory only; but the direct batch trains exactly as asked (BatchNorm statistics over the whole batch), and each
     halving away from it has to pay for itself. The choice is the largest micro-batch that fits whose throughput,
     raised by ``min_gain``, still reaches the fastest one's within ``tolerance``: a smaller micro-batch is chosen only
-    when it is more than ``min_gain`` faster, so two runs whose timings differ by noise choose alike. Climbing stops
-    at the first trial that does not fit (OOM, spill, memory within the headroom) and at the first one that could not
-    be chosen (slower than the best by more than that margin): larger ones are not expected to be faster again.
+    when it is more than ``min_gain`` faster.
+
+    Throughput is not monotonic in the micro-batch (on some cards accumulating is faster, on others the direct
+    batch), so a slower micro-batch does not end the search: each candidate is measured up to the first that does
+    not fit (OOM, spill, memory within the headroom), larger ones needing more memory still. With a ``forecast``, a
+    micro-batch it puts clearly above the capacity is not run (a ``"predicted_over"`` row), nor any larger one.
+
+    When the choice and the fastest other micro-batch are within the measurement's noise (their throughputs differ
+    by no more than the larger of their ``spread``; see :attr:`margin`), both are measured again, smaller first,
+    and the choice is made on the combined measurements; if they still are, the larger micro-batch is taken
+    (``tie_rule``): it is the nearer to the direct batch, and the rule within ``min_gain`` already prefers it.
 
     ``propose()``, ``observe(result)``, ``result``, ``results`` and ``best_rate`` as for :class:`SizeSearch`; it
-    never returns a size it did not run. With a ``forecast``, a micro-batch it puts clearly above the capacity is
-    not run (a ``"predicted_over"`` row), nor any larger one.
+    never returns a size it did not run.
 
     Args:
         candidates: the micro-batches, e.g. from :func:`accumulation_candidates`.
         min_gain: how much faster (a fraction) a micro-batch that accumulates more must be to be chosen.
         tolerance: throughputs within this fraction of each other count as equal.
+        forecast: micro-batches it puts clearly above the capacity are not run.
+        remeasures: how many times at most a pair within the noise is measured again.
 
     Example:
-        >>> search = AccumulationSearch([4, 8, 16], min_gain=0.05)
-        >>> rates = {4: 600.0, 8: 1016.0, 16: 1000.0}  # 8 x 2 is 1.6 % faster than 16 x 1: noise
-        >>> while (size := search.propose()) is not None:
-        ...     search.observe(TrialResult(size, 1.0, 0, rates[size], "ok"))
-        >>> [r.size for r in search.results], search.result.size
+        >>> def search(rates):
+        ...     search = AccumulationSearch(sorted(rates), min_gain=0.05)
+        ...     while (size := search.propose()) is not None:
+        ...         search.observe(TrialResult(size, 1.0, 0, rates[size], "ok"))
+        ...     return [r.size for r in search.results], search.result.size
+        >>> search({4: 600.0, 8: 1016.0, 16: 1000.0})  # 8 x 2 is 1.6 % faster than 16 x 1: not enough
+        ([4, 8, 16], 16)
+        >>> search({4: 1000.0, 8: 900.0, 16: 1200.0})  # 8 was slower than 4; the direct batch is still measured
         ([4, 8, 16], 16)
     """
+
+    tie_rule = "the larger micro-batch (the nearer to the direct batch)"
 
     def __init__(
         self,
@@ -364,8 +597,9 @@ class AccumulationSearch(_Climb):
         min_gain: float = 0.05,
         tolerance: float = 0.01,
         forecast: Forecast | None = None,
+        remeasures: int = 1,
     ) -> None:
-        super().__init__(candidates, min_gain, tolerance, forecast)
+        super().__init__(candidates, min_gain, tolerance, forecast, remeasures)
 
     def _choosable(self, rate: float, best: float) -> bool:
         return rate * (1 + self.min_gain) >= best * (1 - self.tolerance)
@@ -378,23 +612,25 @@ class AccumulationSearch(_Climb):
                 self._climbing = False
             else:
                 self._pending = size
+        if self._pending is None:
+            self._climbing = False
+            self._pending = self._measure_again()
         return self._pending
 
     def observe(self, result: TrialResult) -> None:
         self._take(result)
+        if not self._climbing:
+            return
         self._next += 1
-        best = self.best_rate
-        chooseable = result.fits and result.samples_per_sec is not None
-        if not chooseable or (best is not None and not self._choosable(result.samples_per_sec, best)):  # type: ignore[arg-type]
+        if not result.fits:  # larger micro-batches need more memory still
             self._climbing = False
 
-    @property
-    def result(self) -> TrialResult | None:
-        fits = [r for r in self.results if r.fits and r.samples_per_sec is not None]
-        if not fits:
-            return None
+    def _rule(self, fits: list[TrialResult]) -> TrialResult:
         best = max(r.samples_per_sec for r in fits)  # type: ignore[type-var]
         return max((r for r in fits if self._choosable(r.samples_per_sec, best)), key=lambda r: r.size)  # type: ignore[arg-type]
+
+    def _tie(self, a: TrialResult, b: TrialResult) -> TrialResult:
+        return max((a, b), key=lambda r: r.size)
 
 
 def accumulation_candidates(per_device_batch: int, min_micro_batch: int = 1) -> list[tuple[int, int]]:
