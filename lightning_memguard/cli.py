@@ -64,9 +64,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"memguard: error: {message}\n")
 
 
+MODEL_FORMS = (
+    "a torchvision classification model's name (resnet50), else a timm model's (resnet10t; needs timm), or your own as"
+    " package.module:Callable, a class or function that builds with no arguments an nn.Module from images to class"
+    " scores, or a LightningModule with its own data and a batch_size attribute (package.module is looked for in the"
+    " current folder too)"
+)
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help=f"any torchvision classification model name ({_on_both('model')})")
-    p.add_argument("--image-size", type=int, default=None, help=f"pixels per side ({_on_both('image_size', ' px')})")
+    p.add_argument("--model", default=None, help=f"{MODEL_FORMS} ({_on_both('model')})")
+    p.add_argument(
+        "--image-size",
+        type=int,
+        default=None,
+        help=f"pixels per side ({_on_both('image_size', ' px')}; a model that cannot take it: its own size)",
+    )
     p.add_argument("--precision", choices=PRECISIONS, default=None, help="default: bf16-mixed on CUDA, else 32-true")
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--emulate-capacity", default=None, help="run on an emulated card with sysmem fallback: '16GB'")
@@ -160,11 +173,14 @@ def _positive(name: str, value: int) -> int:
     return value
 
 
-def _check_model(name: str) -> None:
-    import torchvision
+def _model_source(text: str) -> Any:
+    """What ``--model`` names (a :class:`lightning_memguard.sweep.ModelSource`); bad input if it names nothing."""
+    from lightning_memguard.sweep import model_source
 
-    if name not in torchvision.models.list_models(module=torchvision.models):
-        raise UsageError(f"unknown model {name!r}: use a torchvision classification model such as resnet50")
+    try:
+        return model_source(text)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def _batch_sizes(text: str) -> tuple[int, ...]:
@@ -198,42 +214,91 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def _check_model_input(model: str, image_size: int, smallest_batch: int, batch_option: str) -> None:
-    """One training forward of the model on the meta device (no memory, no arithmetic), before any training: a model
-    that cannot take this image size (ViT's fixed size, Inception's minimum), or BatchNorm that cannot train on one
-    sample, is bad input. Where the meta device cannot run the model, the CPU decides, on the smallest batch."""
+@dataclass(frozen=True)
+class _ModelInput:
+    """What the model is measured on: ``image_size`` (None: a LightningModule's own data), the classes its network
+    scores, and how the settings line names it."""
+
+    image_size: int | None
+    num_classes: int
+    described: str
+
+
+def _forward(source: Any, image_size: int, batch: int) -> Any:
+    """One training forward of the model on the meta device (no memory, no arithmetic): its output, or the error.
+    Where the meta device cannot run the model, the CPU decides."""
     import warnings
 
     import torch
-    import torchvision
 
-    def forward(batch: int, device: str) -> None:
+    def run(device: str) -> Any:
         with warnings.catch_warnings(), torch.device(device):
             warnings.simplefilter("ignore")
-            net = torchvision.models.get_model(model, weights=None, num_classes=1000)
+            net = source.build()
             net.train()
-            net(torch.randn(batch, 3, image_size, image_size))
+            return net(torch.randn(batch, 3, image_size, image_size))
 
-    def fails(batch: int) -> BaseException | None:
-        try:
-            forward(batch, "meta")
-            return None
-        except Exception:  # the meta device lacks some kernels: only a real run can tell
-            pass
-        try:
-            forward(batch, "cpu")
-            return None
-        except Exception as err:
-            return err
+    try:
+        return run("meta")
+    except Exception:  # the meta device lacks some kernels: only a real run can tell
+        pass
+    try:
+        return run("cpu")
+    except Exception as err:
+        return err
 
-    err = fails(2)
-    if err is not None:
-        raise UsageError(f"--model {model} cannot take --image-size {image_size}: {_first_line(err)}")
-    if smallest_batch == 1 and (err := fails(1)) is not None:
+
+def _check_model_input(
+    source: Any, image_size: int, given: bool, channels_last: bool, cuda: bool, smallest_batch: int, batch_option: str
+) -> _ModelInput:
+    """Before any training: a model that cannot take the image size (ViT's fixed size, Inception's minimum), a network
+    whose output is not class scores, or BatchNorm that cannot train on one sample, is bad input. Where the device's
+    default size (not ``given``) does not fit the model, its own size (torchvision's ``vit_b_16``: 224 px) is taken,
+    and said; an error never names a flag the user did not pass."""
+    import torch
+
+    if source.lightning:
+        for flag, passed in (("--image-size", given), ("--channels-last", channels_last)):
+            if passed:
+                raise UsageError(
+                    f"{flag}: {source.text} is a LightningModule, which brings its own data; leave {flag} out"
+                )
+        return _ModelInput(None, 0, f"{source.text} (a LightningModule, on its own data)")
+    note = ""
+    out = _forward(source, image_size, 2)
+    if isinstance(out, BaseException):
+        if given:
+            raise UsageError(f"--model {source.text} cannot take --image-size {image_size}: {_first_line(out)}")
+        device = (CUDA_DEFAULTS if cuda else CPU_DEFAULTS).device
+        refused, own = out, source.own_size
+        if own is None or own == image_size or isinstance(out := _forward(source, own, 2), BaseException):
+            raise UsageError(
+                f"--model {source.text} cannot take images of {image_size} px, {device}'s default size (pass"
+                f" --image-size for another): {_first_line(refused)}"
+            )
+        note = f" ({source.text}'s own size: it cannot take {device}'s default of {image_size} px)"
+        image_size = own
+    num_classes = 1000  # a torchvision or timm classifier, as built by name
+    if source.family == "network":
+        if not isinstance(out, torch.Tensor) or out.ndim != 2:
+            got = f"of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
+            raise UsageError(
+                f"--model {source.text}: its output for a batch of images is {got}, not class scores of shape (batch,"
+                " classes); give a LightningModule with its own training_step instead"
+            )
+        num_classes = int(out.shape[1])
+    if smallest_batch == 1 and isinstance(err := _forward(source, image_size, 1), BaseException):
         raise UsageError(
-            f"{batch_option}: {model} at --image-size {image_size} cannot train on a batch of 1 sample"
+            f"{batch_option}: {source.text} at {image_size} px cannot train on a batch of 1 sample"
             f" ({_first_line(err)}); use batches of 2 or more"
         )
+    return _ModelInput(image_size, num_classes, f"{source.text} at {image_size} px{note}")
+
+
+def _not_defaults(filled: list[str], model: _ModelInput, default_size: int) -> list[str]:
+    """The flags of ``filled`` whose default was not used after all: the image size, where the model took its own or
+    brings its own data."""
+    return [f for f in filled if f != "--image-size" or model.image_size == default_size]
 
 
 def _writable(folder: str) -> str:
@@ -304,8 +369,9 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     cuda = _use_cuda(args.device)
+    given_size = args.image_size is not None
     filled = fill_device_defaults(args, cuda)
-    _check_model(args.model)
+    source = _model_source(args.model)
     sizes = _batch_sizes(args.batch_sizes)
     _positive("--image-size", args.image_size)
     _positive("--accumulate", args.accumulate)
@@ -314,7 +380,10 @@ def _sweep(args: argparse.Namespace) -> int:
     precision = _precision(args.precision, args.device)
     backend = _compile_backend(args.compile, args.compile_backend, args.device)
     out = _writable(args.out)
-    _check_model_input(args.model, args.image_size, sizes[0], "--batch-sizes 1")
+    model = _check_model_input(
+        source, args.image_size, given_size, args.channels_last, cuda, sizes[0], "--batch-sizes 1"
+    )
+    filled = _not_defaults(filled, model, args.image_size)
 
     import torch
     from tqdm import tqdm
@@ -323,11 +392,12 @@ def _sweep(args: argparse.Namespace) -> int:
     from lightning_memguard.sweep import SweepConfig, plot, run_folders, run_one, sweep_title, write_csv
 
     warmup = (CUDA_DEFAULTS if cuda else CPU_DEFAULTS).warmup
-    what = (f"{args.model} at {args.image_size} px, batch sizes {','.join(map(str, sizes))}, {warmup} warm-up +"
+    what = (f"{model.described}, batch sizes {','.join(map(str, sizes))}, {warmup} warm-up +"
             f" {_steps(args.steps, 'timed step')} each")  # fmt: skip
     print(_settings_line("sweep", cuda, precision, what, filled), file=sys.stderr, flush=True)
-    cfg = SweepConfig(args.model, sizes, args.image_size, precision, args.channels_last, args.checkpoint,
-                      args.accumulate, args.steps, warmup, capacity, args.device, backend)  # fmt: skip
+    cfg = SweepConfig(args.model, sizes, model.image_size or 0, precision, args.channels_last, args.checkpoint,
+                      args.accumulate, args.steps, warmup, capacity, args.device, backend, model.num_classes,
+                      source)  # fmt: skip
     rows, capacity_gb = [], 0.0
     with run_folders() as root, tqdm(sizes, desc="memguard sweep", unit="batch size", file=sys.stderr) as bar:
         for batch in bar:
@@ -347,8 +417,9 @@ def _sweep(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     cuda = _use_cuda(args.device)
+    given_size = args.image_size is not None
     filled = fill_device_defaults(args, cuda)
-    _check_model(args.model)
+    source = _model_source(args.model)
     _positive("--effective-batch", args.effective_batch)
     _positive("--min-micro-batch", args.min_micro_batch)
     if args.min_micro_batch > args.effective_batch:
@@ -364,7 +435,9 @@ def _plan(args: argparse.Namespace) -> int:
     from lightning_memguard.core.search import accumulation_candidates
 
     smallest = accumulation_candidates(args.effective_batch, args.min_micro_batch)[0][0]
-    _check_model_input(args.model, args.image_size, smallest, f"micro-batch {smallest} (--min-micro-batch)")
+    model = _check_model_input(source, args.image_size, given_size, args.channels_last, cuda, smallest,
+                               f"micro-batch {smallest} (--min-micro-batch)")  # fmt: skip
+    filled = _not_defaults(filled, model, args.image_size)
 
     import warnings
 
@@ -373,8 +446,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     from lightning_memguard.callbacks import AccumulationTuner
     from lightning_memguard.core.search import TrialResult
-    from lightning_memguard.sweep import run_folders
-    from lightning_memguard.testing import ImageClassifier, SysmemSpillEmulator
+    from lightning_memguard.sweep import run_folders, training_module
+    from lightning_memguard.testing import SysmemSpillEmulator
 
     class _Measured(Exception):
         pass
@@ -400,15 +473,15 @@ def _plan(args: argparse.Namespace) -> int:
             return agreed
 
     warmup = (CUDA_DEFAULTS if cuda else CPU_DEFAULTS).trial_warmup
-    what = (f"{args.model} at {args.image_size} px, micro-batches from {smallest} up to {args.effective_batch},"
+    what = (f"{model.described}, micro-batches from {smallest} up to {args.effective_batch},"
             f" {warmup} warm-up + {_steps(args.trial_steps, 'timed optimizer step')} each")  # fmt: skip
     print(_settings_line("plan", cuda, precision, what, filled), file=sys.stderr, flush=True)
     emu = SysmemSpillEmulator(capacity=capacity) if capacity else None
     tuner = ReportingTuner(args.effective_batch, min_micro_batch=args.min_micro_batch, allow_checkpointing=True,
                            probe=emu.probe if emu is not None else None, cache=False, warmup_steps=warmup,
                            timed_steps=args.trial_steps)  # fmt: skip
-    model = ImageClassifier(args.model, num_classes=1000, image_size=args.image_size, batch_size=args.effective_batch,
-                            steps_per_epoch=64, channels_last=args.channels_last)  # fmt: skip
+    module = training_module(source, model.num_classes, model.image_size or 0, args.effective_batch, 64,
+                             args.channels_last)  # fmt: skip
     callbacks: list[Callback] = [c for c in (emu, tuner, StopBeforeTraining()) if c is not None]
     try:
         with run_folders("plan") as root:
@@ -419,12 +492,12 @@ def _plan(args: argparse.Namespace) -> int:
             )  # fmt: skip
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                trainer.fit(model if backend is None else torch.compile(model, backend=backend))  # type: ignore[arg-type]
+                trainer.fit(module if backend is None else torch.compile(module, backend=backend))  # type: ignore[arg-type]
     except _Measured:
         pass
     except RuntimeError as err:
         if tuner.batch_size is None and tuner.results and not any(r.fits for r in tuner.results):
-            print(f"memguard: {_nothing_fits(args, tuner.results, smallest)}", file=sys.stderr)
+            print(f"memguard: {_nothing_fits(args, tuner.results, smallest, model.image_size)}", file=sys.stderr)
         else:
             print(f"memguard: {err}", file=sys.stderr)
         return 1
@@ -453,13 +526,13 @@ def _trial_row(r: Any) -> str:
             f"  peak {(r.peak_bytes or 0) / 1e9:.2f} GB{compiled}")  # fmt: skip
 
 
-def _nothing_fits(args: argparse.Namespace, results: Sequence[Any], smallest: int) -> str:
-    """Plan already falls back to activation checkpointing: what is left to change is the command's own input."""
+def _nothing_fits(args: argparse.Namespace, results: Sequence[Any], smallest: int, image_size: int | None) -> str:
+    """Plan already falls back to activation checkpointing: what is left to change is the command's own input (a
+    LightningModule's images are its own)."""
     tried = ", ".join(f"{r.size} x {r.accumulate}: {r.outcome}" for r in results)
-    advice = [
-        f"a smaller --image-size (now {args.image_size})",
-        f"a smaller --effective-batch (now {args.effective_batch})",
-    ]
+    advice = [f"a smaller --effective-batch (now {args.effective_batch})"]
+    if image_size is not None:
+        advice.insert(0, f"a smaller --image-size (now {image_size})")
     if smallest > 1:
         advice.insert(0, f"a smaller --min-micro-batch (now {args.min_micro_batch})")
     return (

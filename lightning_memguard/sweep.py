@@ -2,22 +2,213 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import importlib
+import os
 import statistics
+import sys
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_memguard import _compiler
 from lightning_memguard.callbacks import MemGuard
 from lightning_memguard.core.files import written_atomically
 from lightning_memguard.core.report import SweepRow
 from lightning_memguard.testing import ImageClassifier, StepTimer, SysmemSpillEmulator
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What ``--model`` names, and how to build it.
+
+    ``family`` is ``"torchvision"`` or ``"timm"`` (a classifier of 1000 classes, built by name), ``"network"`` (the
+    user's own ``nn.Module`` from images to class scores) or ``"LightningModule"`` (the user's own, with its data).
+    ``own_size`` is the image size the model is made for, where it names one (torchvision's ``vit_b_16``: 224 px).
+    """
+
+    text: str
+    family: str
+    build: Callable[[], nn.Module]
+    own_size: int | None = None
+
+    @property
+    def lightning(self) -> bool:
+        return self.family == "LightningModule"
+
+
+def model_source(text: str) -> ModelSource:
+    """The model ``--model`` names: ``package.module:Callable``, else a torchvision classification model, else a timm
+    one. Raises ``ValueError`` with a message that quotes ``text`` where it names none (or timm is not installed)."""
+    if ":" in text:
+        return _own_model(text)
+    import torchvision
+
+    if text in torchvision.models.list_models(module=torchvision.models):
+        try:  # the smallest size its weights were trained for: vit_b_16's only size, Inception's minimum
+            sizes = [w.meta.get("min_size") for w in torchvision.models.get_model_weights(text)]
+        except ValueError:  # a model without weights names none
+            sizes = []
+        own = min((size[-1] for size in sizes if size), default=None)
+        return ModelSource(text, "torchvision", partial(torchvision.models.get_model, text, weights=None), own)
+    try:
+        import timm
+    except ImportError:
+        raise ValueError(
+            f"unknown model {text!r}: not a torchvision classification model such as resnet50, and timm is not"
+            " installed for timm's (pip install timm); or give your own as package.module:Callable"
+        ) from None
+    if not timm.is_model(text):
+        raise ValueError(
+            f"unknown model {text!r}: neither a torchvision nor a timm classification model (such as resnet50, or"
+            " resnet10t); or give your own as package.module:Callable"
+        )
+    cfg = timm.get_pretrained_cfg(text)
+    own = (cfg.min_input_size or cfg.input_size)[-1] if cfg is not None else None
+    return ModelSource(text, "timm", partial(timm.create_model, text, pretrained=False, num_classes=1000), own)
+
+
+@contextlib.contextmanager
+def _current_folder_importable() -> Iterator[None]:
+    """``package.module`` is looked for in the folder the command runs in, as ``python -m`` would (the ``memguard``
+    script alone would not)."""
+    here = os.getcwd()
+    added = here not in sys.path
+    if added:
+        sys.path.insert(0, here)
+    try:
+        yield
+    finally:
+        if added and here in sys.path:
+            sys.path.remove(here)
+
+
+def _own_model(text: str) -> ModelSource:
+    """``package.module:Callable``, built once here with no arguments, to know what it builds."""
+    module_name, _, name = text.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"--model {text!r}: give your own model as package.module:Callable")
+    try:
+        with _current_folder_importable():
+            found: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"--model {text}: cannot import {module_name!r} ({err})") from None
+    for part in name.split("."):
+        if not hasattr(found, part):
+            raise ValueError(f"--model {text}: {module_name} has no {name!r}")
+        found = getattr(found, part)
+    if not callable(found):
+        raise ValueError(f"--model {text}: {name} is not a class or a function, but {type(found).__name__}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            built = found()
+    except Exception as err:
+        raise ValueError(f"--model {text} cannot be built with no arguments: {_first_line(err)}") from None
+    if isinstance(built, LightningModule):
+        if not lightning_hasattr(built, "batch_size"):
+            raise ValueError(
+                f"--model {text}: a LightningModule without a batch_size attribute; sweep and plan set it for each"
+                " run, and its train_dataloader() must build its batches from it"
+            )
+        return ModelSource(text, "LightningModule", found)
+    if not isinstance(built, nn.Module):
+        raise ValueError(f"--model {text} builds a {type(built).__name__}, not an nn.Module or a LightningModule")
+    return ModelSource(text, "network", found)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+class NetworkClassifier(LightningModule):
+    """A network of any family (timm's, the user's own) trained on random images, as
+    :class:`~lightning_memguard.testing.ImageClassifier` trains a torchvision model: each batch holds sample indices
+    into a pool of images on the model's device, so the loader costs nothing and timings measure the device.
+
+    Example:
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5))
+        >>> model = NetworkClassifier("tiny", net, num_classes=5, image_size=8, batch_size=2, steps_per_epoch=3)
+        >>> model.training_step(next(iter(model.train_dataloader())), 0).ndim
+        0
+    """
+
+    def __init__(
+        self,
+        arch: str,
+        net: nn.Module,
+        num_classes: int,
+        image_size: int,
+        batch_size: int,
+        steps_per_epoch: int,
+        channels_last: bool = False,
+        pool_size: int = 64,
+        lr: float = 0.05,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["net"])
+        self.batch_size = batch_size
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        self.net = net.to(memory_format=fmt)  # type: ignore[call-overload]
+        gen = torch.Generator().manual_seed(seed)
+        images = torch.randn(pool_size, 3, image_size, image_size, generator=gen).contiguous(memory_format=fmt)
+        self.register_buffer("images", images, persistent=False)
+        self.register_buffer("labels", torch.randint(0, num_classes, (pool_size,), generator=gen), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        images: torch.Tensor = self.images  # type: ignore[assignment]
+        labels: torch.Tensor = self.labels  # type: ignore[assignment]
+        idx = batch % images.shape[0]
+        return F.cross_entropy(self(images[idx]), labels[idx])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        samples = torch.arange(self.hparams["steps_per_epoch"] * self.batch_size)
+        return DataLoader(samples, batch_size=self.batch_size)  # type: ignore[arg-type]
+
+
+def training_module(
+    source: ModelSource,
+    num_classes: int,
+    image_size: int,
+    batch_size: int,
+    steps_per_epoch: int,
+    channels_last: bool,
+    pool_size: int = 64,
+) -> LightningModule:
+    """What sweep and plan train: torchvision's models in an ImageClassifier, timm's and the user's own networks in a
+    :class:`NetworkClassifier`, each on random images; the user's LightningModule as it is, ``batch_size`` set."""
+    if source.family == "torchvision":
+        return ImageClassifier(
+            source.text, num_classes=num_classes, image_size=image_size, batch_size=batch_size,
+            steps_per_epoch=steps_per_epoch, channels_last=channels_last, pool_size=pool_size,
+        )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        built = source.build()
+    if isinstance(built, LightningModule):
+        lightning_setattr(built, "batch_size", batch_size)
+        return built
+    return NetworkClassifier(source.text, built, num_classes, image_size, batch_size, steps_per_epoch, channels_last,
+                             pool_size)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -34,6 +225,8 @@ class SweepConfig:
     emulate_capacity: int | None = None
     device: str = "auto"
     compile: str | None = None  # a torch.compile backend ("inductor", "aot_eager", ...); None: eager
+    num_classes: int = 1000  # the classes the network scores (a torchvision or timm model: 1000)
+    source: ModelSource | None = None  # what `model` names, resolved already (None: resolved from `model`)
 
 
 MAX_COMPILE_STEPS = 20  # a compiled run that keeps compiling is timed on what it has after this many more steps
@@ -89,14 +282,13 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
     cuda = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "cuda"
     compiled = cfg.compile is not None
     steps = cfg.warmup + cfg.steps + (MAX_COMPILE_STEPS if compiled else 0)
-    model: LightningModule = ImageClassifier(
-        cfg.model, num_classes=1000, image_size=cfg.image_size, batch_size=batch,
-        steps_per_epoch=steps * cfg.accumulate + 1, channels_last=cfg.channels_last, pool_size=max(64, batch),
-    )  # fmt: skip
+    source = cfg.source or model_source(cfg.model)
+    model = training_module(source, cfg.num_classes, cfg.image_size, batch, steps * cfg.accumulate + 1,
+                            cfg.channels_last, pool_size=max(64, batch))  # fmt: skip
     if cfg.checkpoint:
         from lightning_memguard.checkpointing import checkpoint_blocks
 
-        checkpoint_blocks(model.net)  # type: ignore[arg-type]
+        checkpoint_blocks(model if source.lightning else model.net)  # type: ignore[arg-type]
     if cfg.compile is not None:
         _compiler.forget_compiled()  # this size's own graph, compiled (and timed) here
         model = torch.compile(model, backend=cfg.compile, dynamic=False)  # type: ignore[assignment]
@@ -107,7 +299,8 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
     callbacks: list[Callback] = [c for c in (emu, guard, timer, warmup) if c is not None]
     trainer = Trainer(
         accelerator="cuda" if cuda else "cpu", devices=1, precision=cfg.precision,  # type: ignore[arg-type]
-        max_steps=steps, max_epochs=1, accumulate_grad_batches=cfg.accumulate, callbacks=callbacks, logger=False,
+        max_steps=steps, max_epochs=-1 if source.lightning else 1, accumulate_grad_batches=cfg.accumulate,
+        callbacks=callbacks, logger=False,
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
         default_root_dir=root,
     )  # fmt: skip

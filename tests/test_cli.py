@@ -175,10 +175,10 @@ def test_demo_into_an_unwritable_folder(tmp_path, no_training, capsys):
         (["sweep", "--model", "inception_v3", "--image-size", "32", "--device", "cpu"],
          "--model inception_v3 cannot take --image-size 32: "),
         (["sweep", *TINY, "--batch-sizes", "1,4"],
-         "--batch-sizes 1: resnet18 at --image-size 32 cannot train on a batch of 1 sample (Expected more than 1 value"
-         " per channel when training"),
+         "--batch-sizes 1: resnet18 at 32 px cannot train on a batch of 1 sample (Expected more than 1 value per"
+         " channel when training"),
         (["plan", *TINY, "--effective-batch", "4", "--min-micro-batch", "1"],
-         "micro-batch 1 (--min-micro-batch): resnet18 at --image-size 32 cannot train on a batch of 1 sample"),
+         "micro-batch 1 (--min-micro-batch): resnet18 at 32 px cannot train on a batch of 1 sample"),
     ],
     ids=["vit-at-32px", "inception-at-32px", "batchnorm-batch-1", "plan-batchnorm-micro-batch-1"],
 )  # fmt: skip
@@ -403,3 +403,152 @@ def test_demo_says_how_far_it_is_at_least_every_ten_seconds(monkeypatch, tmp_pat
         "memguard demo: epoch 1 of 1: step 4 of 4",  # at 16 s: 12 s since the last line
         "memguard demo: epoch 1 of 1: 4 steps in 20.0 s",
     ]
+
+
+# ---------------------------------------------------------------- --model: torchvision, timm, or your own
+
+OWN_MODELS = """
+import torch
+from torch import nn
+
+
+class TinyNet(nn.Module):  # 7 classes
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                    nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 7))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def tiny_net():
+    return TinyNet()
+
+
+class Only64(nn.Module):  # takes 64 px images only, and names no size of its own
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3 * 64 * 64, 10)
+
+    def forward(self, x):
+        return self.head(x.flatten(1))
+
+
+class Segmenter(nn.Module):  # scores per pixel, not per image
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class NeedsWidth(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+
+
+def no_batch_size():
+    from lightning.pytorch import LightningModule
+
+    return LightningModule()
+"""
+
+
+@pytest.fixture
+def own_models(tmp_path, monkeypatch):
+    """``my_models.py`` in the folder the command runs in, which is not on ``sys.path``: as a user's own project."""
+    (tmp_path / "my_models.py").write_text(OWN_MODELS, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    yield tmp_path
+    sys.modules.pop("my_models", None)
+
+
+def _csv_rows(folder) -> list[dict]:
+    with open(folder / "sweep.csv", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize(
+    "model", ["resnet10t", "my_models:TinyNet", "my_models:tiny_net", "lightning_memguard.testing:ImageClassifier"]
+)
+def test_sweep_takes_a_timm_name_and_your_own_module(own_models, capsys, model):
+    argv = ["sweep", "--model", model, "--device", "cpu", "--batch-sizes", "2,4", "--steps", "1", "--out", "out"]
+    size = [] if model.startswith("lightning_memguard") else ["--image-size", "32"]  # a LightningModule: its own data
+    assert main([*argv, *size]) == 0, capsys.readouterr().err
+    assert [(r["batch"], r["status"]) for r in _csv_rows(own_models / "out")] == [("2", "ok"), ("4", "ok")]
+    first = capsys.readouterr().err.splitlines()[0]
+    described = f"{model} (a LightningModule, on its own data)" if not size else f"{model} at 32 px"
+    assert first.startswith(f"memguard sweep on the CPU: {described}, batch sizes 2,4")
+
+
+def test_plan_takes_a_timm_name_and_your_own_module(own_models, capsys):
+    for model in ("resnet10t", "my_models:TinyNet", "lightning_memguard.testing:ImageClassifier"):
+        argv = ["plan", "--model", model, "--device", "cpu", "--effective-batch", "8", "--min-micro-batch", "4"]
+        assert main([*argv, "--steps", "1"]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert "effective batch 8: micro-batch" in out and "model.batch_size = " in out
+
+
+def test_a_model_the_default_image_size_does_not_fit_takes_its_own(monkeypatch, tmp_path, capsys, sweep_configs):
+    # vit_b_16 takes 224 px only: the CPU's default of 32 px was blamed on an --image-size the user never passed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["sweep", "--model", "vit_b_16", "--batch-sizes", "2", "--out", str(tmp_path)]) == 0
+    assert {cfg.image_size for cfg in sweep_configs} == {224}
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith(
+        "memguard sweep on the CPU: vit_b_16 at 224 px (vit_b_16's own size: it cannot take the CPU's default of 32"
+        " px),"
+    )
+    assert first.endswith("(the CPU's defaults for --steps; pass them for others)")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["sweep", "--model", "my_models:Only64"],
+         "--model my_models:Only64 cannot take images of 32 px, the CPU's default size (pass --image-size for"
+         " another): "),
+        (["sweep", "--model", "my_models:Segmenter"],
+         "--model my_models:Segmenter: its output for a batch of images is of shape (2, 4, 32, 32), not class scores"
+         " of shape (batch, classes)"),
+        (["plan", "--effective-batch", "8", "--model", "my_models:NeedsWidth"],
+         "--model my_models:NeedsWidth cannot be built with no arguments: "),
+        (["sweep", "--model", "my_models:no_batch_size"],
+         "--model my_models:no_batch_size: a LightningModule without a batch_size attribute"),
+        (["sweep", "--model", "lightning_memguard.testing:ImageClassifier", "--image-size", "64"],
+         "--image-size: lightning_memguard.testing:ImageClassifier is a LightningModule, which brings its own data"),
+        (["sweep", "--model", "my_models:Nothing"], "--model my_models:Nothing: my_models has no 'Nothing'"),
+        (["sweep", "--model", "no_such_package.models:Net"], "--model no_such_package.models:Net: cannot import"),
+        (["sweep", "--model", "resnet10t_and_more"], "unknown model 'resnet10t_and_more': neither a torchvision nor a"
+         " timm classification model"),
+    ],
+    ids=["default-size-unfit", "not-class-scores", "needs-arguments", "no-batch-size", "lightning-image-size",
+         "no-such-name", "no-such-module", "unknown-name"],
+)  # fmt: skip
+def test_a_model_that_cannot_be_measured_is_bad_input(own_models, no_training, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _one_line_error([*argv, "--device", "cpu"], capsys)
+    assert message in err
+    assert "--image-size 32" not in err  # never a flag the user did not pass
+
+
+def test_a_timm_name_without_timm_says_to_install_it(monkeypatch, no_training, capsys):
+    monkeypatch.setitem(sys.modules, "timm", None)  # import timm fails, as where it is not installed
+    err = _one_line_error(["sweep", "--model", "resnet10t", "--device", "cpu"], capsys)
+    assert "unknown model 'resnet10t': not a torchvision classification model such as resnet50, and timm is not" \
+           " installed for timm's (pip install timm)" in err  # fmt: skip
+
+
+def test_help_names_the_forms_of_model(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "300")
+    for command in ("sweep", "plan"):
+        with pytest.raises(SystemExit, match="0"):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert (
+            "a torchvision classification model's name (resnet50), else a timm model's (resnet10t; needs timm)" in text
+        )
+        assert "or your own as package.module:Callable" in text and "or a LightningModule" in text
