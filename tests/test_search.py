@@ -335,9 +335,9 @@ def _accumulation_fit(tmp_path, n):
 
 @NEEDS_TRIALS_TIMING
 def test_a_trial_row_from_a_trainer_holds_its_definitions(tmp_path):
-    """40 samples: at 16 x 1 every epoch ends on a batch of 8, at 8 x 2 on a step of one batch, Lightning's; the
-    rows time whole optimizer steps only, so samples_per_sec x step_ms is the samples of one (before: 16 x 1 read
-    32 ms a step and 296 samples/s, the median of a full and a short step's rates)."""
+    """40 samples: at 16 x 1 every epoch ends on a batch of 8, at 8 x 2 on a step of one batch (Lightning steps at
+    an epoch's end). The rows time whole optimizer steps only, so samples_per_sec x step_ms is the samples of one;
+    before, steps were cut every `accumulate` batches across epochs and a short step's rate went into the median."""
     tuner = _accumulation_fit(tmp_path, n=40)
     rows = [r for r in tuner.results if r.fits]
     assert [(r.size, r.accumulate) for r in rows][:3] == [(4, 4), (8, 2), (16, 1)]
