@@ -18,22 +18,23 @@ from lightning_memguard._compiler.graphs import forget_graphs_apart
 from lightning_memguard._compiler.inspect import lightning_dynamo_context
 
 
-def _step(model: Any, args: tuple[Any, ...]) -> Any:
-    return model(*args)
+def _step(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+    return model(*args, **(kwargs or {}))
 
 
 def fresh_compiled(model: nn.Module, options: dict[str, Any] | None) -> Callable[..., Any]:
-    """``model(*args)`` compiled anew: a function of its own code object, with Dynamo's caches emptied first
+    """``model(*args, **kwargs)`` compiled anew, called as ``step(model, args)`` or ``step(model, args, kwargs)``: a
+    function of its own code object, with Dynamo's caches emptied first
     (:func:`~lightning_memguard._compiler.graphs.forget_graphs_apart`), so no graph of the model is cached and the
-    current settings (``activation_memory_budget``) apply to its first call. Other compiled functions in the
-    process compile again on their next call.
+    current settings (``activation_memory_budget``) apply to its first call. Other compiled functions in the process
+    compile again on their next call.
 
     ``options``: ``torch.compile`` keyword arguments; None: compiled the way ``model`` already is (a
     ``torch.compile`` result, or a LightningModule that ``fit`` unwrapped), or with the defaults.
     """
 
     forget_graphs_apart()
-    step = types.FunctionType(_step.__code__.replace(), _step.__globals__, "memguard_step")
+    step = types.FunctionType(_step.__code__.replace(), _step.__globals__, "memguard_step", _step.__defaults__)
     if options is None:
         context = getattr(model, "dynamo_ctx", None)  # torch.compile(model)
         if context is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import lightning
@@ -31,6 +32,19 @@ def _hparams(obj: Any, batch_arg_name: str) -> dict[str, str]:
     return {str(k): repr(v) for k, v in sorted(dict(hparams).items(), key=str) if k != batch_arg_name}
 
 
+def _shapes(example: Any) -> Any:
+    """An example input's shapes, as its structure holds them: a tensor's shape, a tuple's or list's items in order,
+    a dict's values by key (a Hugging Face-style ``{"input_ids": ..., "attention_mask": ...}``); anything else by its
+    type's name (None: no example)."""
+    if torch.is_tensor(example):
+        return list(example.shape)
+    if isinstance(example, Mapping):
+        return {str(key): _shapes(example[key]) for key in sorted(example, key=str)}
+    if isinstance(example, list | tuple):
+        return [_shapes(item) for item in example]
+    return None if example is None else type(example).__name__
+
+
 def cache_key(
     tuner: _MeasuringTuner,
     trainer: Trainer,
@@ -44,8 +58,8 @@ def cache_key(
     - ``modules``: a hash of every submodule's name and class (a checkpointed or rebuilt block changes it);
     - ``checkpointing``: the settings of the ActivationCheckpointing callbacks;
     - ``compiled``: whether the model runs under ``torch.compile``;
-    - ``input``, ``batch``: ``example_input_array``'s shape; the shapes and dtypes of each train loader's first
-      batch;
+    - ``input``, ``batch``: ``example_input_array``'s shapes (a tensor's, a tuple's or a dict's); the shapes and
+      dtypes of each train loader's first batch;
     - ``samples_per_epoch``: the samples one epoch of the train loader runs (the search caps sizes at it);
     - ``hparams``, ``datamodule``: the module's hyperparameters but the batch size; the datamodule's class and
       hyperparameters;
@@ -75,7 +89,7 @@ def cache_key(
             if isinstance(c, ActivationCheckpointing)
         ],
         "compiled": _compiler.is_compiled(pl_module),  # a compiled model's step times are its graph's
-        "input": list(example.shape) if torch.is_tensor(example) else None,
+        "input": _shapes(example),
         "batch": batch,
         "samples_per_epoch": samples_per_epoch,
         "hparams": _hparams(pl_module, arg),

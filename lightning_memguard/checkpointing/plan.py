@@ -175,6 +175,22 @@ def _tensors(args: Any) -> list[torch.Tensor]:
     return []
 
 
+def example_arguments(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments a model takes an example input as, the way Lightning's model summary
+    calls ``forward`` on ``example_input_array``: a tuple or list is positional (``forward(*example)``), a dict
+    keywords (``forward(**example)``), anything else (a tensor) the one argument (``forward(example)``).
+
+    Example:
+        >>> example_arguments({"input_ids": 1, "attention_mask": 0}), example_arguments((1, 2)), example_arguments(3)
+        (((), {'input_ids': 1, 'attention_mask': 0}), ((1, 2), {}), ((3,), {}))
+    """
+    if isinstance(example, list | tuple):
+        return tuple(example), {}
+    if isinstance(example, Mapping):
+        return (), dict(example)
+    return (example,), {}
+
+
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     if isinstance(t, DTensor):  # a sharded parameter (FSDP2): this rank's shard is what it holds
         t = t.to_local()
@@ -205,10 +221,11 @@ class _StepMeter:
         model: nn.Module,
         example: Any,
         loss_fn: Callable[[Any], torch.Tensor],
-        runner: Callable[[nn.Module, tuple[Any, ...]], Any] | None = None,
+        runner: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any] | None = None,
     ) -> None:
         self.model, self.example, self.loss_fn = model, example, loss_fn
-        self.runner = runner  # a compiled step (model, args) -> output; None: the model as it is called
+        self.args, self.kwargs = example_arguments(example)  # a tensor, a tuple (positional) or a dict (keywords)
+        self.runner = runner  # a compiled step (model, args, kwargs) -> output; None: the model as it is called
         self.cuda = any(t.is_cuda for t in _tensors(example))
         # held whether or not anything is saved: parameters, buffers and the batch itself; everything else a
         # forward saves counts, also tensors that need no gradient (max-pooling indices, dropout masks)
@@ -217,8 +234,10 @@ class _StepMeter:
         self.agree = _agreed.get()  # every rank's figures, where every rank measures (:func:`measured_alike`)
 
     def _run(self) -> None:
-        args = self.example if isinstance(self.example, tuple) else (self.example,)
-        out = self.runner(self.model, args) if self.runner is not None else self.model(*args)
+        if self.runner is not None:
+            out = self.runner(self.model, self.args, self.kwargs)
+        else:
+            out = self.model(*self.args, **self.kwargs)
         self.loss_fn(out).backward()
 
     def seconds(self, steps: int = 3) -> float:
@@ -501,7 +520,9 @@ def checkpoint_blocks(
         units: ``"auto"`` (found by structure, see :func:`~.wrap.find_units`), module classes, or a predicate
             ``(name, module) -> bool``.
         memory_budget: see above; needs ``example_input``.
-        example_input: a real batch of model inputs (a tensor, or a tuple of positional arguments).
+        example_input: a real batch of model inputs, as Lightning's ``example_input_array``: a tensor
+            (``model(x)``), a tuple or list of positional arguments (``model(*x)``) or a dict of keyword arguments
+            (``model(**x)``, a Hugging Face-style ``forward(input_ids, attention_mask)``).
         loss_fn: turns the model's output into a scalar for the profiling backward; default: the sum.
         bn_correct: BatchNorm running statistics are updated only by the first forward, not by recomputation.
         rebuild_bn_relu: see above.
