@@ -37,6 +37,8 @@ class SpillResponse:
         self.checkpoint_error: str | None = None  # why it could not be written, if it could not
         self.allocated_now: int | None = None  # what a step starts from, at the last reading between steps
         self._shared: tuple[int, SpillReport] | None = None  # the spilling rank and its report, once shared
+        self._at_batch_end = False  # "stop" was agreed at a batch's start: act when that batch has trained
+        self._warned = False  # the stop's warning was given
 
     @property
     def acts(self) -> bool:
@@ -48,14 +50,38 @@ class SpillResponse:
         if not self.acts:
             rank_zero_warn(format_spill_message(report, batch), category=RuntimeWarning)
 
+    def agreed(self, trainer: Trainer, spill: SpillReport | None, vote: StopVote | None, batch: int | None) -> None:
+        """Every rank agreed at this batch's start. ``"raise"`` saves and raises now: the batch does not train, and the
+        checkpoint holds every batch before it. ``"stop"`` lets the batch train (a callback cannot skip it: only the
+        LightningModule's ``on_train_batch_start`` can) and saves and stops at its end (:meth:`batch_end`), so the
+        checkpoint holds every batch the run trained. Either way a run resumed from it trains each batch once."""
+        if self.on_spill == "raise":
+            self.act(trainer, spill, vote, batch)
+        else:
+            self._at_batch_end = True
+
+    def batch_end(self, trainer: Trainer, spill: SpillReport | None, vote: StopVote | None, batch: int | None) -> None:
+        """The batch during which ``"stop"`` was agreed has trained: save and stop now, every rank at this batch."""
+        if self._at_batch_end:
+            self._at_batch_end = False
+            self.act(trainer, spill, vote, batch, after_batch=True)
+
     def settle(self, trainer: Trainer, spill: SpillReport | None, vote: StopVote | None, batch: int | None) -> None:
         """At an epoch's end no later batch start may come to act on a spill found in its last steps (the last
         epoch, ``fast_dev_run``, ``limit_train_batches=1``): every rank decides now, together, without lag."""
         if self.acts and trainer.strategy.reduce_boolean_decision(spill is not None, all=False):
             self.act(trainer, spill, vote, batch)
 
-    def act(self, trainer: Trainer, spill: SpillReport | None, vote: StopVote | None, batch: int | None) -> None:
-        """Every rank arrives here at the same step: save if there is progress to keep, then raise or stop."""
+    def act(
+        self,
+        trainer: Trainer,
+        spill: SpillReport | None,
+        vote: StopVote | None,
+        batch: int | None,
+        after_batch: bool = False,
+    ) -> None:
+        """Every rank arrives here at the same step: save if there is progress to keep, then raise or stop.
+        ``after_batch``: at the end of the batch during which the stop was agreed (it trained, and is saved)."""
         saved = self.checkpoint_path is not None or self.checkpoint_error is not None
         if not saved and self.spill_checkpoint is not False and trainer.global_step > 0:
             chosen = None if self.spill_checkpoint is True else self.spill_checkpoint
@@ -84,8 +110,10 @@ class SpillResponse:
             message += f"\nNo checkpoint was kept: {self.checkpoint_error}."
         if self.on_spill == "raise":
             raise SysmemSpillError(message, spill, self.checkpoint_path)
-        if not trainer.should_stop:
-            rank_zero_warn(message + "\nMemGuard stopped the Trainer.", category=RuntimeWarning)
+        if not self._warned:
+            self._warned = True
+            when = " after the batch in flight had trained (a run stops between batches)" if after_batch else ""
+            rank_zero_warn(f"{message}\nMemGuard stopped the Trainer{when}.", category=RuntimeWarning)
         trainer.should_stop = True
 
     def _spilling_rank(self, spill: SpillReport | None, vote: StopVote | None) -> tuple[int, SpillReport] | None:

@@ -70,9 +70,10 @@ class MemGuard(Callback):
         capacity: physical memory to judge against: bytes or a string such as ``"16GB"``, ``"16GiB"``, from 1 MB
             to 1 EB (``16`` is 16 bytes: refused); default: the device's (or the probe's) capacity.
         headroom: fraction of capacity that counts as "at the capacity", in [0, 1).
-        on_spill: ``"raise"`` raises :class:`SysmemSpillError`, ``"stop"`` stops the Trainer cleanly,
-            ``"warn"`` only warns. Before raising or stopping after training progress, a checkpoint is saved (see
-            ``spill_checkpoint``).
+        on_spill: ``"raise"`` raises :class:`SysmemSpillError` before the batch trains, ``"stop"`` stops the Trainer
+            cleanly once the batch in flight has trained (a callback can stop a run only between batches),
+            ``"warn"`` only warns. Before raising or stopping after training progress, a checkpoint of every batch
+            trained is saved (see ``spill_checkpoint``): a run resumed from it trains each batch once.
         prevent: cap PyTorch's CUDA allocator at the capacity less what other processes hold (from NVML; under
             WDDM the device's used memory less this run's) and ``prevent_margin``, so an overflow is a real,
             immediate out-of-memory error instead of a spill. On a device without that allocator (the CPU) it
@@ -250,7 +251,12 @@ class MemGuard(Callback):
         if vote is not None:
             stop = timeline.spill is not None and self._response.acts
             if vote.cast(stop) if vote.distributed else stop:
-                self._response.act(trainer, self.spill, vote, self._batch())
+                self._response.agreed(trainer, self.spill, vote, self._batch())  # "raise" now, "stop" at batch end
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._response.batch_end(trainer, self.spill, self._vote, self._batch())
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close_step_early()

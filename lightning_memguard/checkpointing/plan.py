@@ -54,6 +54,7 @@ from lightning_memguard.core.checks import (
     check_instance,
     check_memory_budget,
 )
+from lightning_memguard.core.units import size_formatter
 
 
 @dataclass
@@ -124,7 +125,7 @@ class CheckpointPlan:
             if self.graph_splits:
                 text += f" and a graph per container ({', '.join(self.graph_splits)})"
         if self.budget_bytes is not None:
-            size = _sizes(self.baseline_bytes or self.budget_bytes)
+            size = size_formatter(self.baseline_bytes or self.budget_bytes)
             text += f"; budget {size(self.budget_bytes)} of baseline {size(self.baseline_bytes or 0)}"
             if self.predicted_bytes is not None:
                 text += f", predicted {size(self.predicted_bytes)}"
@@ -138,23 +139,6 @@ class CheckpointPlan:
                 if self.lower:
                     text += f"; lower would take {' or '.join(self.lower)}"
         return text
-
-
-_UNITS = ((10**9, "GB", 3), (10**6, "MB", 1), (10**3, "kB", 1))
-
-
-def _sizes(reference: int) -> Callable[[int], str]:
-    """Formats byte counts in one unit chosen by ``reference`` (the largest figure): GB with three decimals, MB or kB
-    with one, else bytes.
-
-    Example:
-        >>> _sizes(2_500_000_000)(800_000_000), _sizes(12_345_678)(4_000_000), _sizes(900)(512)
-        ('0.800 GB', '4.0 MB', '512 B')
-    """
-    for scale, unit, digits in _UNITS:
-        if reference >= scale:
-            return lambda n, scale=scale, unit=unit, digits=digits: f"{n / scale:.{digits}f} {unit}"  # type: ignore[misc]
-    return lambda n: f"{n} B"
 
 
 def _default_loss(output: Any) -> torch.Tensor:

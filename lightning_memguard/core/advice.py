@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_memguard.core.units import to_gb
+from lightning_memguard.core.units import size_formatter
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class FitAdvice:
         return cls(resting, per_sample, largest, effective, micro, None if micro is None else effective // micro)
 
     def sentence(self) -> str:
-        """The advice in words, with its figures.
+        """The advice in words, with its figures, each in the unit that fits it (GB, MB or kB).
 
         Example:
             >>> words = FitAdvice(10**9, 50 * 10**6, 284, 512, 256, 2).sentence()
@@ -58,10 +58,14 @@ class FitAdvice:
             True
             >>> "512 fits as 256 x accumulate_grad_batches=2" in words, "checkpointing is not needed" in words
             (True, True)
+            >>> small_card = FitAdvice(134_400_000, 1_630_000, 4, 16, 4, 4).sentence()
+            >>> "starts from 134.4 MB, and each sample adds 1.6 MB)" in small_card
+            True
         """
+        resting, per_sample = size_formatter(self.resting, 2), size_formatter(self.per_sample, 2)  # each in its unit
         start = (
-            f"From this run's readings (a step starts from {to_gb(self.resting):.2f} GB, and each sample adds"
-            f" {self.per_sample / 1e6:.1f} MB): "
+            f"From this run's readings (a step starts from {resting(self.resting)}, and each sample adds"
+            f" {per_sample(self.per_sample)}): "
         )
         if self.largest_batch < 1 or self.micro_batch is None:
             return start + (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lightning_memguard.core.platform import CONTROL_PANEL, WSL2_SETTING
 from lightning_memguard.core.spill import SpillReport
-from lightning_memguard.core.units import to_gb
+from lightning_memguard.core.units import size_formatter
 
 FIXES = (
     "Fixes, most direct first:\n"
@@ -18,7 +18,8 @@ FIXES = (
 
 
 def format_spill_message(report: SpillReport, batch_size: int | None, checkpoint_path: str | None = None) -> str:
-    """The message a user sees when a run is stopped for spilling: the numbers, then the fixes.
+    """The message a user sees when a run is stopped for spilling: the numbers, then the fixes. Sizes are in the card's
+    unit: GB, or MB on a small or emulated card.
 
     Example:
         >>> from lightning_memguard.core.spill import Verdict
@@ -31,18 +32,21 @@ def format_spill_message(report: SpillReport, batch_size: int | None, checkpoint
         True
         >>> "(45.6x slower)" in message, "Prefer No Sysmem Fallback" in message
         (True, True)
+        >>> small = SpillReport(Verdict.SPILL, "peak memory above the physical capacity", 3, 160_296_440, 150_000_000)
+        >>> "peak 160.3 MB against 150.0 MB of physical memory" in format_spill_message(small, 16)
+        True
     """
+    size = size_formatter(report.capacity, gb_digits=2)  # every figure in the card's unit: GB, or MB on a small card
     parts = [f"GPU memory is spilling into system RAM at training step {report.step}"]
     if batch_size is not None:
         parts.append(f" (batch size {batch_size})")
-    parts.append(f": peak {to_gb(report.used_bytes):.2f} GB against {to_gb(report.capacity):.2f} GB of physical memory")
+    parts.append(f": peak {size(report.used_bytes)} against {size(report.capacity)} of physical memory")
     if report.other_bytes is None:
         parts.append(" (other processes' use unknown, not counted)")
     elif report.other_bytes:
-        parts.append(f" (counting {to_gb(report.other_bytes):.2f} GB that other processes hold)")
+        parts.append(f" (counting {size(report.other_bytes)} that other processes hold)")
     if report.in_system_ram:
-        moved = to_gb(report.in_system_ram)
-        parts.append(f"; {moved:.2f} GB of this run's GPU memory is in system RAM (Windows' count)")
+        parts.append(f"; {size(report.in_system_ram)} of this run's GPU memory is in system RAM (Windows' count)")
     if report.reference_rate and report.current_rate:
         parts.append(
             f"; throughput {report.current_rate:.1f} samples/s against {report.reference_rate:.1f} at the start"
@@ -55,7 +59,10 @@ def format_spill_message(report: SpillReport, batch_size: int | None, checkpoint
         " out-of-memory error."
     )
     if checkpoint_path:
-        lines.append(f"Nothing is lost: a checkpoint was saved to {checkpoint_path} (resume with ckpt_path=...).")
+        lines.append(
+            f"Nothing is lost: a checkpoint was saved to {checkpoint_path}, holding every batch trained so far; resume"
+            " with ckpt_path=... to go on with the next batch."
+        )
     lines.append(FIXES)
     return "\n".join(lines)
 

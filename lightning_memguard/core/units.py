@@ -6,6 +6,7 @@ import math
 import numbers
 import operator
 import re
+from collections.abc import Callable
 from fractions import Fraction
 
 _UNITS = {
@@ -77,6 +78,25 @@ def parse_bytes(value: int | float | str | numbers.Real, name: str = "capacity",
     if size.denominator != 1:
         raise ValueError(f"`{name}` must be a whole number of bytes, at least {least}, got {value!r}")
     return int(size)
+
+
+def size_formatter(reference: float, gb_digits: int = 3) -> Callable[[float], str]:
+    """Formats byte counts for people in one unit, the one that fits ``reference`` (the figure the others are read
+    against: a card's capacity, a plan's baseline), so figures side by side compare at a glance: GB with
+    ``gb_digits`` decimals, MB or kB with one, else bytes. A card of 150 MB reads "160.3 MB against 150.0 MB", not
+    "0.16 GB against 0.15 GB", and a 1 MB emulated card not "0.00 GB against 0.00 GB".
+
+    Example:
+        >>> size_formatter(2_500_000_000)(800_000_000), size_formatter(12_345_678)(4_000_000), size_formatter(900)(512)
+        ('0.800 GB', '4.0 MB', '512 B')
+        >>> size = size_formatter(150_000_000, gb_digits=2)
+        >>> size(160_296_440), size(16_000_000_000), size_formatter(16 * 10**9, gb_digits=2)(17 * 10**9)
+        ('160.3 MB', '16000.0 MB', '17.00 GB')
+    """
+    for scale, unit, digits in ((GB, "GB", gb_digits), (10**6, "MB", 1), (10**3, "kB", 1)):
+        if reference >= scale:
+            return lambda n, scale=scale, unit=unit, digits=digits: f"{n / scale:.{digits}f} {unit}"  # type: ignore[misc]
+    return lambda n: f"{n:.0f} B"
 
 
 def to_gb(num_bytes: float) -> float:
