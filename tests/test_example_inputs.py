@@ -1,23 +1,28 @@
-"""Issue 38, item 4: example inputs the way Lightning takes them.
+"""Issue 38, items 4 and 11: example inputs the way Lightning takes them, and a budget without one.
 
-``example_input_array`` is a tensor (``forward(x)``), a tuple (``forward(*x)``) or a dict (``forward(**x)``), as
-Lightning's model summary calls it; a budget is planned on each form.
+Item 4: ``example_input_array`` is a tensor (``forward(x)``), a tuple (``forward(*x)``) or a dict (``forward(**x)``),
+as Lightning's model summary calls it; a budget is planned on each form. Item 11: without ``example_input_array``, a
+budget is measured on the first training batch (the rule: a tensor is the input; a tuple or list, its first element;
+a dict, the keys ``forward`` takes), the run still sees every batch in the same order, and the line says so.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
 
 import pytest
 import torch
 from conftest import trainer_kwargs
-from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_memguard import ActivationCheckpointing
 from lightning_memguard.checkpointing import checkpoint_blocks, is_checkpointed
 from lightning_memguard.strategies import CheckpointingSingleDeviceStrategy
+from lightning_memguard.testing import ImageClassifier
 
 VOCAB, WIDTH, LENGTH = 50, 32, 6
 
@@ -167,3 +172,113 @@ def test_the_tuners_cache_key_holds_a_dict_examples_shapes(tmp_path):
     assert not fit(LENGTH).from_cache
     assert not fit(2 * LENGTH).from_cache  # another example: measured again
     assert fit(LENGTH).from_cache
+
+
+# ---------------------------------------------------------------- item 11: no example_input_array, a budget
+
+
+def _order_seen(tmp_path, batch: str, callbacks: list, caplog=None, **fit_kwargs) -> list[list[int]]:
+    seed_everything(0)
+    model = TokenModel(batch=batch)
+    with caplog.at_level(logging.INFO) if caplog is not None else contextlib.nullcontext():
+        _fit(tmp_path, model, callbacks, **fit_kwargs)
+    return model.seen
+
+
+@pytest.mark.parametrize(
+    ("batch", "said"),
+    [
+        ("dict", "entries 'input_ids', 'attention_mask' (keywords of forward)"),
+        ("tuple", "first element (2 positional arguments of forward)"),
+    ],
+)
+def test_without_an_example_the_budget_is_measured_on_the_first_batch(tmp_path, caplog, batch, said):
+    """A dict batch gives the entries forward takes (not ``labels``); a tuple ``((ids, mask), labels)`` its first
+    element. The run sees every batch, in the order an un-checkpointed run sees them, and the line says so."""
+    plain = _order_seen(tmp_path, batch, [])
+    cb = ActivationCheckpointing(memory_budget=0.5)
+    seen = _order_seen(tmp_path, batch, [cb], caplog)
+    assert cb.plan is not None and cb.plan.blocks
+    assert seen == plain and len(seen) == 12  # 24 samples by 4, two epochs, shuffled alike
+    assert (
+        f"ActivationCheckpointing: no example_input_array: measuring the budget on the first training batch's {said}"
+        in caplog.text
+    )
+
+
+class TokenData(LightningDataModule):
+    def __init__(self, batch: str) -> None:
+        super().__init__()
+        self.batch = batch
+
+    def train_dataloader(self) -> DataLoader:
+        return token_loader(self.batch)
+
+
+@pytest.mark.parametrize("source", ["a loader passed to fit", "a datamodule"])
+def test_the_first_batch_of_a_loader_passed_to_fit_or_a_datamodule(tmp_path, source):
+    if source == "a loader passed to fit":
+        kwargs: dict = {"train_dataloaders": token_loader("dict")}
+    else:
+        kwargs = {"datamodule": TokenData("dict")}
+    plain = _order_seen(tmp_path, "dict", [], **kwargs)
+    kwargs = {k: token_loader("dict") if k == "train_dataloaders" else TokenData("dict") for k in kwargs}
+    cb = ActivationCheckpointing(memory_budget=0.5)
+    assert _order_seen(tmp_path, "dict", [cb], **kwargs) == plain and cb.plan is not None and cb.plan.blocks
+
+
+def test_the_strategy_measures_on_the_first_batch_too(tmp_path):
+    plain = _order_seen(tmp_path, "dict", [])
+    seed_everything(0)
+    model = TokenModel(batch="dict")
+    strategy = CheckpointingSingleDeviceStrategy("cpu", memory_budget=0.5)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, strategy=strategy))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model)
+    assert strategy.checkpointing.runs and _checkpointed(model) and model.seen == plain
+
+
+class _Batch:
+    """A batch of a kind the rule does not read."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+
+class ObjectBatches(TokenModel):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader([_Batch(torch.zeros(LENGTH, dtype=torch.long))] * 8, batch_size=None)
+
+
+class NoTrainingBatches(TokenModel):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader([], batch_size=4)
+
+
+@pytest.mark.parametrize(
+    ("model", "why"),  # the model built in the test
+    [
+        (ObjectBatches, r"cannot be told \(it is a _Batch\)"),
+        (lambda: TokenModel(batch="flat"), r"cannot be told \(forward does not take its first element"),
+        (NoTrainingBatches, r"it has neither \(an empty train loader\)"),
+        # a batch of indices into images the module holds: a tensor, which forward does not take
+        (
+            lambda: ImageClassifier(batch_size=4, steps_per_epoch=2),
+            r"measuring on the first training batch's tensor of shape",
+        ),
+    ],
+)
+def test_the_refusal_names_both_ways_when_no_inputs_can_be_had(tmp_path, model, why):
+    """No example and a batch that is an object, a flat tuple whose first element is not all forward takes, an
+    empty loader, or a tensor the model fails on: refused, with both ways named, and the model left as it was."""
+    model = model()
+    cb = ActivationCheckpointing(memory_budget=0.5)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[cb]))
+    refused = pytest.raises(
+        ValueError, match=f"`example_input_array`, or without one on the first training batch.*{why}"
+    )
+    with refused, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model)
+    assert not _checkpointed(model)

@@ -13,7 +13,9 @@ where it is used (the Trainer's and the strategy's public attributes and methods
 - The fit loop's data (``FitLoop._data_source``, ``FitLoop._combined_loader``, ``FitLoop.setup_data``,
   ``Trainer._val_check_time_interval``): :func:`loader_passed_to_fit` (a tuner cannot change that loader's batch
   size), :func:`train_loader` (the loaders' lengths, the first batch's shapes), :func:`validation_by_time`,
-  :func:`drop_loaders` and :func:`setup_loaders` (the loaders built again at the size set).
+  :func:`drop_loaders` and :func:`setup_loaders` (the loaders built again at the size set); and the batch transfer
+  (``LightningModule._on_before_batch_transfer``): :func:`as_training_step_gets_it`, the first batch a budget is
+  measured on where the module has no ``example_input_array``.
 - The fit loop driven by the trials (Lightning's loops, ``_FitLoop`` and its ``_TrainingEpochLoop``, are internal):
   :func:`loop_limits` and :func:`set_loop_limits` (a trial runs a set number of steps, into the next epoch if need
   be, and the run's limits come back), :func:`one_more_step` (a step that compiled is replaced),
@@ -86,6 +88,14 @@ def setup_loaders(trainer: Trainer) -> None:
     """Build the train loader now (``FitLoop.setup_data``), from the module or datamodule's ``train_dataloader()``;
     the validation loader is built when validation first runs."""
     trainer.fit_loop.setup_data()
+
+
+def as_training_step_gets_it(trainer: Trainer, batch: Any) -> Any:
+    """A train loader's batch as the training loop hands it to ``training_step``: the ``on_before_batch_transfer``
+    hook (``LightningModule._on_before_batch_transfer``, which calls the datamodule's where that one is the hook),
+    then the strategy's ``batch_to_device`` (``transfer_batch_to_device`` and ``on_after_batch_transfer``)."""
+    batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
 
 
 # ---------------------------------------------------------------- the fit loop driven by the trials

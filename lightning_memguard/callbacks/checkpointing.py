@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_memguard.callbacks._private import fsdp_checkpoints_itself
+from lightning_memguard.callbacks._private import (
+    as_training_step_gets_it,
+    drop_loaders,
+    fsdp_checkpoints_itself,
+    train_loader,
+)
 from lightning_memguard.callbacks._state import holds_shards
+from lightning_memguard.callbacks._trials import reload_train_dataloader, rng_kept
 from lightning_memguard.checkpointing.plan import CheckpointPlan
-from lightning_memguard.checkpointing.policy import CheckpointingPolicy
+from lightning_memguard.checkpointing.policy import CheckpointingPolicy, inputs_from_batch
 from lightning_memguard.checkpointing.rebuild import RebuildConfig
 from lightning_memguard.checkpointing.wrap import Units
 
@@ -23,14 +32,27 @@ class ActivationCheckpointing(Callback):
     Without ``memory_budget`` every block (and a torchvision ResNet's stem) is checkpointed in ``setup``, before the
     optimizer is built; a module that builds its layers in ``configure_model`` is checkpointed right after that hook,
     still before the strategy wraps the model and builds the optimizer. With a budget, the blocks are measured at
-    fit start on the module's ``example_input_array`` (under the Trainer's precision) and only those that buy the
-    most memory per millisecond of recomputation are checkpointed, adjacent ones as one run (see
-    :func:`~lightning_memguard.checkpointing.checkpoint_blocks`). ``state_dict`` keys of the model do not change; the
-    chosen runs are kept in the callback's state, so a resumed run re-applies them without measuring again. Under
-    DDP rank zero measures and every rank applies its plan; under ``ModelParallelStrategy`` (FSDP2) on several devices
-    every rank measures, as the sharded forward needs them all, and rank zero's plan is applied on every rank. Its
-    place in ``callbacks`` does not matter: a tuner listed before it has it plan first, and measures the model as it
-    will train.
+    fit start (under the Trainer's precision) and only those that buy the most memory per millisecond of
+    recomputation are checkpointed, adjacent ones as one run (see
+    :func:`~lightning_memguard.checkpointing.checkpoint_blocks`).
+
+    A budget is measured on the module's ``example_input_array``, taken as Lightning takes it: a tensor is
+    ``forward(x)``, a tuple or list ``forward(*x)``, a dict ``forward(**x)`` (a Hugging Face-style
+    ``forward(input_ids, attention_mask)``). Without one (a model configured from LightningCLI), on the first
+    training batch's model inputs, said in one info line: a tensor batch is the input; a tuple or list ``(x, y,
+    ...)``, its first element (a tensor, a tuple of positional or a dict of keyword arguments); a dict, the entries
+    ``forward`` names as parameters (``labels`` left out where ``forward`` takes none). Set ``example_input_array``
+    where the batch holds the inputs otherwise (indices into data held on the module, several inputs in a flat
+    tuple). The batch is taken at fit start, where the data is attached but the loaders not yet built (this is
+    where the model as the strategy holds it can be measured): the train loader is built as the run builds it, its
+    first batch read from a fresh iterator through the batch hooks, and every random number generator put back, so
+    the run builds its own loader and sees every batch in the same order.
+
+    ``state_dict`` keys of the model do not change; the chosen runs are kept in the callback's state, so a resumed
+    run re-applies them without measuring again. Under DDP rank zero measures and every rank applies its plan; under
+    ``ModelParallelStrategy`` (FSDP2) on several devices every rank measures, as the sharded forward needs them all,
+    and rank zero's plan is applied on every rank. Its place in ``callbacks`` does not matter: a tuner listed before
+    it has it plan first, and measures the model as it will train.
 
     On a compiled module (``fit(torch.compile(module))``) a budget is measured compiled and may use compile's own
     ``activation_memory_budget`` (see :func:`~lightning_memguard.checkpointing.checkpoint_blocks`); the setting
@@ -39,7 +61,8 @@ class ActivationCheckpointing(Callback):
     Args:
         units: ``"auto"``, a set of module classes, or a predicate ``(name, module) -> bool``.
         memory_budget: a float in (0, 1] is a fraction of the un-checkpointed peak; an int or a string (``"6GB"``) is
-            a size in bytes, at least 1 MB (so ``1`` is refused, not read as one byte); None: every block.
+            a size in bytes, at least 1 MB (so ``1`` is refused, not read as one byte); None: every block. Measured
+            on ``example_input_array``, or without one on the first training batch (see above).
         bn_correct: recomputation leaves BatchNorm running statistics alone (they update once per step).
         rebuild_bn_relu: torchvision BasicBlocks, Bottlenecks and ResNet stems left unchecked rebuild their
             BatchNorm + ReLU outputs (and a block its output, where the next block is rebuilt too) in backward
@@ -52,7 +75,9 @@ class ActivationCheckpointing(Callback):
     Raises:
         TypeError: ``memory_budget`` of another type, or flags that are not bools.
         ValueError: bad ``memory_budget`` (a fraction outside (0, 1], a size below 1 MB); at fit start, no blocks
-            found or a budget without ``example_input_array``; in ``setup``, beside ``FSDPStrategy``'s own
+            found, or a budget with neither ``example_input_array`` nor a first training batch whose model inputs can
+            be told (no train loader, an empty one, several, a batch of another kind, or one the model's forward
+            fails on); in ``setup``, beside ``FSDPStrategy``'s own
             ``activation_checkpointing_policy``, under ``DeepSpeedStrategy``, and a budget under ``FSDPStrategy``
             on several devices (:class:`~lightning.pytorch.strategies.ModelParallelStrategy` measures on every
             rank).
@@ -114,11 +139,6 @@ class ActivationCheckpointing(Callback):
                 self._after_configure_model(pl_module)  # the layers do not exist yet
             else:
                 self._every_block(pl_module)
-        elif pl_module.example_input_array is None:
-            raise ValueError(
-                "ActivationCheckpointing(memory_budget=...) measures the blocks on the module's"
-                " `example_input_array`; set it to a real batch of inputs"
-            )
 
     def _every_block(self, pl_module: LightningModule) -> None:
         self.policy.apply(pl_module)
@@ -149,14 +169,16 @@ class ActivationCheckpointing(Callback):
         self._planned = True
         resumed = self.runs is not None
         strategy = trainer.strategy
-        self.policy.apply(
-            pl_module,
-            None if resumed else move_data_to_device(pl_module.example_input_array, strategy.root_device),
-            is_rank_zero=strategy.is_global_zero,
-            broadcast=strategy.broadcast,
-            measuring=trainer.precision_plugin.train_step_context,
-            every_rank_measures=holds_shards(strategy) and trainer.world_size > 1,
-        )
+        example, from_batch = (None, None) if resumed else example_for_budget(trainer, "ActivationCheckpointing")
+        with measuring_said(from_batch, "ActivationCheckpointing"):
+            self.policy.apply(
+                pl_module,
+                example,
+                is_rank_zero=strategy.is_global_zero,
+                broadcast=strategy.broadcast,
+                measuring=trainer.precision_plugin.train_step_context,
+                every_rank_measures=holds_shards(strategy) and trainer.world_size > 1,
+            )
         if not resumed:
             rank_zero_info(f"ActivationCheckpointing: {self.policy.summary()}")
         self.policy.hold_compile_setting()  # compile's own setting, chosen with the blocks, while this fit compiles
@@ -176,6 +198,84 @@ class ActivationCheckpointing(Callback):
         self.policy.runs = state_dict.get("runs", self.policy.runs)
         self.policy.compile_setting = state_dict.get("compile_setting", self.policy.compile_setting)
         self.policy.split_graphs = state_dict.get("split_graphs", self.policy.split_graphs)
+
+
+_NO_EXAMPLE = (
+    "{who}(memory_budget=...) measures the blocks on the module's `example_input_array`, or without one on the"
+    " first training batch's model inputs"
+)
+_SET_IT = (
+    "set `example_input_array` to a real batch of inputs (a tensor: forward(x); a tuple: forward(*x); a dict:"
+    " forward(**x))"
+)
+
+
+def example_for_budget(trainer: Trainer, who: str) -> tuple[Any, str | None]:
+    """The real batch a budget is measured on, on the strategy's device, and where it came from (None: the module's
+    ``example_input_array``; else what part of the first training batch, as :func:`inputs_from_batch` read it, said
+    in one rank-zero info line).
+
+    Without ``example_input_array`` the train loader is built as the run builds it and its first batch taken from a
+    fresh iterator, handed through the batch hooks as ``training_step`` gets it; every random number generator is
+    put back and the built loader dropped, so the run builds its own and sees every batch, in the same order, as it
+    would have. A loader whose every iterator restarts a one-shot stream would lose that batch. Called at fit start
+    (by the callback, after the strategy has set up the model: the data is attached, the loaders not yet built) or
+    in the strategies' ``setup`` before the model is wrapped (the same).
+
+    Raises:
+        ValueError: no ``example_input_array`` and no first training batch (no train loader, an empty one, several
+            train loaders), or none whose model inputs :func:`inputs_from_batch` can tell; the message names both
+            ways.
+    """
+    module, strategy = trainer.lightning_module, trainer.strategy
+    if module.example_input_array is not None:
+        return move_data_to_device(module.example_input_array, strategy.root_device), None
+    batch, why = _first_training_batch(trainer)
+    if batch is None:
+        raise ValueError(f"{_NO_EXAMPLE.format(who=who)}, and it has neither ({why}): {_SET_IT}")
+    try:
+        inputs, what = inputs_from_batch(batch, module.forward)
+    except ValueError as err:
+        raise ValueError(
+            f"{_NO_EXAMPLE.format(who=who)}, and the first training batch's cannot be told ({err}): {_SET_IT}"
+        ) from None
+    rank_zero_info(f"{who}: no example_input_array: measuring the budget on the first training batch's {what}")
+    return inputs, what
+
+
+def _first_training_batch(trainer: Trainer) -> tuple[Any, str]:
+    """The train loader's first batch as ``training_step`` gets it, or None and why there is none."""
+    with rng_kept():  # a shuffling sampler draws its seed from torch's generator
+        reload_train_dataloader(trainer)  # built as the run builds it, its remarks left to the run's own
+        combined = train_loader(trainer)
+        try:
+            if combined is None:
+                return None, "no train loader"
+            if len(combined.flattened) != 1:
+                return None, f"{len(combined.flattened)} train loaders"
+            batch = next(iter(combined.flattened[0]), None)
+        finally:
+            drop_loaders(trainer)  # the run builds its own loader, whose iterator starts at the first batch
+        if batch is None:
+            return None, "an empty train loader"
+        return as_training_step_gets_it(trainer, batch), ""
+
+
+@contextmanager
+def measuring_said(what: str | None, who: str) -> Iterator[None]:
+    """Inside, a measurement on the inputs read from the first training batch (``what``) that fails says so and how
+    to give the inputs instead; an out-of-memory error is left as it is."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:
+        if what is None:
+            raise
+        raise ValueError(
+            f"{_NO_EXAMPLE.format(who=who)}; measuring on the first training batch's {what} failed"
+            f" ({type(err).__name__}: {err}): {_SET_IT}"
+        ) from err
 
 
 def _refuse_what_cannot_be_measured(trainer: Trainer, memory_budget: Any) -> None:

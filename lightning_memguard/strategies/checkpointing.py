@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_memguard.callbacks._private import BeforeModelWrapped
+from lightning_memguard.callbacks.checkpointing import example_for_budget, measuring_said
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.checkpointing.rebuild import RebuildConfig
 
@@ -33,21 +33,18 @@ def _checkpoint_before_wrapping(strategy: Strategy, policy: CheckpointingPolicy)
     module = strategy.lightning_module
     if module is None or module.trainer.state.fn != "fit":
         return
-    example = None
-    if policy.memory_budget is not None:
-        if module.example_input_array is None:
-            raise ValueError(
-                f"{type(strategy).__name__}(memory_budget=...) measures the blocks on the module's"
-                " `example_input_array`; set it to a real batch of inputs"
-            )
-        example = move_data_to_device(module.example_input_array, strategy.root_device)
-    policy.apply(
-        module,
-        example,
-        is_rank_zero=strategy.is_global_zero,
-        broadcast=strategy.broadcast,
-        measuring=strategy.precision_plugin.train_step_context,
-    )
+    who = type(strategy).__name__
+    example, from_batch = None, None
+    if policy.memory_budget is not None and policy.runs is None:
+        example, from_batch = example_for_budget(module.trainer, who)
+    with measuring_said(from_batch, who):
+        policy.apply(
+            module,
+            example,
+            is_rank_zero=strategy.is_global_zero,
+            broadcast=strategy.broadcast,
+            measuring=strategy.precision_plugin.train_step_context,
+        )
     rank_zero_info(f"{type(strategy).__name__}: {policy.summary()}")
     policy.hold_compile_setting()  # a plan made under torch.compile may rely on compile's own setting
 
@@ -59,7 +56,9 @@ class CheckpointingDDPStrategy(_ChecksBeforeWrapping, DDPStrategy):
         activation_checkpointing_policy: the blocks: ``"auto"`` (found by structure), module classes (a set), or a
             predicate ``(name, module) -> bool``; the name ``FSDPStrategy`` gives the same argument.
         memory_budget: a float in (0, 1] of the un-checkpointed peak, a size of at least 1 MB, or None (every block).
-            With a budget, rank zero measures on the module's ``example_input_array`` and every rank applies its
+            With a budget, rank zero measures on the module's ``example_input_array`` (a tensor, a tuple of
+            positional or a dict of keyword arguments of ``forward``), or without one on the first training batch's
+            model inputs (see :class:`~lightning_memguard.ActivationCheckpointing`), and every rank applies its
             plan; the plan is made anew in each ``fit``. On a compiled module the budget is measured compiled, and
             compile's ``activation_memory_budget`` the plan chose is set for the fit.
         rebuild_bn_relu: the cheap recomputation of torchvision ResNet blocks and Conv2dNormActivation units.
