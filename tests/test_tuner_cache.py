@@ -4,6 +4,7 @@ however many processes wrote it at once, and a key that knows how much data an e
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import re
@@ -77,6 +78,8 @@ def test_a_stored_choice_is_reused(tmp_path, stored):
 
 _ACC = {"batch_size": 8, "accumulate_grad_batches": 2, "checkpointing": False}
 _ACC_ROW = {**ROW, "accumulate": 2}
+_MARGIN = {"size": 8, "accumulate": 1, "runner_up": 4, "runner_up_accumulate": 1, "gap": 0.1, "noise": 0.0,
+           "remeasured": False}  # fmt: skip
 
 BAD_ENTRIES = {
     "null": ("batch", None, "an entry must be an object, got None"),
@@ -107,6 +110,16 @@ BAD_ENTRIES = {
         "batch", {**ENTRY, "results": [{**ROW, "step_ms": float("nan")}]}, "step_ms must be None or a number"
     ),
     "a choice that never ran": ("batch", {**ENTRY, "batch_size": 12}, "batch_size 12 is not among the trials"),
+    "a margin that is a list": ("batch", {**ENTRY, "margin": [0.1]}, r"margin must be None or an object, got \[0.1\]"),
+    "a margin lacking its noise": (
+        "batch", {**ENTRY, "margin": {k: v for k, v in _MARGIN.items() if k != "noise"}}, r"lacks \['noise'\]"
+    ),
+    "a margin with a string gap": (
+        "batch", {**ENTRY, "margin": {**_MARGIN, "gap": "5 %"}}, r"margin.gap must be a number in \[-1, 1\], got '5 %'"
+    ),
+    "a margin of another size": (
+        "batch", {**ENTRY, "margin": {**_MARGIN, "size": 4}}, "margin.size 4 is not the choice, batch_size 8"
+    ),
     "a choice that did not fit": (
         "batch", {**ENTRY, "results": [{**ROW, "outcome": "spill"}]}, "batch_size 8 is not among the trials"
     ),
@@ -313,7 +326,7 @@ def test_a_choice_made_on_more_data_is_not_reused_on_less(tmp_path):
 
 def test_a_cached_choice_larger_than_the_epoch_is_measured_again(tmp_path, stored):
     key, good = stored["batch"]  # an entry under this fit's key whose choice is larger than the epoch
-    big = {**good, "batch_size": 128, "results": [{**good["results"][0], "size": 128, "outcome": "ok"}]}
+    big = {**good, "batch_size": 128, "results": [{**good["results"][0], "size": 128, "outcome": "ok"}], "margin": None}
     (tmp_path / CACHE_FILE).write_text(json.dumps({key: big}), encoding="utf-8")
     tuner, model, said = _fit("batch", tmp_path)
     assert said == [
@@ -337,3 +350,59 @@ def test_a_reused_tuner_measures_again_on_an_epoch_smaller_than_its_choice(tmp_p
     Trainer(**trainer_kwargs(tmp_path, max_epochs=1, max_steps=1, callbacks=[clock, tuner])).fit(small)
     assert [r.size for r in tuner.results] == [4, 8, 16, 32]  # measured again, up to the epoch
     assert tuner.batch_size == small.batch_size == 32
+
+
+# ---------------------------------------------------------------- issue 38: a choice kept with its margin
+
+
+def _reuse_line(caplog):
+    return [r.getMessage() for r in caplog.records if "reusing a cached choice" in r.getMessage()]
+
+
+def test_the_choice_is_stored_with_its_margin(stored):
+    """One timed step a trial: the noise is not known (0.0); 16 stood 27.8 % above the runner-up, 8 (x 2)."""
+    margin = {"size": 16, "accumulate": 1, "runner_up": 8, "gap": 0.2778, "noise": 0.0, "remeasured": False}
+    assert stored["batch"][1]["margin"] == {**margin, "runner_up_accumulate": 1}
+    assert stored["accumulation"][1]["margin"] == {**margin, "runner_up_accumulate": 2}
+
+
+def test_a_cached_choice_within_the_noise_is_reused_with_a_line_saying_so(tmp_path, stored, caplog):
+    """Reused, not measured again: within the noise the two run alike fast as far as can be measured, and a new
+    search would choose between equals again (at the cost of a search); the line says so, and how to measure."""
+    key, entry = stored["accumulation"]
+    close = {**entry["margin"], "gap": 0.02, "noise": 0.05, "remeasured": True}
+    (tmp_path / CACHE_FILE).write_text(json.dumps({key: {**entry, "margin": close}}), encoding="utf-8")
+    with caplog.at_level(logging.INFO):
+        tuner, model, said = _fit("accumulation", tmp_path)
+    assert tuner.from_cache and said == [] and (model.batch_size, tuner.accumulate_grad_batches) == (16, 1)
+    assert _reuse_line(caplog) == [
+        "AccumulationTuner: reusing a cached choice (batch size 16; 16 x 1 and 8 x 2 are within the measurement's"
+        " noise (±5.0 %: 2.0 % apart, each measured twice); chose 16 x 1 by the larger micro-batch (the nearer to the"
+        " direct batch): either trains about as fast (`cache=False` measures again))"
+    ]
+    assert tuner.margin.within_noise and _read(tmp_path) == {key: {**entry, "margin": close}}
+
+
+def test_a_cached_choice_beyond_the_noise_says_its_margin(tmp_path, stored, caplog):
+    key, entry = stored["batch"]
+    (tmp_path / CACHE_FILE).write_text(json.dumps({key: entry}), encoding="utf-8")
+    with caplog.at_level(logging.INFO):
+        tuner, _, said = _fit("batch", tmp_path)
+    assert tuner.from_cache and said == []
+    assert _reuse_line(caplog) == [
+        "BatchSizeTuner: reusing a cached choice (batch size 16; 16 is 27.8 % faster than 8, the noise unknown (one"
+        " timed step))"
+    ]
+
+
+@pytest.mark.parametrize("kind", ["batch", "accumulation"])
+def test_an_entry_written_before_margins_were_kept_is_reused(tmp_path, stored, caplog, kind):
+    key, entry = stored[kind]
+    older = {k: v for k, v in entry.items() if k != "margin"}
+    older["results"] = [{k: v for k, v in row.items() if k != "spread"} for row in older["results"]]
+    (tmp_path / CACHE_FILE).write_text(json.dumps({key: older}), encoding="utf-8")
+    with caplog.at_level(logging.INFO):
+        tuner, model, said = _fit(kind, tmp_path)
+    assert tuner.from_cache and said == [] and model.batch_size == entry["batch_size"]
+    (line,) = _reuse_line(caplog)
+    assert line.endswith("its margin over the other sizes was not recorded (an entry from an earlier version))")
