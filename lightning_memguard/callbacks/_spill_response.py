@@ -39,6 +39,7 @@ class SpillResponse:
         self._shared: tuple[int, SpillReport] | None = None  # the spilling rank and its report, once shared
         self._at_batch_end = False  # "stop" was agreed at a batch's start: act when that batch has trained
         self._warned = False  # the stop's warning was given
+        self.cannot_adapt: str | None = None  # with on_spill="adapt": why the run could not go on adapted
 
     @property
     def acts(self) -> bool:
@@ -108,6 +109,8 @@ class SpillResponse:
             message += "\n" + FIXES
         if self.checkpoint_error is not None:
             message += f"\nNo checkpoint was kept: {self.checkpoint_error}."
+        if self.cannot_adapt is not None:
+            message += f"\nMemGuard(on_spill='adapt') could not adapt: {self.cannot_adapt}."
         if self.on_spill == "raise":
             raise SysmemSpillError(message, spill, self.checkpoint_path)
         if not self._warned:

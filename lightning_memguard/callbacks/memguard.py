@@ -12,11 +12,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memguard import _compiler
+from lightning_memguard.callbacks._adapt import RunAdapter, refuse_to_adapt
 from lightning_memguard.callbacks._agreement import StopVote
 from lightning_memguard.callbacks._batches import loader_parts, loader_paths, samples_in
 from lightning_memguard.callbacks._epoch_report import epoch_record, log_epoch
 from lightning_memguard.callbacks._prevention import AllocatorCap, notice_platform, run_preflight
 from lightning_memguard.callbacks._spill_response import SpillResponse
+from lightning_memguard.core.adapt import Adaptation
 from lightning_memguard.core.capacity import judged_capacity
 from lightning_memguard.core.checks import (
     MIN_CAPACITY,
@@ -35,7 +37,7 @@ from lightning_memguard.core.spill import SpillReport
 from lightning_memguard.core.timeline import StepTimeline
 from lightning_memguard.probes import MemoryProbe, MemoryReading, probe_for
 
-_ON_SPILL = ("raise", "stop", "warn")
+_ON_SPILL = ("raise", "stop", "warn", "adapt")
 
 
 class MemGuard(Callback):
@@ -72,8 +74,9 @@ class MemGuard(Callback):
         headroom: fraction of capacity that counts as "at the capacity", in [0, 1).
         on_spill: ``"raise"`` raises :class:`SysmemSpillError` before the batch trains, ``"stop"`` stops the Trainer
             cleanly once the batch in flight has trained (a callback can stop a run only between batches),
-            ``"warn"`` only warns. Before raising or stopping after training progress, a checkpoint of every batch
-            trained is saved (see ``spill_checkpoint``): a run resumed from it trains each batch once.
+            ``"warn"`` only warns, ``"adapt"`` goes on in a configuration that fits (see below). Before raising or
+            stopping after training progress, a checkpoint of every batch trained is saved (see ``spill_checkpoint``):
+            a run resumed from it trains each batch once.
         prevent: cap PyTorch's CUDA allocator at the capacity less what other processes hold (from NVML; under
             WDDM the device's used memory less this run's) and ``prevent_margin``, so an overflow is a real,
             immediate out-of-memory error instead of a spill. On a device without that allocator (the CPU) it
@@ -93,10 +96,29 @@ class MemGuard(Callback):
             writes this run's checkpoints: the ModelCheckpoint's folder, else ``<log_dir>/checkpoints``), a folder,
             or ``False`` for none. It is written beside its final name and renamed into place; if it cannot be
             written (a full disk), the spill is still reported, with the reason, and ``checkpoint_path`` stays None.
+        adapt_batchnorm: with ``on_spill="adapt"``, split the batches of a model whose BatchNorm layers train (their
+            statistics then come from each micro-batch: not quite the same training); otherwise such a model adapts
+            only by activation checkpointing.
+        grow_every: with ``on_spill="adapt"``, optimizer steps between checks whether fewer micro-batches fit again
+            (one memory reading each; twice as long after a check whose growth spilled again).
         offload: bytes this run keeps in system RAM on purpose (activation offload, block swap; bytes or a
             string). On Windows MemGuard reads how much of this process's GPU memory the driver counts in system RAM
             (Task Manager's "Shared GPU memory", through pywin32); beyond what was there at fit start, what PyTorch
             pins (``pin_memory=True`` loaders) and this, it is a spill.
+
+    ``on_spill="adapt"``: instead of stopping, the run goes on in a configuration that fits, from the batch at which
+    every rank agreed on the spill (the steps that spilled trained correctly, only slowly: they are kept), or, for an
+    out-of-memory error inside a training step (``prevent=True`` turns a spill into one), by redoing that step from
+    zeroed gradients. The levers, in order, each only where it keeps the training the same: each loaded batch split
+    into micro-batches whose gradients add up before the one optimizer step (the same samples per step, the same data
+    order, the same optimizer and scheduler steps; each micro-batch's loss weighted by its share, as Lightning's
+    accumulation does); then activation checkpointing of every block. Where neither is left (manual optimization, a
+    model with training BatchNorm and no blocks, micro-batches of one sample) the run stops as ``"stop"`` does,
+    saying why. Every ``grow_every`` steps, fewer micro-batches are tried again where this run's readings say they
+    fit what is free now. Each change is said in one line, logged (``memguard/micro_batches``,
+    ``memguard/checkpointing``), kept in :attr:`adaptations` and in the checkpoint: a resumed run starts adapted.
+    Under DDP every rank adapts at the same step to the same split (the largest any rank needs); an out-of-memory
+    error is recovered from on one device only. Refused in ``setup`` under DeepSpeed and the sharded strategies.
 
     Raises:
         TypeError: for arguments of the wrong type (a bool or a string where a number is meant, a probe class
@@ -134,6 +156,8 @@ class MemGuard(Callback):
         clock: Callable[[], float] = time.perf_counter,
         spill_checkpoint: bool | str | os.PathLike[str] = True,
         offload: int | str = 0,
+        adapt_batchnorm: bool = False,
+        grow_every: int = 200,
     ) -> None:
         if not isinstance(spill_checkpoint, bool | str | os.PathLike) or not os.fspath(
             "." if isinstance(spill_checkpoint, bool) else spill_checkpoint
@@ -159,13 +183,17 @@ class MemGuard(Callback):
         self.read_every = check_int("read_every", read_every, 1)
         self.prevent_margin = check_size("prevent_margin", prevent_margin, 0)
         self.offload = check_size("offload", offload, 0)
+        check_bool("adapt_batchnorm", adapt_batchnorm)
+        self.adapt_batchnorm = adapt_batchnorm
+        self.grow_every = check_int("grow_every", grow_every, 1)
         self._user_probe = probe
         self._clock = clock
 
         # MemGuard is a shell over its parts: the timeline (steps, the detector, the spill; made at fit start), the
         # epoch report, the response to a spill, and the guards before training (the cap, the notice, the preflight)
-        self._response = SpillResponse(on_spill, spill_checkpoint, self.headroom)
+        self._response = self._new_response()
         self._cap = AllocatorCap(self.prevent_margin)
+        self._adapter: RunAdapter | None = self._new_adapter()
 
         # what the run taught us (saved in checkpoints); each fit starts afresh, unless a checkpoint restores it
         self.epochs: list[EpochRecord] = []
@@ -190,6 +218,11 @@ class MemGuard(Callback):
         return self._response.checkpoint_error
 
     @property
+    def adaptations(self) -> list[Adaptation]:
+        """Every change ``on_spill="adapt"`` made in this fit (and, resumed, in the fit it resumes), in order."""
+        return list(self._adapter.adaptations) if self._adapter is not None else []
+
+    @property
     def spill(self) -> SpillReport | None:
         """The spill this fit found on this rank (None before one is found, and at the start of every fit)."""
         return self._timeline.spill if self._timeline is not None else None
@@ -209,14 +242,13 @@ class MemGuard(Callback):
             )
         if device.type == "cuda" and self._user_probe is None:
             notice_platform(self._probe)
+        if self._adapter is not None:
+            refuse_to_adapt(trainer)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         probe = self._require_probe()
         capacity = judged_capacity(self.capacity, probe.capacity())
-        detector = SpillDetector(
-            capacity, self.headroom, self.warmup_steps, self.reference_steps, self.collapse, patience=3,
-            offload=self.offload,
-        )  # fmt: skip
+        detector = self._new_detector(capacity)
         detector.load_state_dict(self._restored_detector)
         self._timeline = StepTimeline(detector=detector, read_every=self.read_every)
         self._compiles = _compiler.CompileWatch()
@@ -233,6 +265,8 @@ class MemGuard(Callback):
         # an epoch resumed mid-way (from the spill checkpoint, say) has no epoch start: this fit's readings start here,
         # not from the peak of the preflight, of the tuners' trials or of an earlier fit in this process
         self._start_readings(trainer)
+        if self._adapter is not None:  # after the tuners' trials: they train steps of their own
+            self._adapter.start(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start_readings(trainer)
@@ -251,7 +285,10 @@ class MemGuard(Callback):
         if vote is not None:
             stop = timeline.spill is not None and self._response.acts
             if vote.cast(stop) if vote.distributed else stop:
-                self._response.agreed(trainer, self.spill, vote, self._batch())  # "raise" now, "stop" at batch end
+                if not self._adapted(trainer, pl_module):
+                    self._response.agreed(trainer, self.spill, vote, self._batch())  # "raise" now, "stop" at batch end
+            elif self._adapter is not None:
+                self._grow(trainer)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -274,7 +311,13 @@ class MemGuard(Callback):
         record = epoch_record(trainer, timeline.epoch_stats(), reading, timeline.detector.capacity)
         self.epochs.append(record)
         log_epoch(trainer, pl_module, record)
-        self._response.settle(trainer, self.spill, self._vote, self._batch())
+        if self._adapter is None:
+            self._response.settle(trainer, self.spill, self._vote, self._batch())
+        # a spill in the epoch's last steps: every rank decides now; the next epoch runs adapted, or the run stops
+        elif trainer.strategy.reduce_boolean_decision(self.spill is not None, all=False) and not self._adapted(
+            trainer, pl_module
+        ):
+            self._response.act(trainer, self.spill, self._vote, self._batch())
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.epochs:
@@ -282,6 +325,8 @@ class MemGuard(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._cap.release(trainer.strategy.root_device)
+        if self._adapter is not None:
+            self._adapter.stop()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._cap.explain(exception)
@@ -289,12 +334,19 @@ class MemGuard(Callback):
     def state_dict(self) -> dict[str, Any]:
         timeline = self._timeline
         detector = timeline.detector.state_dict() if timeline is not None else self._restored_detector
-        return {"epochs": [r.to_dict() for r in self.epochs], **detector, "fallback_enabled": self.fallback_enabled}
+        adapted = {"adapt": self._adapter.state_dict()} if self._adapter is not None else {}
+        return {
+            "epochs": [r.to_dict() for r in self.epochs], **detector, "fallback_enabled": self.fallback_enabled,
+            **adapted,
+        }  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.epochs = [EpochRecord.from_dict(row) for row in state_dict.get("epochs", [])]
-        self._restored_detector = {k: v for k, v in state_dict.items() if k not in ("epochs", "fallback_enabled")}
+        own = ("epochs", "fallback_enabled", "adapt")
+        self._restored_detector = {k: v for k, v in state_dict.items() if k not in own}
         self.fallback_enabled = state_dict.get("fallback_enabled", self.fallback_enabled)
+        if self._adapter is not None:  # a resumed run starts in the configuration it had adapted to
+            self._adapter.load_state_dict(state_dict.get("adapt", {}))
 
     # ------------------------------------------------------------------ steps and memory
 
@@ -303,10 +355,63 @@ class MemGuard(Callback):
         the same fit, brings back its own)."""
         self.epochs = []
         self.fallback_enabled = None
-        self._response = SpillResponse(self.on_spill, self.spill_checkpoint, self.headroom)
+        self._response = self._new_response()
+        self._adapter = self._new_adapter()
         self._timeline = None
         self._vote = None
         self._restored_detector = {}
+
+    def _new_response(self) -> SpillResponse:
+        # "adapt" stops as "stop" does where it cannot adapt
+        return SpillResponse(
+            "stop" if self.on_spill == "adapt" else self.on_spill, self.spill_checkpoint, self.headroom
+        )
+
+    def _new_adapter(self) -> RunAdapter | None:
+        if self.on_spill != "adapt":
+            return None
+        return RunAdapter(self.adapt_batchnorm, self.grow_every, self.headroom)
+
+    def _new_detector(self, capacity: int) -> SpillDetector:
+        return SpillDetector(
+            capacity, self.headroom, self.warmup_steps, self.reference_steps, self.collapse, patience=3,
+            offload=self.offload,
+        )  # fmt: skip
+
+    def _adapted(self, trainer: Trainer, pl_module: LightningModule) -> bool:
+        """``on_spill="adapt"``, every rank agreed on a spill: the run goes on adapted (True), or the response says
+        why it could not and stops it (False)."""
+        if self._adapter is None:
+            return False
+        why_not = self._adapter.after_spill(
+            trainer, pl_module, self.spill, self._batch() or 1, self._response.allocated_now
+        )
+        if why_not is not None:
+            self._response.cannot_adapt = why_not
+            return False
+        self._watch_again(trainer)
+        return True
+
+    def _grow(self, trainer: Trainer) -> None:
+        """Now and then, while batches are split: fewer micro-batches where they fit what is free now."""
+        adapter, timeline = self._adapter, self._timeline
+        if adapter is None or timeline is None or adapter.chunks <= 1 or not adapter.grow.due(trainer.global_step):
+            return
+        reading = self._require_probe().read()
+        if adapter.maybe_grow(trainer, reading, timeline.detector.capacity, self._batch() or 1):
+            self._watch_again(trainer)
+
+    def _watch_again(self, trainer: Trainer) -> None:
+        """A new configuration runs from this batch: a fresh reference of its pace, no spill, readings afresh, every
+        rank's vote afresh (the configuration that spilled is left behind)."""
+        timeline = self._timeline
+        if timeline is None:
+            return
+        timeline.detector = self._new_detector(timeline.detector.capacity)
+        timeline.spill = None
+        self._response = self._new_response()
+        self._vote = StopVote(trainer.strategy.root_device, trainer.world_size)
+        self._require_probe().reset_peak()
 
     def _start_readings(self, trainer: Trainer) -> None:
         """Readings start afresh: the probe's peak, the epoch's steps, where each loader's batch sits in a batch."""

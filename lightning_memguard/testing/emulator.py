@@ -81,6 +81,11 @@ class SysmemSpillEmulator(Callback):
         bandwidth: host-device bytes per second for the CPU emulation (default 25 GB/s), or a string ``"25GB"``.
         sleep: the CPU emulation's way to spend time; a test may inject a fake.
 
+    Attributes:
+        other_processes: bytes another application holds on the emulated card (0 at first); set it in the middle of
+            a run, as a browser or a game taking memory would: this process's activations spill sooner, and the
+            probe reports it as other processes' memory, as NVML does.
+
     Raises:
         TypeError, ValueError: a bad argument, naming it (a size that is not a whole, positive number of bytes).
 
@@ -117,6 +122,9 @@ class SysmemSpillEmulator(Callback):
         self._transient = 0
         self._batch: Any = None
         self._warned_unseen = False
+        # memory another application holds on the card (a browser, a game, a second notebook): set it in the middle
+        # of a run and this process's activations spill sooner, as they would; the probe reports it as other processes'
+        self.other_processes = 0
         self.peak = 0  # the highest per-step figure (peak plus spilled) since the probe's last reset
         self.step_base: int | None = None  # what the last step started from: weights, gradients, optimizer, batch
         self.spilled_bytes = 0  # spilled during the last step
@@ -161,6 +169,18 @@ class SysmemSpillEmulator(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._end()
+
+    def memguard_micro_batch_end(self, trainer: Trainer) -> None:
+        """A micro-batch's backward is done inside a step that MemGuard split (``on_spill="adapt"``): its saved
+        activations are freed, as on a card; the next micro-batch is counted from what the step holds now (its
+        gradients included), the batch's peak is the highest of its micro-batches'."""
+        if self._step is None:
+            return
+        batch = self._batch
+        self._end()
+        device = trainer.strategy.root_device
+        self._begin(device if device.type == "cuda" else None, trainer)
+        self._batch = batch
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._end()
@@ -241,7 +261,7 @@ class SysmemSpillEmulator(Callback):
         new = key not in step.seen  # the same memory saved twice (e.g. by two ops) is counted once
         if new:
             nbytes = storage.nbytes()
-            spill = step.on_device + nbytes > self.capacity
+            spill = step.on_device + nbytes + self.other_processes > self.capacity
             if spill:
                 step.spilled += nbytes
                 self.spilled_bytes += nbytes
@@ -296,7 +316,8 @@ class EmulatedProbe:
 
     def read(self) -> MemoryReading:
         peak = self._emu.peak
-        return MemoryReading(peak, peak, self._emu.capacity, allocated_now=self._emu.step_base)
+        emu = self._emu
+        return MemoryReading(peak, peak, emu.capacity, emu.other_processes, allocated_now=emu.step_base)
 
     def overallocation_succeeds(self) -> bool:
         """On a card with sysmem fallback, allocating more than the card has succeeds."""

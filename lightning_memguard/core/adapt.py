@@ -1,0 +1,127 @@
+"""Adapting a run in the middle of training: how many micro-batches each loaded batch is split into, when to try
+fewer again, and the record of every change. Pure numbers, no Lightning.
+
+A batch split into ``chunks`` micro-batches, each one's loss weighted by its share of the batch and its gradients
+accumulated before the one optimizer step, trains exactly as the whole batch does (for a loss that averages over
+its samples, as Lightning's own accumulation assumes): same samples per optimizer step, same data order, same
+optimizer and scheduler steps. Only the peak memory falls, with the saved activations of one micro-batch instead of
+the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lightning_memguard.core.advice import FitAdvice
+
+
+@dataclass(frozen=True)
+class Adaptation:
+    """One change of the run's configuration, as it is said, logged and kept in checkpoints.
+
+    Attributes:
+        step: the optimizer step (``trainer.global_step``) at which the change took effect.
+        batch: samples of the loaded batch (per device); ``before`` and ``after``: micro-batches it is split into.
+        checkpointing: activation checkpointing turned on by this change.
+        why: what made it (``"spill"``, ``"out of memory"``, ``"memory freed"``) with its figures.
+
+    Example:
+        >>> Adaptation(31, 256, 1, 2, False, "256 x 1 spilled (20.8 GB on a 16.0 GB card)").line()
+        'step 31: 256 x 1 spilled (20.8 GB on a 16.0 GB card); now 128 x 2, the same 256 samples per optimizer step'
+        >>> Adaptation(80, 256, 2, 1, False, "memory freed").line()
+        'step 80: memory freed; now 256 x 1, the same 256 samples per optimizer step'
+    """
+
+    step: int
+    batch: int
+    before: int
+    after: int
+    checkpointing: bool
+    why: str
+
+    def line(self) -> str:
+        shape = f"{micro_batch(self.batch, self.after)} x {self.after}"
+        extra = ", activation checkpointing on" if self.checkpointing else ""
+        return f"step {self.step}: {self.why}; now {shape}{extra}, the same {self.batch} samples per optimizer step"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def micro_batch(batch: int, chunks: int) -> int:
+    """The largest micro-batch of ``batch`` samples split into ``chunks`` near-equal parts.
+
+    Example:
+        >>> micro_batch(256, 2), micro_batch(100, 3)
+        (128, 34)
+    """
+    return math.ceil(batch / chunks)
+
+
+def chunks_to_fit(batch: int, chunks: int, advice: FitAdvice | None) -> int:
+    """How many micro-batches a batch that did not fit in ``chunks`` should be split into: enough that the largest
+    fits where the run's own readings say (``advice``), and at least twice as many as now; never more than the
+    batch's samples.
+
+    Example:
+        >>> advice = FitAdvice.from_run(26_600_000_000, 1_000_000_000, 0, 16 * 10**9, 0.05, 512)  # 284 fits
+        >>> chunks_to_fit(512, 1, advice), chunks_to_fit(512, 1, None), chunks_to_fit(3, 2, None)
+        (2, 2, 3)
+    """
+    wanted = chunks * 2
+    if advice is not None and advice.largest_batch >= 1:
+        # advice.largest_batch is per loaded micro-batch of the spilling step: that step held batch / chunks samples
+        wanted = max(wanted, math.ceil(batch / advice.largest_batch))
+    return min(wanted, batch)
+
+
+def chunks_to_grow(batch: int, chunks: int, fits: Any) -> int | None:
+    """Fewer micro-batches for a batch that runs in ``chunks``: the fewest whose largest micro-batch ``fits(size)``
+    says fits, or None when none fewer does.
+
+    Example:
+        >>> chunks_to_grow(256, 4, lambda size: size <= 128), chunks_to_grow(256, 2, lambda size: size <= 128)
+        (2, None)
+        >>> chunks_to_grow(256, 4, lambda size: True)
+        1
+    """
+    for fewer in range(1, chunks):
+        if fits(micro_batch(batch, fewer)):
+            return fewer
+    return None
+
+
+class GrowBack:
+    """When a run that split its batches tries fewer micro-batches again: every ``every`` optimizer steps at first;
+    after an attempt that had to be undone (it spilled again), twice as long, so a card that stays full costs a
+    bounded number of attempts.
+
+    Example:
+        >>> grow = GrowBack(every=100)
+        >>> grow.due(50), grow.due(100)
+        (False, True)
+        >>> grow.tried(100, undone=True)
+        >>> grow.due(250), grow.due(300)
+        (False, True)
+    """
+
+    def __init__(self, every: int, start: int = 0) -> None:
+        if every < 1:
+            raise ValueError(f"`every` must be >= 1, got {every!r}")
+        self.every = every
+        self.interval = every
+        self.last = start
+
+    def restart(self, step: int) -> None:
+        """A new split took effect at ``step``: the next attempt comes one interval later."""
+        self.last = step
+
+    def due(self, step: int) -> bool:
+        return step - self.last >= self.interval
+
+    def tried(self, step: int, undone: bool) -> None:
+        """An attempt at ``step``; ``undone``: it spilled again and was undone (the interval doubles)."""
+        self.last = step
+        self.interval = self.interval * 2 if undone else self.every

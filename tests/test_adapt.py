@@ -1,0 +1,225 @@
+"""MemGuard(on_spill="adapt"): the run goes on in a configuration that fits, training as it would have, instead of
+stopping. CPU twins under the emulator; the H200 run is benchmarks/adapt.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import StepClock, trainer_kwargs
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_memguard import MemGuard
+from lightning_memguard.callbacks._adapt import split_batch
+from lightning_memguard.core.adapt import Adaptation
+from lightning_memguard.testing import SysmemSpillEmulator
+
+WIDTH = 4096  # 16 kB of saved activations per sample and layer: a batch of 32 saves about 1 MB
+
+
+class Wide(LightningModule):
+    """An MLP without BatchNorm or dropout whose saved activations grow with the batch: what fits is known."""
+
+    def __init__(self, batch_size: int = 32, n: int = 32 * 12, batchnorm: bool = False) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        layers: list[torch.nn.Module] = [torch.nn.Linear(16, WIDTH)]
+        if batchnorm:
+            layers.append(torch.nn.BatchNorm1d(WIDTH))
+        layers += [torch.nn.ReLU(), torch.nn.Linear(WIDTH, 2)]
+        self.net = torch.nn.Sequential(*layers)
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 16, generator=gen)
+        self.y = torch.randint(0, 2, (n,), generator=gen)
+        self.oom_above: int | None = None  # raise CUDA's out-of-memory error for a micro-batch larger than this
+        self.oom_in_backward = False
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.oom_above is not None and len(x) > self.oom_above and not self.oom_in_backward:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected, in forward)")
+        out = self(x)
+        if self.oom_above is not None and len(x) > self.oom_above and self.oom_in_backward:
+
+            def fail(grad):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected, in backward)")
+
+            out.register_hook(fail)
+        return torch.nn.functional.cross_entropy(out, y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size, shuffle=True)
+
+
+class Events(Callback):
+    """What the run did: the samples of the batch each optimizer step took, the micro-batches training_step saw (a
+    try that ran out of memory included), and, at given optimizer steps, memory another application takes or gives
+    back on the emulated card, or a change to the model."""
+
+    def __init__(self, emulator: SysmemSpillEmulator, others: dict[int, int] | None = None, model_changes=None):
+        self.emulator, self.others, self.model_changes = emulator, others or {}, model_changes or {}
+        self.samples_per_step: list[int] = []
+        self.micro_batches: list[list[int]] = []
+        self._batch = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        step = trainer.global_step
+        if step in self.others:
+            self.emulator.other_processes = self.others.pop(step)
+        if step in self.model_changes:
+            self.model_changes.pop(step)(pl_module)
+        self._batch = len(batch[0])
+        seen: list[int] = []
+        self.micro_batches.append(seen)
+        original = pl_module.training_step
+
+        def counting(part, *args, **kwargs):
+            seen.append(len(part[0]))
+            return original(part, *args, **kwargs)
+
+        pl_module.training_step = counting
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        del pl_module.training_step
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.samples_per_step.append(self._batch)
+
+
+def _run(tmp_path, others=None, model_changes=None, guard_kwargs=None, model=None, max_epochs=2, callbacks=(),
+         ckpt_path=None, expect_adapting=None, **trainer_kw):  # fmt: skip
+    torch.manual_seed(0)
+    model = model or Wide()
+    emulator = SysmemSpillEmulator(capacity=_capacity(), sleep=lambda s: None)
+    events = Events(emulator, others, model_changes)
+    guard = MemGuard(
+        on_spill="adapt", probe=emulator.probe, clock=StepClock(), read_every=1, warmup_steps=1, reference_steps=1,
+        spill_checkpoint=False, **(guard_kwargs or {}),
+    )  # fmt: skip
+    kwargs = trainer_kwargs(tmp_path, max_epochs=max_epochs, callbacks=[emulator, guard, events, *callbacks])
+    trainer = Trainer(**{**kwargs, **trainer_kw})
+    adapting = bool(others or model_changes) if expect_adapting is None else expect_adapting
+    with pytest.warns(RuntimeWarning, match="MemGuard adapted") if adapting else _nothing():
+        trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer, guard, events, model
+
+
+def _capacity() -> int:
+    # a step starts from 0.93 MB (weights, gradients, momentum) and saves 16 kB per sample: the batch of 32 needs
+    # 1.46 MB of the 2 MB card
+    return 2 * 10**6
+
+
+def _plain(tmp_path, max_epochs=2, model=None, ckpt_path=None) -> list[torch.Tensor]:
+    """The same run without MemGuard, nothing spilling: the weights adapting must reproduce."""
+    torch.manual_seed(0)
+    model = model or Wide()
+    Trainer(**trainer_kwargs(tmp_path / "plain", max_epochs=max_epochs)).fit(model, ckpt_path=ckpt_path)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _close(model, weights) -> bool:
+    return all(torch.allclose(p, w, atol=1e-6, rtol=1e-5) for p, w in zip(model.parameters(), weights, strict=True))
+
+
+TAKEN = 7 * 10**5  # another application takes 0.7 MB of the 2 MB card: 16 samples fit, not 32
+
+
+def test_a_spill_adapts_and_the_run_trains_as_one_that_never_spilled(tmp_path):
+    trainer, guard, events, model = _run(tmp_path, others={4: TAKEN})
+    assert trainer.global_step == 24  # every step asked for: 2 epochs of 12 batches
+    assert events.samples_per_step == [32] * 24  # the same samples in every optimizer step
+    assert [len(m) for m in events.micro_batches[:4]] == [1, 1, 1, 1]
+    first = guard.adaptations[0]
+    assert (first.before, first.batch) == (1, 32) and first.after >= 2 and not first.checkpointing
+    assert "spilled" in first.why and first.step <= 6  # acted on within the steps it reads memory at
+    assert all(len(m) == first.after for m in events.micro_batches[first.step + 1 :])
+    assert _close(model, _plain(tmp_path))  # the weights of a run that never spilled
+
+
+def test_without_a_spill_adapting_changes_nothing(tmp_path):
+    trainer, guard, events, model = _run(tmp_path)
+    assert guard.adaptations == [] and events.samples_per_step == [32] * 24
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), _plain(tmp_path), strict=True))  # bit for bit
+
+
+def test_it_grows_back_when_memory_frees_and_adapts_again_on_a_second_spill(tmp_path):
+    trainer, guard, events, model = _run(
+        tmp_path, others={3: TAKEN, 8: 0, 16: TAKEN}, guard_kwargs={"grow_every": 2}, max_epochs=2
+    )
+    kinds = [("freed" in a.why, a.before, a.after) for a in guard.adaptations]
+    assert kinds[0][0] is False and kinds[0][1] == 1  # the spill
+    assert any(freed and after == 1 for freed, _, after in kinds)  # back to the whole batch once memory freed
+    assert kinds[-1][0] is False and kinds[-1][2] >= 2  # the second spill, adapted again
+    assert events.samples_per_step == [32] * 24
+    assert _close(model, _plain(tmp_path))
+
+
+def test_an_out_of_memory_error_in_forward_or_backward_redoes_the_step_split(tmp_path):
+    for in_backward in (False, True):
+
+        def fail_above_16(model, in_backward=in_backward):
+            model.oom_above, model.oom_in_backward = 16, in_backward
+
+        trainer, guard, events, model = _run(tmp_path / str(in_backward), model_changes={5: fail_above_16})
+        assert trainer.global_step == 24 and events.samples_per_step == [32] * 24
+        assert [a.why.endswith("ran out of memory") for a in guard.adaptations] == [True]
+        assert events.micro_batches[5] == [32, 16, 16]  # the failed try, then the step redone in two
+        assert _close(model, _plain(tmp_path))
+
+
+def test_a_resumed_run_continues_in_the_adapted_configuration(tmp_path):
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
+    _, first, _, _ = _run(tmp_path, others={4: TAKEN}, callbacks=[saver], enable_checkpointing=True)
+    # resumed after its first epoch by a new Trainer and a new MemGuard, in the same card's full memory
+    guard_kwargs = {"grow_every": 1000}  # no check whether the whole batch fits again within this epoch
+    trainer, guard, events, model = _run(
+        tmp_path / "resumed", ckpt_path=tmp_path / "ckpt" / "epoch=0.ckpt", guard_kwargs=guard_kwargs,
+        expect_adapting=False,
+    )  # fmt: skip
+    assert guard.adaptations == first.adaptations[:1] and trainer.global_step == 24
+    assert events.micro_batches == [[16, 16]] * 12  # where the first run had got to, from its first batch
+    assert _close(model, _plain(tmp_path, ckpt_path=tmp_path / "ckpt" / "epoch=0.ckpt"))  # as the plain run resumed
+
+
+def test_where_it_cannot_keep_the_training_the_same_it_stops_saying_why(tmp_path):
+    # a model whose BatchNorm layers train and that has no blocks to checkpoint
+    with pytest.warns(
+        RuntimeWarning, match="could not adapt: the model's BatchNorm layers would take their statistics"
+    ):
+        trainer, guard, _, _ = _run(tmp_path, others={4: TAKEN}, model=Wide(batchnorm=True), expect_adapting=False)
+    assert trainer.global_step < 24 and guard.adaptations == []
+
+
+def test_split_batch_keeps_what_is_not_per_sample():
+    x, mask = torch.arange(12).reshape(6, 2), torch.ones(3, 3)
+    parts = split_batch({"x": x, "mask": mask, "name": "a"}, 6, 4)
+    assert (
+        [n for _, n in parts] == [2, 1, 2, 1] or [n for _, n in parts] == [1, 2, 1, 2] or sum(n for _, n in parts) == 6
+    )
+    assert torch.equal(torch.cat([p["x"] for p, _ in parts]), x)
+    assert all(p["mask"] is mask and p["name"] == "a" for p, _ in parts)
+
+
+def test_an_adaptation_is_said_in_one_line_with_its_numbers():
+    line = Adaptation(31, 256, 1, 2, False, "256 x 1 spilled (20.80 GB on a 16.00 GB card)").line()
+    assert line == (
+        "step 31: 256 x 1 spilled (20.80 GB on a 16.00 GB card); now 128 x 2, the same 256 samples per optimizer step"
+    )
