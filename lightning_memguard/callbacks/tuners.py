@@ -18,14 +18,17 @@ from lightning_memguard.callbacks._hands import (
     accumulation_in_force,
     accumulation_setter,
     batch_limit,
+    before_learning_rate_finder,
     refuse_accumulation_setters,
     refuse_two_batch_size_searches,
     train_epoch,
     train_loaders_named,
+    validation_every,
 )
 from lightning_memguard.callbacks._state import restore_sigint_handler, sigint_handler
 from lightning_memguard.callbacks._trials import (
     TrialSession,
+    optimizer_steps,
     reload_train_dataloader,
     require_batch_size_attribute,
     require_module_dataloaders,
@@ -55,10 +58,12 @@ from lightning_memguard.core.search import (
     SPILL,
     AccumulationSearch,
     Forecast,
+    Margin,
     SizeSearch,
     TrialResult,
     accumulation_candidates,
     capped_ladder,
+    describe_margin,
     power_ladder,
 )
 from lightning_memguard.probes import MemoryProbe, probe_for
@@ -92,6 +97,23 @@ def _checkpointing_first(trainer: Trainer, pl_module: LightningModule) -> None:
 def _epoch_fields(epoch: EpochLength) -> list[Any]:
     """One epoch as the cache key holds it: what decides which sizes (and accumulations) can run."""
     return [epoch.samples, epoch.limit, epoch.drop_last, epoch.val_check]
+
+
+def _stand_in_said(trainer: Trainer, epoch: EpochLength, dropped: list[int], stand_in: int, accumulate: int) -> str:
+    """The line that says which sizes one epoch cannot run, why, and which size takes their place, with its batches."""
+    limit = batch_limit(trainer)
+    epoch_is = f"one epoch of {epoch.samples} samples" if epoch.samples is not None else "one epoch"
+    needs = [f"{accumulate} whole batches for an optimizer step" if accumulate > 1 else "a whole batch"]
+    if epoch.val_check:
+        needs.append(f"{epoch.val_check} batches for `val_check_interval={epoch.val_check}`")
+    last = epoch.last_batch(stand_in)
+    shape = f"{epoch.batches(stand_in)} batches of {stand_in}" + (
+        f", the last of {last}" if last not in (None, stand_in) else ""
+    )
+    return (
+        f"BatchSizeTuner: {', '.join(map(str, dropped))} not tried: {epoch_is}{f' under {limit}' if limit else ''}"
+        f" needs at least {' and '.join(needs)}; {stand_in} stands in ({shape})"
+    )
 
 
 class _MeasuringTuner(Callback):
@@ -147,6 +169,7 @@ class _MeasuringTuner(Callback):
         self.compile_s: float | None = None  # of it, the trial steps in which torch.compile compiled
         self._restored = False  # load_state_dict ran in this fit: a resume, re-applied as it is
         self._sigint: Any = None  # the SIGINT handler while a search runs
+        self._steps_configured: int | float | None = None  # the run's optimizer steps when the schedulers were built
 
     # ------------------------------------------------------------------ state
 
@@ -174,6 +197,12 @@ class _MeasuringTuner(Callback):
         _refuse_deepspeed(trainer, type(self).__name__)
         require_module_dataloaders(trainer, type(self).__name__, self.batch_arg_name)
         refuse_two_batch_size_searches(trainer)
+        before_learning_rate_finder(trainer, self)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # a state loaded after fit start (LearningRateFinder puts the model back from a checkpoint of its own) is
+        # not a resume: the next fit measures or re-checks as usual
+        self._restored = False
 
     def _skipped(self, trainer: Trainer) -> bool:
         """Under ``fast_dev_run`` nothing is measured, as Lightning's BatchSizeFinder does."""
@@ -213,10 +242,12 @@ class _MeasuringTuner(Callback):
     def _epoch(self, trainer: Trainer) -> EpochLength:
         """One epoch of the train loader as the Trainer will run it (``limit_train_batches``, ``overfit_batches``,
         ``drop_last``, the shortest of a ``CombinedLoader``'s loaders, an int ``val_check_interval``), on the rank
-        whose loader holds the fewest samples."""
+        whose loader holds the fewest samples. A loader without length is counted by one pass, up to the most any
+        size tried could ask of an epoch."""
+        batches = max(self._step_batches(trainer), validation_every(trainer) or 1)
         with rng_kept():
             reload_train_dataloader(trainer)
-            epoch = train_epoch(trainer)
+            epoch = train_epoch(trainer, count_up_to=self._largest_size() * batches)
         if trainer.world_size > 1:
             samples = epoch.samples
             lengths = [int(v) for (v,) in gather_rows(trainer, [-1 if samples is None else samples]) if v >= 0]
@@ -227,11 +258,15 @@ class _MeasuringTuner(Callback):
         """Batches per optimizer step that a size must fit in one epoch: the largest accumulation the Trainer uses."""
         return accumulation_in_force(trainer)[1]
 
+    def _largest_size(self) -> int:
+        """The largest batch (or micro-batch) this tuner may try."""
+        raise NotImplementedError
+
     def _deliverable(self, trainer: Trainer) -> int | None:
         """The samples one epoch of the train loader really runs, with the batch as large as it can be: the largest
         batch size at which an epoch still holds a whole optimizer step, the cap the search applies (the dataset's
         samples when nothing limits the epoch); None: a loader without length, nothing capped."""
-        return self._epoch(trainer).largest_batch(self._step_batches(trainer))
+        return self._epoch(trainer).stand_in(self._step_batches(trainer))
 
     def _agree(self, trainer: Trainer, result: TrialResult) -> TrialResult:
         """Every rank adopts one result: it fits only if it fits everywhere, at the slowest rank's speed."""
@@ -242,8 +277,9 @@ class _MeasuringTuner(Callback):
             result.samples_per_sec or 0.0,
             result.peak_bytes or 0,
             result.step_ms or 0,
+            -1.0 if result.spread is None else result.spread,
         ]
-        severity, rate, peak, step_ms = zip(*gather_rows(trainer, mine), strict=True)
+        severity, rate, peak, step_ms, spread = zip(*gather_rows(trainer, mine), strict=True)
         return TrialResult(
             size=result.size,
             step_ms=float(max(step_ms)),
@@ -253,6 +289,7 @@ class _MeasuringTuner(Callback):
             accumulate=result.accumulate,
             compiled=result.compiled,
             compile_s=result.compile_s,
+            spread=None if max(spread) < 0 else float(max(spread)),  # the noisiest rank's
         )
 
     def _search(
@@ -263,7 +300,7 @@ class _MeasuringTuner(Callback):
         started = clock()
         self._sigint = sigint_handler()  # put back in on_exception if Ctrl+C ends the search
         with self._session(trainer) as trials:
-            said = 0  # the search's rows told so far
+            said = again = 0  # the search's rows told so far; its pairs measured again, told so far
             while True:
                 size = search.propose()
                 for i, row in enumerate(search.results[said:], said):
@@ -278,16 +315,23 @@ class _MeasuringTuner(Callback):
                 said = len(search.results)
                 if size is None:
                     break
+                if len(search.remeasured) > again and search.margin is not None:  # a close call: both again
+                    again = len(search.remeasured)
+                    rank_zero_info(f"{type(self).__name__}: {describe_margin(search.margin)}; measuring both again")
                 accumulate = accumulate_for(size) if accumulate_for else 1
                 result = self._agree(trainer, trials.run(size, accumulate))
                 search.observe(result)
                 said = len(search.results)
                 trials.best_rate = search.best_rate  # near the capacity, a collapse against it makes a spill
+                noise = f" (±{result.spread * 100:.1f} %)" if result.spread is not None else ""
                 rank_zero_info(
                     f"{type(self).__name__}: size {size} x {accumulate}: {result.outcome}, "
-                    f"{result.samples_per_sec or 0:.1f} samples/s, peak {(result.peak_bytes or 0) / 1e9:.2f} GB"
+                    f"{result.samples_per_sec or 0:.1f} samples/s{noise}, peak {(result.peak_bytes or 0) / 1e9:.2f} GB"
                 )
         self._sigint = None
+        self.margin = search.margin  # kept in the cache with the choice
+        if self.margin is not None and (self.margin.within_noise or self.margin.remeasured):
+            rank_zero_info(f"{type(self).__name__}: {describe_margin(self.margin, search.tie_rule)}")
         self.results = earlier + search.results
         self.search_s, self.compile_s = round(clock() - started, 3), round(trials.compile_s, 3)
         if self.compile_s:
@@ -307,6 +351,7 @@ class _MeasuringTuner(Callback):
     # ------------------------------------------------------------------ cache
 
     _accumulates = False  # its entries hold an accumulation (and whether checkpointing was turned on)
+    margin: Margin | None = None  # how far the last choice stood from the runner-up; the cache keeps it with it
 
     def _cache_key(
         self, trainer: Trainer, pl_module: LightningModule, extra: dict[str, Any], samples_per_epoch: int | None
@@ -329,8 +374,23 @@ class _MeasuringTuner(Callback):
         return trainer.strategy.broadcast(entry) if trainer.world_size > 1 else entry
 
     def _cache_store(self, trainer: Trainer, cache: ResultCache, key: str) -> None:
+        """The choice with its margin: a later run that reuses it says how far it stood from the runner-up."""
         if trainer.global_rank == 0:
-            cache.store(key, self.state_dict())
+            cache.store(key, {**self.state_dict(), "margin": None if self.margin is None else self.margin.to_dict()})
+
+    def _cached_margin(self, entry: dict[str, Any]) -> str:
+        """What the reuse line says of a cached choice's margin. One within the measurement's noise is reused, not
+        measured again: the two ran alike fast as far as could be measured, the tie rule chose, and a new search
+        would choose between equals again at the cost of a search; reusing keeps identical runs alike."""
+        if "margin" not in entry:
+            return "; its margin over the other sizes was not recorded (an entry from an earlier version)"
+        self.margin = None if entry["margin"] is None else Margin(**entry["margin"])
+        if self.margin is None:
+            return ""
+        rule = (AccumulationSearch if self._accumulates else SizeSearch).tie_rule
+        if not self.margin.within_noise:
+            return f"; {describe_margin(self.margin, rule)}"
+        return f"; {describe_margin(self.margin, rule)}: either trains about as fast (`cache=False` measures again)"
 
     def _apply(self, trainer: Trainer) -> None:
         assert self.batch_size is not None
@@ -339,6 +399,25 @@ class _MeasuringTuner(Callback):
         if self.accumulate_grad_batches is not None:
             trainer.accumulate_grad_batches = self.accumulate_grad_batches
         reload_train_dataloader(trainer, for_the_run=True)
+        self._resize_schedules(trainer)
+
+    def _resize_schedules(self, trainer: Trainer) -> None:
+        """A scheduler stepped every optimizer step was built by ``configure_optimizers`` before the choice, often
+        sized by ``trainer.estimated_stepping_batches`` (``OneCycleLR``, a warmup by steps): where the choice changed
+        the number of optimizer steps, ``configure_optimizers`` runs again, so the schedule spans the run as it
+        will train. Nothing has trained yet (a checkpoint's optimizer and scheduler states are loaded after
+        ``on_fit_start``), so the new optimizers lose nothing."""
+        steps = optimizer_steps(trainer)
+        before, self._steps_configured = self._steps_configured, steps
+        if before is None or steps == before:
+            return
+        if not any(config.interval == "step" for config in trainer.lr_scheduler_configs):
+            return
+        trainer.strategy.setup_optimizers(trainer)
+        rank_zero_info(
+            f"{type(self).__name__}: the run now takes {steps} optimizer steps, not {before}: `configure_optimizers`"
+            " ran again, so that a scheduler sized by `trainer.estimated_stepping_batches` spans the run"
+        )
 
     def _apply_model(self, pl_module: LightningModule) -> None:
         """What the choice changed in the model, made again (AccumulationTuner: activation checkpointing)."""
@@ -366,6 +445,7 @@ class _MeasuringTuner(Callback):
         return check.fits
 
     def _decide(self, trainer: Trainer, pl_module: LightningModule, extra: dict[str, Any], search_fn: Any) -> None:
+        self._steps_configured = optimizer_steps(trainer)  # what `configure_optimizers` saw in this fit
         restored, self._restored = self._restored, False
         self.from_cache = False
         if self.batch_size is not None and restored:  # resumed from a checkpoint: re-apply, do not search again
@@ -381,9 +461,11 @@ class _MeasuringTuner(Callback):
         cached = self._cache_load(trainer, cache, key) if cache is not None else None
         if cached is not None:
             self._load(cached)
+            self.margin = None
             if self._still_fits(trainer, samples):
                 self.from_cache = True
-                rank_zero_info(f"{type(self).__name__}: reusing a cached choice (batch size {self.batch_size})")
+                margin = self._cached_margin(cached)
+                rank_zero_info(f"{type(self).__name__}: reusing a cached choice (batch size {self.batch_size}{margin})")
                 self._apply(trainer)
                 return
             self._forget()
@@ -414,7 +496,8 @@ class BatchSizeTuner(_MeasuringTuner):
         headroom: fraction of capacity a trial must leave free.
         probe: memory reader; default: the Trainer device's (``SysmemSpillEmulator(...).probe`` in tests).
         batch_arg_name: the attribute that holds the batch size.
-        warmup_steps: untimed steps per trial; timed_steps: timed steps per trial (median).
+        warmup_steps: untimed steps per trial; timed_steps: timed steps per trial (their median; their spread is the
+            trial's noise).
         min_gain: stop climbing when a doubling gains less than this fraction of throughput.
         tolerance: sizes within this fraction of the best throughput are equal; the smaller is chosen.
         cache: reuse a choice stored for the same model (as it trains: checkpointed blocks included), input (the
@@ -446,13 +529,17 @@ class BatchSizeTuner(_MeasuringTuner):
     Lightning's ``BatchSizeFinder`` does. Sizes at which one epoch, as the Trainer will run it
     (``limit_train_batches`` as an int or a fraction, ``overfit_batches``, the loader's length and ``drop_last``),
     would not hold a whole optimizer step, or would run fewer batches than an int ``val_check_interval`` (with
-    ``check_val_every_n_epoch`` set, Lightning refuses that), are not tried: the largest size that does takes their
-    place (with no limit and no accumulation, the whole epoch as one batch). A loader without length is not capped;
-    of a ``CombinedLoader``'s loaders (``max_size_cycle``, ``min_size``, ``max_size``), each built from
-    ``batch_arg_name``, the shortest caps. Throughput counts the samples really delivered, every loader's. With an
-    accumulation in force (``Trainer(accumulate_grad_batches)``, or a ``GradientAccumulationScheduler``: its value
-    for the first epoch, the cap at its largest) every trial runs at it, and each row of ``results`` says so. The
-    search runs before ``Trainer(max_time=...)`` starts counting, as Lightning's ``BatchSizeFinder`` does.
+    ``check_val_every_n_epoch`` set, Lightning refuses that), are not tried: a stand-in takes their place, said in
+    one line (with no limit and no accumulation, the whole epoch as one batch), the largest that can unless the
+    epoch would end in a short batch (21 + 21 + 21 + 1, which BatchNorm cannot train on): then the largest down to
+    half of it whose batches are all full (16), else one whose last batch holds at least half a batch. A loader
+    without length is counted by one pass, up to ``max_size`` samples per batch of a step: a shorter stream caps the
+    sizes at what it delivers, a longer one caps nothing; of a ``CombinedLoader``'s loaders (``max_size_cycle``,
+    ``min_size``, ``max_size``), each built from ``batch_arg_name``, the shortest caps. Throughput counts the
+    samples really delivered, every loader's. With an accumulation in force (``Trainer(accumulate_grad_batches)``,
+    or a ``GradientAccumulationScheduler``: its value for the first epoch, the cap at its largest) every trial runs
+    at it, and each row of ``results`` says so. The search runs before ``Trainer(max_time=...)`` starts counting, as
+    Lightning's ``BatchSizeFinder`` does.
 
     Under ``torch.compile`` (``fit(torch.compile(model))``, a compiled submodule, ``module.compile()``) each size
     tried compiles a graph of its own, static in its shapes, as training at that size alone would (a model compiled
@@ -461,8 +548,11 @@ class BatchSizeTuner(_MeasuringTuner):
 
     Attributes:
         results: one :class:`~lightning_memguard.core.search.TrialResult` per trial (``compiled``, ``compile_s``
-            say whether it ran compiled and how long its compiling steps took).
+            say whether it ran compiled and how long its compiling steps took; ``spread``, its noise).
         batch_size: the choice.
+        margin: how far the choice stood from the fastest other size that fit
+            (:class:`~lightning_memguard.core.search.Margin`; None where no other fit, or in ``"max_fit"`` mode);
+            within the measurement's noise both were measured again, and the one with the smaller peak memory taken.
         search_s: the last search's wall time in seconds; compile_s: the part of it spent in compiling steps.
 
     Example:
@@ -502,6 +592,9 @@ class BatchSizeTuner(_MeasuringTuner):
             cache=cache, cache_dir=cache_dir, clock=clock, predict=predict,
         )  # fmt: skip
 
+    def _largest_size(self) -> int:
+        return self.max_size
+
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         require_batch_size_attribute(trainer, self.batch_arg_name)
         _checkpointing_first(trainer, pl_module)
@@ -526,7 +619,11 @@ class BatchSizeTuner(_MeasuringTuner):
             self._restored = False
 
         def search() -> None:
-            ladder = capped_ladder(power_ladder(self.init_size, self.max_size), epoch, most)
+            full = power_ladder(self.init_size, self.max_size)
+            ladder = capped_ladder(full, epoch, most)
+            dropped = [size for size in full if size not in ladder]
+            if dropped:
+                rank_zero_info(_stand_in_said(trainer, epoch, dropped, ladder[-1], most))
             sizes = SizeSearch(ladder, self.mode, self.min_gain, self.tolerance, forecast=self._forecast(trainer))
             chosen = self._search(trainer, sizes, lambda size: start)  # at the accumulation training starts with
             if chosen is None:
@@ -562,8 +659,14 @@ class AccumulationTuner(_MeasuringTuner):
     loaders), holds a whole optimizer step of it: Lightning steps the optimizer at every epoch's end, so in a
     shorter epoch each step would hold less than the effective batch; and only if the epoch runs at least the
     batches of an int ``val_check_interval``, which Lightning requires (the others are left out, and logged). A
-    loader without length is taken to hold one, unless an int ``limit_train_batches`` says otherwise. The search runs
-    before ``Trainer(max_time=...)`` starts counting.
+    loader without length is counted by one pass, up to one optimizer step's samples: a shorter stream is refused as
+    any short epoch is, a longer one is taken to hold a step, unless an int ``limit_train_batches`` says otherwise.
+    The search runs before ``Trainer(max_time=...)`` starts counting.
+
+    Neither tuner steps the user's learning-rate schedulers in its trials; where the choice changes the run's
+    optimizer steps (``trainer.estimated_stepping_batches``) and a scheduler steps every optimizer step,
+    ``configure_optimizers`` runs again after the choice, so a schedule sized by steps (``OneCycleLR``) spans the run.
+    Both run before Lightning's ``LearningRateFinder``, which then searches at the batch size chosen.
 
     Args:
         effective_batch_size: samples per optimizer step, all devices together.
@@ -592,7 +695,8 @@ class AccumulationTuner(_MeasuringTuner):
 
     Attributes:
         results, batch_size (the micro-batch), accumulate_grad_batches, checkpointing (whether it was turned on),
-        search_s and compile_s (as for :class:`BatchSizeTuner`).
+        margin, search_s and compile_s (as for :class:`BatchSizeTuner`; within the noise, the larger micro-batch is
+        taken).
 
     Example:
         >>> tuner = AccumulationTuner(effective_batch_size=256)
@@ -689,8 +793,9 @@ class AccumulationTuner(_MeasuringTuner):
             if chosen is None:
                 raise RuntimeError(
                     f"AccumulationTuner: not even a micro-batch of {pairs[0][0]} fits on this device without"
-                    f" spilling ({', '.join(f'{r.size}: {r.outcome}' for r in self.results)}); lower"
-                    " `min_micro_batch`" + ("" if self.checkpointing else ", or pass allow_checkpointing=True")
+                    f" spilling ({', '.join(f'{r.size}: {r.outcome}' for r in self.results)}); "
+                    + self._smaller_micro_batch(trainer, epoch, pairs[0])
+                    + ("" if self.checkpointing else ", or pass allow_checkpointing=True")
                 )
             self.batch_size, self.accumulate_grad_batches = chosen.size, steps_for[chosen.size]
 
@@ -772,8 +877,24 @@ class AccumulationTuner(_MeasuringTuner):
             )
         return pairs
 
+    def _smaller_micro_batch(self, trainer: Trainer, epoch: EpochLength, smallest: tuple[int, int]) -> str:
+        """How to allow a micro-batch below ``smallest``, the smallest pair tried: lower ``min_micro_batch`` where
+        that was the bound; else the epoch's batch limit made smaller micro-batches too many batches for a whole
+        optimizer step (a smaller one only needs more batches, never fewer, so validation cannot be the cause)."""
+        m, a = accumulation_candidates(self.per_device_batch, self.min_micro_batch)[0]
+        if smallest[0] == m:
+            return "lower `min_micro_batch`"
+        limit = batch_limit(trainer) or "the train loader's length"
+        return (
+            f"{limit} forces a micro-batch of at least {smallest[0]} (one epoch runs {epoch.batches(m)} batches of"
+            f" {m}, not the {a} of an optimizer step of {m} x {a}); raise the limit"
+        )
+
     def _step_batches(self, trainer: Trainer) -> int:
         return 1  # the accumulation is this tuner's own choice: `_pairs` holds each micro-batch to its own
+
+    def _largest_size(self) -> int:
+        return self.per_device_batch
 
     _world_size = 1
     _accumulates = True
