@@ -4,6 +4,7 @@ Lightning's learning-rate finder."""
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -186,3 +187,25 @@ def test_lightnings_learning_rate_finder_searches_at_the_tuned_batch_size(tmp_pa
     callbacks = [finder, tuner, clock] if finder_first else [tuner, finder, clock]
     Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=callbacks)).fit(model)
     assert tuner.batch_size == 32 and finder.batch_size == 32  # before: the finder searched at 8
+
+
+class WarnsWhenItsLoaderIsBuilt(TinyModel):
+    def train_dataloader(self):
+        warnings.warn("the loader was built again", FutureWarning, stacklevel=1)
+        return super().train_dataloader()
+
+
+def test_a_warning_the_trials_raise_is_shown_once_a_search_not_once_a_trial(tmp_path, recwarn):
+    def shown(max_size: int) -> tuple[int, int]:
+        clock = BatchClock()
+        tuner = BatchSizeTuner(
+            init_size=4, max_size=max_size, probe=FakeProbe(), clock=clock, cache=False, warmup_steps=1, timed_steps=1
+        )
+        recwarn.clear()
+        trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[tuner, clock]))
+        trainer.fit(WarnsWhenItsLoaderIsBuilt(batch_size=4, n=128))
+        return len(tuner.results), sum("the loader was built again" in str(w.message) for w in recwarn)
+
+    (few_trials, few_shown), (many_trials, many_shown) = shown(8), shown(128)
+    assert many_trials > few_trials + 3
+    assert many_shown == few_shown <= 4  # before: once more for every trial (and every loader built for one)

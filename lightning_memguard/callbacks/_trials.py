@@ -445,21 +445,39 @@ class _Drop(logging.Filter):
         return not record.getMessage().startswith(self.prefix)
 
 
+# What the trials' warnings already showed in this search: each is shown once, not once per trial
+_shown: set[tuple[str, type[Warning], str, int]] = set()
+
+_NOT_ABOUT_THE_RUN = (r"The number of training batches .* logging interval", r".*does not have many workers")
+
+
+def new_search() -> None:
+    """A search starts: a warning its trials raise is shown once in it (the first time)."""
+    _shown.clear()
+
+
 @contextmanager
 def _about_the_run_only() -> Iterator[None]:
     """What Lightning says of each trial as if it were the run is not shown: "`Trainer.fit` stopped: `max_steps=5`
     reached", the logging interval longer than a trial's epoch, the loader's worker count (said once, when the
-    loader is built again for the run)."""
+    loader is built again for the run). Any other warning is shown once per search, not once per trial: entering a
+    ``catch_warnings`` block clears Python's record of the warnings already shown, so each is caught here and shown
+    again only the first time."""
     drop = _Drop("`Trainer.fit` stopped:")
     log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     log.addFilter(drop)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"The number of training batches .* logging interval")
-            warnings.filterwarnings("ignore", message=r".*does not have many workers")
+        with warnings.catch_warnings(record=True) as caught:
+            for message in _NOT_ABOUT_THE_RUN:
+                warnings.filterwarnings("ignore", message=message)
             yield
     finally:
         log.removeFilter(drop)
+        for w in caught:
+            key = (str(w.message), w.category, w.filename, w.lineno)
+            if key not in _shown:
+                _shown.add(key)
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _check_delivered(

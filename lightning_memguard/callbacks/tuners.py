@@ -28,6 +28,7 @@ from lightning_memguard.callbacks._hands import (
 from lightning_memguard.callbacks._state import restore_sigint_handler, sigint_handler
 from lightning_memguard.callbacks._trials import (
     TrialSession,
+    new_search,
     optimizer_steps,
     reload_train_dataloader,
     require_batch_size_attribute,
@@ -198,6 +199,7 @@ class _MeasuringTuner(Callback):
         require_module_dataloaders(trainer, type(self).__name__, self.batch_arg_name)
         refuse_two_batch_size_searches(trainer)
         before_learning_rate_finder(trainer, self)
+        new_search()  # a warning the trials raise is shown once in this fit's search, not once per trial
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # a state loaded after fit start (LearningRateFinder puts the model back from a checkpoint of its own) is
