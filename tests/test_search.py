@@ -315,13 +315,6 @@ class JitteryClock(BatchClock):
         self.now += (0.002 + 0.001 * extract_batch_size(batch)) * (1.0, 1.15, 0.85)[self.batches % 3]
 
 
-# The trials time their steps in callbacks/_trials.py, whose owner applies the change these two need (TrialSession.run
-# through core.throughput.time_trial, _StepClock.steps through group_steps); then these markers go.
-NEEDS_TRIALS_TIMING = pytest.mark.xfail(
-    strict=True, reason="issue 38 items 9-10: TrialSession.run does not time its rows with core.throughput yet"
-)
-
-
 def _accumulation_fit(tmp_path, n):
     clock = JitteryClock()
     tuner = AccumulationTuner(
@@ -333,7 +326,6 @@ def _accumulation_fit(tmp_path, n):
     return tuner
 
 
-@NEEDS_TRIALS_TIMING
 def test_a_trial_row_from_a_trainer_holds_its_definitions(tmp_path):
     """40 samples: at 16 x 1 every epoch ends on a batch of 8, at 8 x 2 on a step of one batch (Lightning steps at
     an epoch's end). The rows time whole optimizer steps only, so samples_per_sec x step_ms is the samples of one;
@@ -346,7 +338,6 @@ def test_a_trial_row_from_a_trainer_holds_its_definitions(tmp_path):
         assert r.spread is not None, r  # several steps timed: their spread is known
 
 
-@NEEDS_TRIALS_TIMING
 def test_the_accumulation_tuner_measures_a_close_pair_again_and_says_so(tmp_path, caplog):
     """16 x 1 is 10 % faster than 8 x 2 with each trial's steps ±15 %: both are measured again, and the choice, by
     the tie rule, is said with the noise."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -52,6 +51,7 @@ from lightning_memguard.callbacks._state import (
 )
 from lightning_memguard.core.search import OK, OOM, TrialResult, trial_outcome
 from lightning_memguard.core.spill import Evidence, shared_baseline
+from lightning_memguard.core.throughput import group_steps, time_trial
 from lightning_memguard.probes import MemoryProbe
 
 
@@ -129,19 +129,18 @@ class _StepClock(Callback):
         self.marks.append((self._now(), None))
 
     def steps(self) -> list[tuple[float, int, bool]]:
-        """(seconds, samples, compiled) of each optimizer step: ``accumulate`` batches, each timed to the next
-        mark; ``compiled``: torch.compile compiled during one of them."""
-        batches = [
-            (self.marks[i + 1][0] - t, sum(parts))
-            for i, (t, parts) in enumerate(self.marks[:-1])
-            if parts is not None  # an epoch's end closes its last batch; the gap to the next epoch is not a batch
-        ]
-        compiled = self.compiled[: len(batches)]
-        a = self.accumulate
-        return [
-            (sum(s for s, _ in batches[i : i + a]), sum(n for _, n in batches[i : i + a]), any(compiled[i : i + a]))
-            for i in range(0, len(batches) - a + 1, a)
-        ]
+        """(seconds, samples, compiled) of each optimizer step as Lightning runs them (``accumulate`` batches, and
+        what is left at an epoch's end: :func:`~lightning_memguard.core.throughput.group_steps`), each batch timed to
+        the next mark; ``compiled``: torch.compile compiled during one of them."""
+        epochs: list[list[tuple[float, int, bool]]] = [[]]
+        batch = 0
+        for (t, parts), (after, _) in zip(self.marks, self.marks[1:], strict=False):
+            if parts is None:  # an epoch's end closes its last batch; the gap to the next epoch is not a batch
+                epochs.append([])
+                continue
+            epochs[-1].append((after - t, sum(parts), batch < len(self.compiled) and self.compiled[batch]))
+            batch += 1
+        return group_steps(epochs, self.accumulate)
 
     def sizes_by_epoch(self) -> list[list[tuple[int, ...]]]:
         """Each epoch's batches, each as the samples of every loader's part."""
@@ -417,10 +416,9 @@ class TrialSession:
         reading = self.probe.read()
         peak = reading.used
         ran = [(s, n) for s, n, c in measured if not c]
-        timed = ran[warmup:] or ran or [(s, n) for s, n, _ in measured]  # a trial cut after its first step: that one
-        step_s = statistics.median(s for s, _ in timed) if timed else float("nan")
-        rates = [n / s for s, n in timed if s > 0]
-        rate = statistics.median(rates) if rates else 0.0
+        # whole optimizer steps after the warmup (a trial cut after its first step: that one)
+        timing = time_trial(ran or [(s, n) for s, n, _ in measured], size * accumulate, warmup)
+        rate = timing.samples_per_sec if timing is not None else 0.0
         evidence = Evidence(
             reading,
             self.capacity,
@@ -432,8 +430,9 @@ class TrialSession:
         )
         outcome = trial_outcome(evidence)
         return TrialResult(
-            size, round(step_s * 1e3, 4), peak, round(rate, 3), outcome, accumulate, compiled, round(compile_s, 3)
-        )
+            size, timing.step_ms if timing is not None else None, peak, rate, outcome, accumulate, compiled,
+            round(compile_s, 3), timing.spread if timing is not None else None,
+        )  # fmt: skip
 
 
 class _Drop(logging.Filter):
