@@ -46,7 +46,7 @@ def split_batch(batch: Any, samples: int, chunks: int) -> list[tuple[Any, int]]:
     Example:
         >>> x, y = torch.arange(10).reshape(5, 2), torch.arange(5)
         >>> [(tuple(part[0].shape), n) for part, n in split_batch((x, y), 5, 2)]
-        [((3, 2), 3), ((2, 2), 2)]
+        [((2, 2), 2), ((3, 2), 3)]
     """
     chunks = min(chunks, samples)
     bounds = [round(i * samples / chunks) for i in range(chunks + 1)]
@@ -311,10 +311,13 @@ class RunAdapter:
 
     def _lever(self, trainer: Trainer, pl_module: LightningModule, samples: int, wanted: int, why: str) -> str | None:
         before = self.chunks
+        self.grow.restart(trainer.global_step)  # the next try with fewer micro-batches comes an interval later
         cannot = self._cannot_split(pl_module, samples)
         if cannot is None and wanted > self.chunks:
             self._set_chunks(wanted)
-            self._said(Adaptation(trainer.global_step, samples, before, wanted, False, why))
+            self._said(
+                Adaptation(trainer.global_step, samples, before, wanted, False, why, trainer.accumulate_grad_batches)
+            )
             return None
         if not self.checkpointing:
             try:
@@ -322,7 +325,9 @@ class RunAdapter:
             except ValueError as err:  # no blocks found
                 return f"{cannot or 'the batch cannot be split further'}, and activation checkpointing found {err}"
             self.checkpointing = True
-            self._said(Adaptation(trainer.global_step, samples, before, before, True, why))
+            self._said(
+                Adaptation(trainer.global_step, samples, before, before, True, why, trainer.accumulate_grad_batches)
+            )
             return None
         return f"{cannot or 'each micro-batch holds one sample'}, and activation checkpointing is on already"
 
@@ -364,7 +369,8 @@ class RunAdapter:
         free = min(capacity, reading.capacity) - (reading.allocated_now or 0) - (reading.other_processes or 0)
         self._set_chunks(agreed)
         self._grew_at = step
-        self._said(Adaptation(step, samples, before, agreed, False, f"memory freed ({size(free)} free)"))
+        freed = f"memory freed ({size(free)} free)"
+        self._said(Adaptation(step, samples, before, agreed, False, freed, trainer.accumulate_grad_batches))
         return True
 
     # ------------------------------------------------------------------ record

@@ -397,7 +397,9 @@ class MemGuard(Callback):
         adapter, timeline = self._adapter, self._timeline
         if adapter is None or timeline is None or adapter.chunks <= 1 or not adapter.grow.due(trainer.global_step):
             return
-        reading = self._require_probe().read()
+        reading = self._read_and_judge(trainer)
+        # the next check reads the steps after this one only: a peak from before memory freed would hold it back
+        self._require_probe().reset_peak()
         if adapter.maybe_grow(trainer, reading, timeline.detector.capacity, self._batch() or 1):
             self._watch_again(trainer)
 

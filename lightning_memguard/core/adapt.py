@@ -26,12 +26,13 @@ class Adaptation:
         batch: samples of the loaded batch (per device); ``before`` and ``after``: micro-batches it is split into.
         checkpointing: activation checkpointing turned on by this change.
         why: what made it (``"spill"``, ``"out of memory"``, ``"memory freed"``) with its figures.
+        accumulate: Lightning's own accumulation (``accumulate_grad_batches``): loaded batches per optimizer step.
 
     Example:
         >>> Adaptation(31, 256, 1, 2, False, "256 x 1 spilled (20.8 GB on a 16.0 GB card)").line()
         'step 31: 256 x 1 spilled (20.8 GB on a 16.0 GB card); now 128 x 2, the same 256 samples per optimizer step'
-        >>> Adaptation(80, 256, 2, 1, False, "memory freed").line()
-        'step 80: memory freed; now 256 x 1, the same 256 samples per optimizer step'
+        >>> Adaptation(80, 128, 2, 1, False, "memory freed", accumulate=2).line()
+        'step 80: memory freed; now 128 x 1 (x 2 batches accumulated), the same 256 samples per optimizer step'
     """
 
     step: int
@@ -40,11 +41,15 @@ class Adaptation:
     after: int
     checkpointing: bool
     why: str
+    accumulate: int = 1
 
     def line(self) -> str:
         shape = f"{micro_batch(self.batch, self.after)} x {self.after}"
+        if self.accumulate > 1:
+            shape += f" (x {self.accumulate} batches accumulated)"
         extra = ", activation checkpointing on" if self.checkpointing else ""
-        return f"step {self.step}: {self.why}; now {shape}{extra}, the same {self.batch} samples per optimizer step"
+        samples = self.batch * self.accumulate
+        return f"step {self.step}: {self.why}; now {shape}{extra}, the same {samples} samples per optimizer step"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
