@@ -181,7 +181,7 @@ def planner_step_times(monkeypatch, seconds) -> None:
     ``activation_memory_budget`` in force, how many blocks are checkpointed, whether the model is split into graphs
     (the state each measurement runs in), so that this CPU's timing decides nothing."""
     from lightning_memguard import _compiler
-    from lightning_memguard.checkpointing import plan
+    from lightning_memguard.checkpointing.measure import StepMeter
     from lightning_memguard.checkpointing.wrap import GraphSplit, is_checkpointed
 
     def fake(meter, steps=3):
@@ -190,7 +190,7 @@ def planner_step_times(monkeypatch, seconds) -> None:
         split = any(isinstance(m, GraphSplit) for m in modules)
         return seconds(torch._functorch.config.activation_memory_budget, blocks, split)
 
-    monkeypatch.setattr(plan._StepMeter, "seconds", fake)
+    monkeypatch.setattr(StepMeter, "seconds", fake)
 
 
 def session_folder(tmp_path_factory) -> Path:

@@ -23,7 +23,7 @@ from lightning_memguard.checkpointing import (
     remove_checkpointing,
     remove_rebuild,
 )
-from lightning_memguard.checkpointing.plan import model_chain
+from lightning_memguard.checkpointing.measure import model_chain
 from lightning_memguard.checkpointing.rebuild import RebuiltBatchNormReLU, RebuiltStemReLU
 from lightning_memguard.checkpointing.surgery import link_outputs
 from lightning_memguard.checkpointing.wrap import preserved_state
@@ -364,7 +364,7 @@ def test_budget_mode_on_a_checkpointed_model_is_a_noop_with_warning():
 
 def test_blocks_are_given_back_while_the_measured_peak_still_fits(monkeypatch):
     """A cautious prediction must not cost throughput: the plan keeps only blocks the budget needs."""
-    import lightning_memguard.checkpointing.plan as plan_mod
+    import lightning_memguard.checkpointing.plan_eager as plan_mod
 
     # the most cautious planner possible: it picks every block
     def every_link(profiles, baseline, budget, joinable, gradients):
@@ -455,11 +455,11 @@ def test_stage_outputs_and_blocks_called_alone_are_unchanged_by_runs():
 def test_a_tight_budget_joins_blocks_into_runs(monkeypatch):
     from dataclasses import replace
 
-    from lightning_memguard.checkpointing.plan import _StepMeter
+    from lightning_memguard.checkpointing.measure import StepMeter
 
-    profile = _StepMeter.profile  # every link as fast as the next: joining is about memory, not this CPU's timings
+    profile = StepMeter.profile  # every link as fast as the next: joining is about memory, not this CPU's timings
     monkeypatch.setattr(
-        _StepMeter, "profile", lambda self, links: [replace(p, forward_ms=1.0) for p in profile(self, links)]
+        StepMeter, "profile", lambda self, links: [replace(p, forward_ms=1.0) for p in profile(self, links)]
     )
     x = torch.randn(8, 3, 64, 64)
     model = torchvision.models.resnet18(num_classes=10)

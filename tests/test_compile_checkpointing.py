@@ -13,7 +13,7 @@ from models import small_resnet
 
 from lightning_memguard import ActivationCheckpointing
 from lightning_memguard.checkpointing import checkpoint_resnet, remove_checkpointing
-from lightning_memguard.core.checkpoint_plan import BudgetSearch, CompileBudgetSearch, fastest_within
+from lightning_memguard.checkpointing.budget import BudgetSearch, CompileBudgetSearch, fastest_within
 
 
 @pytest.fixture(autouse=True)
@@ -320,7 +320,7 @@ def test_a_resumed_compiled_run_reapplies_the_runs_and_compiles_setting_without_
     measured = []
     from lightning_memguard.checkpointing import plan as plan_module
 
-    monkeypatch.setattr(plan_module, "_plan_compiled", lambda *a, **k: measured.append(1))
+    monkeypatch.setattr(plan_module, "plan_compiled", lambda *a, **k: measured.append(1))
     resumed, saved = ActivationCheckpointing(memory_budget=0.3), _Saved()
     trainer = Trainer(**{**trainer_kwargs(tmp_path, max_epochs=2), "callbacks": [resumed, saved]})
     trainer.fit(torch.compile(Net(), backend="aot_eager"), ckpt_path=ckpt)
@@ -343,7 +343,7 @@ def test_the_same_callback_in_a_second_fit_under_compile_reapplies_its_plan_with
     measured = []
     from lightning_memguard.checkpointing import plan as plan_module
 
-    monkeypatch.setattr(plan_module, "_plan_compiled", lambda *a, **k: measured.append(1))
+    monkeypatch.setattr(plan_module, "plan_compiled", lambda *a, **k: measured.append(1))
     saved, second = _Saved(), Net()
     Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[checkpointing, saved])).fit(
         torch.compile(second, backend="aot_eager")

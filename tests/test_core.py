@@ -296,12 +296,12 @@ def test_detector_rests_longer_while_slow_windows_show_no_memory_growth():
 def test_planner_cuts_runs_so_that_recomputation_does_not_bring_the_peak_back():
     """Joining every chosen block into one run frees the most in forward, but recomputing it brings everything back:
     a one-run plan of a whole chain has the baseline's peak (seen on the GPU before runs were cut)."""
-    from lightning_memguard.core.checkpoint_plan import BlockProfile, choose_blocks, group_runs, predict_peak
+    from lightning_memguard.checkpointing.budget import BlockProfile, choose_blocks, predict_peak
 
     chain = [BlockProfile(f"b{i}", saved_bytes=100, input_bytes=0, output_bytes=20, forward_ms=1.0) for i in range(8)]
     joinable = [True] * 7
     baseline = 1000  # 800 of activations, 200 of weights and the rest
-    assert predict_peak(baseline, chain, group_runs(set(range(8)), joinable)) == baseline
+    assert predict_peak(baseline, chain, [list(range(8))]) == baseline
     chosen, runs, predicted = choose_blocks(chain, baseline, budget=500, joinable=joinable)
     assert predicted <= 500 and len(runs) > 1
     assert sorted(i for run in runs for i in run) == sorted(chosen)
@@ -353,7 +353,7 @@ def test_detector_refuses_step_times_and_sample_counts_of_different_lengths():
 
 def test_a_recomputed_run_holds_the_gradient_of_its_output_on_cuda():
     """Seen on the H200: recomputing ResNet50's first stage peaked about twice its output above the activations."""
-    from lightning_memguard.core.checkpoint_plan import BlockProfile, predict_peak
+    from lightning_memguard.checkpointing.budget import BlockProfile, predict_peak
 
     first = BlockProfile("first", saved_bytes=500, input_bytes=0, output_bytes=100, forward_ms=1.0)
     rest = BlockProfile("rest", saved_bytes=100, input_bytes=0, output_bytes=0, forward_ms=1.0)
@@ -417,7 +417,7 @@ def test_timeline_reads_memory_every_read_every_steps_once_steady():
 
 
 def _run_budget_search(chosen, values, budget, peaks):
-    from lightning_memguard.core.checkpoint_plan import BudgetSearch
+    from lightning_memguard.checkpointing.budget import BudgetSearch
 
     search = BudgetSearch(chosen, values, budget)
     while (links := search.propose()) is not None:

@@ -32,7 +32,8 @@ from lightning_memguard.checkpointing import (
     remove_checkpointing,
     remove_rebuild,
 )
-from lightning_memguard.checkpointing.plan import CheckpointPlan, _default_loss, _StepMeter
+from lightning_memguard.checkpointing.measure import StepMeter, default_loss
+from lightning_memguard.checkpointing.result import CheckpointPlan
 from lightning_memguard.checkpointing.wrap import TrainingKeywords, keyword_positions, swap_chain
 
 
@@ -260,8 +261,8 @@ def test_the_rebuild_takes_timms_resnet_family_batchnorm_exact(case_id):
     # a block's own output is rebuilt where nothing sits between its last BatchNorm and the sum (not SE-ResNeXt's)
     assert sum("memguard_tail" in vars(m) for m in ours.modules()) == REBUILT[case_id]
     _same(expected, _step(ours, x))
-    loss = lambda out: _default_loss(out)  # noqa: E731
-    assert _StepMeter(ours, x, loss).peak() < _StepMeter(plain, x, loss).peak()  # fewer bytes saved for backward
+    loss = lambda out: default_loss(out)  # noqa: E731
+    assert StepMeter(ours, x, loss).peak() < StepMeter(plain, x, loss).peak()  # fewer bytes saved for backward
     assert remove_rebuild(ours) == 6
     _nothing_left(ours)
 

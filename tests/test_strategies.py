@@ -124,6 +124,6 @@ model:
     )
     cli = LightningCLI(ImageClassifier, args=["fit", "--config", str(config)], save_config_kwargs={"overwrite": True})
     strategy = cli.trainer.strategy
-    assert isinstance(strategy, CheckpointingSingleDeviceStrategy) and strategy.checkpointing.rebuild_bn_relu
+    assert isinstance(strategy, CheckpointingSingleDeviceStrategy) and strategy.checkpointing.settings.rebuild_bn_relu
     assert cli.trainer.global_step == 2
     assert any(type(m).__name__.startswith("Rebuilt") for m in cli.model.net.modules())

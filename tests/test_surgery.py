@@ -23,7 +23,7 @@ from lightning_memguard.checkpointing import (
     remove_rebuild,
     surgery,
 )
-from lightning_memguard.checkpointing.plan import model_chain
+from lightning_memguard.checkpointing.measure import model_chain
 from lightning_memguard.checkpointing.rebuild import RebuiltBatchNormReLU, TakesRecipes
 from lightning_memguard.checkpointing.wrap import CheckpointedUnit, Swap, preserved_state
 
@@ -179,11 +179,11 @@ def test_a_failure_while_replacing_an_earlier_change_restores_that_change(monkey
 
 
 def test_a_planning_pass_that_fails_leaves_the_model_as_it_was(monkeypatch):
-    from lightning_memguard.checkpointing.plan import _StepMeter
+    from lightning_memguard.checkpointing.measure import StepMeter
 
     model, x = _model("resnet18")
     before = _state(model)
-    peak = _StepMeter.peak
+    peak = StepMeter.peak
     calls = []
 
     def failing_peak(self):
@@ -192,7 +192,7 @@ def test_a_planning_pass_that_fails_leaves_the_model_as_it_was(monkeypatch):
             raise torch.OutOfMemoryError("injected")
         return peak(self)
 
-    monkeypatch.setattr(_StepMeter, "peak", failing_peak)
+    monkeypatch.setattr(StepMeter, "peak", failing_peak)
     with pytest.raises(torch.OutOfMemoryError):
         checkpoint_blocks(model, memory_budget=0.6, example_input=x, rebuild_bn_relu=True)
     assert _state(model) == before

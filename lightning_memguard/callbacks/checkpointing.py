@@ -20,10 +20,11 @@ from lightning_memguard.callbacks._private import (
 )
 from lightning_memguard.callbacks._state import holds_shards
 from lightning_memguard.callbacks._trials import reload_train_dataloader, rng_kept
-from lightning_memguard.checkpointing.plan import CheckpointPlan
+from lightning_memguard.checkpointing.families import Units
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy, inputs_from_batch
 from lightning_memguard.checkpointing.rebuild import RebuildConfig
-from lightning_memguard.checkpointing.wrap import Units
+from lightning_memguard.checkpointing.result import CheckpointPlan
+from lightning_memguard.checkpointing.settings import CheckpointingSettings
 
 
 class ActivationCheckpointing(Callback):
@@ -99,14 +100,16 @@ class ActivationCheckpointing(Callback):
         rebuild_bn_relu: bool = False,
         rebuild_config: RebuildConfig | None = None,
     ):
-        self.policy = CheckpointingPolicy(units, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config)
+        self.settings = CheckpointingSettings(units, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config)
+        self.policy = CheckpointingPolicy(self.settings)
         self._planned = False  # in this fit, by on_fit_start or by a tuner listed before it
 
-    units = property(lambda self: self.policy.units)
-    memory_budget = property(lambda self: self.policy.memory_budget)
-    bn_correct = property(lambda self: self.policy.bn_correct)
-    rebuild_bn_relu = property(lambda self: self.policy.rebuild_bn_relu)
-    rebuild_config = property(lambda self: self.policy.rebuild_config)
+    # the settings, read as the callback's own (the tuners' cache key reads them)
+    units = property(lambda self: self.settings.units)
+    memory_budget = property(lambda self: self.settings.memory_budget)
+    bn_correct = property(lambda self: self.settings.bn_correct)
+    rebuild_bn_relu = property(lambda self: self.settings.rebuild_bn_relu)
+    rebuild_config = property(lambda self: self.settings.rebuild_config)
 
     @property
     def plan(self) -> CheckpointPlan | None:

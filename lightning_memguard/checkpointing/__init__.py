@@ -1,9 +1,11 @@
 """Activation checkpointing for block-structured models, BatchNorm-correct."""
 
-from lightning_memguard.checkpointing.plan import CheckpointPlan, apply_plan, checkpoint_blocks, checkpoint_resnet
+from lightning_memguard.checkpointing.families import find_units
+from lightning_memguard.checkpointing.plan import apply_plan, checkpoint_blocks, checkpoint_resnet
 from lightning_memguard.checkpointing.rebuild import RebuildConfig
+from lightning_memguard.checkpointing.result import CheckpointPlan
 from lightning_memguard.checkpointing.surgery import rebuild_bn_relu, remove_checkpointing, remove_rebuild
-from lightning_memguard.checkpointing.wrap import find_units, is_checkpointed
+from lightning_memguard.checkpointing.wrap import is_checkpointed
 
 __all__ = [
     "CheckpointPlan",

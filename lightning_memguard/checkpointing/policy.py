@@ -1,4 +1,5 @@
-"""What to checkpoint, and what was chosen: the settings the callback and the strategies share."""
+"""Applying the checkpointing settings to a model once, and what was chosen: what the callback and the strategies
+share."""
 
 from __future__ import annotations
 
@@ -12,20 +13,14 @@ import torch
 from torch import nn
 
 from lightning_memguard import _compiler
-from lightning_memguard.checkpointing.plan import (
-    CheckpointPlan,
-    apply_plan,
-    checkpoint_blocks,
-    example_arguments,
-    measured_alike,
-)
-from lightning_memguard.checkpointing.rebuild import RebuildConfig, check_config
-from lightning_memguard.checkpointing.wrap import Units, check_units
-from lightning_memguard.core.checks import check_bool, check_memory_budget
+from lightning_memguard.checkpointing.measure import example_arguments, measured_alike
+from lightning_memguard.checkpointing.plan import apply_plan, checkpoint_blocks
+from lightning_memguard.checkpointing.result import CheckpointPlan
+from lightning_memguard.checkpointing.settings import CheckpointingSettings
 
 
 class CheckpointingPolicy:
-    """Which blocks to checkpoint (``units``), under which ``memory_budget``, and how; checked on construction.
+    """Applies :class:`~.settings.CheckpointingSettings` to a model once, and keeps what was chosen.
 
     :meth:`apply` changes a model once: without a budget every block (and a ResNet's stem) is checkpointed, the
     same on every process; with one, rank zero measures on a real batch and every rank applies rank zero's runs
@@ -33,14 +28,7 @@ class CheckpointingPolicy:
     and nothing is measured again.
 
     Args:
-        units: ``"auto"``, module classes, or a predicate ``(name, module) -> bool``.
-        memory_budget: a float in (0, 1] (a fraction of the un-checkpointed peak), a size of at least 1 MB (an int
-            or a string such as ``"6GB"``), or None (every block).
-        bn_correct: recomputation leaves BatchNorm running statistics alone.
-        rebuild_bn_relu: the cheap recomputation of ResNet blocks (torchvision's, timm's) and Conv2dNormActivation
-            units (see ``checkpoint_blocks``).
-        rebuild_config: how the rebuild makes its tensors (``RebuildConfig(fused=..., chain_kept=...)``); None:
-            the defaults.
+        settings: what to checkpoint and how (checked where they are made); None: the defaults.
 
     Example:
         >>> import torchvision
@@ -48,29 +36,10 @@ class CheckpointingPolicy:
         >>> policy.apply(torchvision.models.resnet18())
         >>> policy.runs[:2]
         [['stem'], ['layer1.0']]
-        >>> CheckpointingPolicy(units=None)
-        Traceback (most recent call last):
-        ...
-        TypeError: `units` must be 'auto', module classes or a callable (name, module) -> bool, got None
     """
 
-    def __init__(
-        self,
-        units: Any = "auto",
-        memory_budget: float | int | str | None = None,
-        bn_correct: bool = True,
-        rebuild_bn_relu: bool = False,
-        rebuild_config: RebuildConfig | None = None,
-    ) -> None:
-        self.units: Units = check_units(units)
-        checked = check_memory_budget(memory_budget)
-        # a string as given ("6GB" stays "6GB"), a number as Python's (np.float32(0.6) is 0.6); checked again where
-        # it is measured
-        self.memory_budget = memory_budget if isinstance(memory_budget, str) else checked
-        self.bn_correct = check_bool("bn_correct", bn_correct)
-        self.rebuild_bn_relu = check_bool("rebuild_bn_relu", rebuild_bn_relu)
-        check_config(rebuild_config)
-        self.rebuild_config = rebuild_config
+    def __init__(self, settings: CheckpointingSettings | None = None) -> None:
+        self.settings = settings if settings is not None else CheckpointingSettings()
         self.plan: CheckpointPlan | None = None  # this process's plan, where it made one
         self.runs: list[list[str]] | None = None  # the chosen runs of blocks: learned state
         # under torch.compile, compile's activation_memory_budget chosen with the runs (None: compile's default)
@@ -107,13 +76,14 @@ class CheckpointingPolicy:
         if self.runs is not None:
             self._apply_runs(model, self.runs, self.split_graphs)
             return
-        if self.memory_budget is None:  # the same on every rank: nothing to agree on
+        settings = self.settings
+        if settings.memory_budget is None:  # the same on every rank: nothing to agree on
             self.plan = checkpoint_blocks(
                 model,
-                self.units,
-                bn_correct=self.bn_correct,
-                rebuild_bn_relu=self.rebuild_bn_relu,
-                rebuild_config=self.rebuild_config,
+                settings.units,
+                bn_correct=settings.bn_correct,
+                rebuild_bn_relu=settings.rebuild_bn_relu,
+                rebuild_config=settings.rebuild_config,
             )
             self.runs, self.split_graphs = self.plan.runs, bool(self.plan.graph_splits)
             return
@@ -131,12 +101,12 @@ class CheckpointingPolicy:
             with measuring(), agreed:
                 self.plan = checkpoint_blocks(
                     model,
-                    self.units,
-                    self.memory_budget,
+                    settings.units,
+                    settings.memory_budget,
                     example_input=example_input,
-                    bn_correct=self.bn_correct,
-                    rebuild_bn_relu=self.rebuild_bn_relu,
-                    rebuild_config=self.rebuild_config,
+                    bn_correct=settings.bn_correct,
+                    rebuild_bn_relu=settings.rebuild_bn_relu,
+                    rebuild_config=settings.rebuild_config,
                 )
             runs = self.plan.runs
             setting = self.plan.activation_memory_budget
@@ -147,9 +117,8 @@ class CheckpointingPolicy:
         self.runs, self.compile_setting, self.split_graphs = runs, setting, split
 
     def _apply_runs(self, model: nn.Module, runs: list[list[str]], split_graphs: bool) -> None:
-        apply_plan(
-            model, runs, self.units, self.bn_correct, self.rebuild_bn_relu, self.rebuild_config, split_graphs
-        )  # fmt: skip
+        s = self.settings
+        apply_plan(model, runs, s.units, s.bn_correct, s.rebuild_bn_relu, s.rebuild_config, split_graphs)
 
     def hold_compile_setting(self) -> None:
         """Set compile's ``activation_memory_budget`` to :attr:`compile_setting` (nothing if None) until

@@ -14,8 +14,9 @@ max-pooling after it, is rebuilt once for both, and the max-pooling's indices ar
 ResNet family (resnet50d, SE-ResNeXt, ResNet-RS, ...: the same conv / BatchNorm / ReLU blocks, with a deep stem or
 not) gets all of it too; a block whose last BatchNorm output is changed before the residual sum (by
 squeeze-excitation or drop path) keeps its own output. Which modules are a family's blocks, stems, tails and units,
-and what runs after a block, the adapters of :mod:`.families` say; this module decides which layer types it can
-rebuild (``nn.BatchNorm2d``, an in-place ``nn.ReLU``; for units also ReLU6, SiLU and Hardswish).
+and what runs after a block, the model's :class:`~.families.Layout` says (its adapters' answers); this module
+decides which layer types it can rebuild (``nn.BatchNorm2d``, an in-place ``nn.ReLU``; for units also ReLU6, SiLU
+and Hardswish).
 
 torchvision's Conv-BN-activation units (``Conv2dNormActivation``: MobileNet, EfficientNet, RegNet) get the same: a
 plain unit keeps three tensors of one size, the convolution output (by BatchNorm), the BatchNorm output (by an
@@ -53,14 +54,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_memguard import _autograd, _compiler
-from lightning_memguard.checkpointing import _fused, families
-from lightning_memguard.checkpointing.wrap import (
-    Swap,
-    SwappedModule,
-    is_checkpointed,
-    plain_sequential,
-    wrapped_by_someone_else,
-)
+from lightning_memguard.checkpointing import _fused
+from lightning_memguard.checkpointing.families import Layout
+from lightning_memguard.checkpointing.wrap import Swap, SwappedModule, is_checkpointed, plain_sequential
 from lightning_memguard.core.checks import check_instance
 
 
@@ -455,12 +451,12 @@ _ACTIVATIONS: dict[type[nn.Module], Callable[[torch.Tensor], torch.Tensor] | Non
 """The activations a Conv-BN-activation unit may end in, and how each output is rebuilt from its input."""
 
 
-def unit_parts(module: nn.Module) -> tuple[nn.Module, nn.BatchNorm2d, nn.Module | None] | None:
+def unit_parts(module: nn.Module, layout: Layout) -> tuple[nn.Module, nn.BatchNorm2d, nn.Module | None] | None:
     """The convolution, BatchNorm and activation (None without one) of a convolution-norm-activation unit that an
     adapter of :mod:`.families` describes (torchvision's Conv2dNormActivation), when they are layers the rebuild
     knows: an ``nn.Conv2d``, an ``nn.BatchNorm2d``, then an in-place ``nn.ReLU``, an ``nn.ReLU6``, ``nn.SiLU`` or
     ``nn.Hardswish``, or nothing (None otherwise)."""
-    parts = families.unit(module)
+    parts = layout.unit(module)
     if parts is None or not isinstance(parts.conv, nn.Conv2d) or type(parts.norm) is not nn.BatchNorm2d:
         return None
     act = parts.activation
@@ -558,10 +554,10 @@ def _outside_checkpoints(model: nn.Module) -> Iterator[nn.Module]:
         stack.extend(reversed(list(module.children())))
 
 
-def stem_modules(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
+def stem_modules(model: nn.Module, layout: Layout) -> tuple[nn.Module, nn.Module, nn.Module] | None:
     """The stem's BatchNorm, ReLU and max-pooling of a model whose adapter names a stem (torchvision's and timm's
     ResNets), when they are the stock layers the stem rebuild knows (None otherwise)."""
-    stem = families.stem_of(model)
+    stem = layout.stem_of(model)
     if stem is None or len(stem.modules) != 4:
         return None
     parts: tuple[nn.Module, nn.Module, nn.Module] = tuple(m for _, m in stem.modules[1:])  # type: ignore[assignment]
@@ -586,24 +582,24 @@ def stem_swaps(bn: nn.Module, relu: nn.Module, pool: nn.Module, config: RebuildC
     ]
 
 
-def block_swaps(module: nn.Module, config: RebuildConfig) -> list[Swap]:
+def block_swaps(module: nn.Module, config: RebuildConfig, layout: Layout) -> list[Swap]:
     """What rebuilding a block's BatchNorm + ReLU outputs takes (empty if it is not a block the rebuild knows, is
     rebuilt already or is checkpointed: a checkpointed block is recomputed whole in backward already)."""
-    bns = _eligible(module)
+    bns = _eligible(module, layout)
     if bns is None or isinstance(module, RebuiltBatchNormReLU) or is_checkpointed(module):
         return []
     return [Swap(module, RebuiltBatchNormReLU, {"memguard_bns": bns, "memguard_rebuild": config})]  # plain references
 
 
-def unit_swaps(module: nn.Module, config: RebuildConfig) -> list[Swap]:
+def unit_swaps(module: nn.Module, config: RebuildConfig, layout: Layout) -> list[Swap]:
     """What rebuilding a Conv2dNormActivation's BatchNorm and activation outputs takes (empty if it is not a unit
     the rebuild knows, see :func:`unit_parts`, is rebuilt already or is checkpointed)."""
-    if isinstance(module, RebuiltConvNormActivation) or is_checkpointed(module) or unit_parts(module) is None:
+    if isinstance(module, RebuiltConvNormActivation) or is_checkpointed(module) or unit_parts(module, layout) is None:
         return []
     return [Swap(module, RebuiltConvNormActivation, {"memguard_rebuild": config})]
 
 
-def rebuild_swaps(module: nn.Module, config: RebuildConfig) -> list[Swap]:
+def rebuild_swaps(module: nn.Module, config: RebuildConfig, layout: Layout) -> list[Swap]:
     """What rebuilding ``module`` and everything in it that is not checkpointed (a checkpoint recomputes what is
     inside it whole) takes: the swaps of each torchvision ResNet stem, each BasicBlock or Bottleneck and each
     Conv2dNormActivation (and the same of other families, as :mod:`.families` describes them), made by
@@ -611,40 +607,40 @@ def rebuild_swaps(module: nn.Module, config: RebuildConfig) -> list[Swap]:
     and one line below; a new family whose blocks have the same shape needs only its adapter."""
     swaps: list[Swap] = []
     for sub in _outside_checkpoints(module):
-        stem = stem_modules(sub)
+        stem = stem_modules(sub, layout)
         if stem is not None:
             swaps += stem_swaps(*stem, config)
-        swaps += block_swaps(sub, config)
-        swaps += unit_swaps(sub, config)
+        swaps += block_swaps(sub, config, layout)
+        swaps += unit_swaps(sub, config, layout)
     return swaps
 
 
-def rebuildable(module: nn.Module) -> bool:
+def rebuildable(module: nn.Module, layout: Layout) -> bool:
     """Whether :func:`rebuild_bn_relu` applies to this block: a residual block (torchvision's or timm's BasicBlock or
     Bottleneck) with ``nn.BatchNorm2d`` layers each followed by an in-place ``nn.ReLU``, or a module that is or holds
     a convolution-norm-activation unit it knows (see :func:`unit_parts`)."""
-    return _eligible(module) is not None or any(unit_parts(m) is not None for m in module.modules())
+    return _eligible(module, layout) is not None or any(unit_parts(m, layout) is not None for m in module.modules())
 
 
 def _in_place_relu(module: nn.Module) -> bool:
     return type(module) is nn.ReLU and module.inplace  # type: ignore[return-value]
 
 
-def _eligible(module: nn.Module) -> tuple[nn.Module, ...] | None:
+def _eligible(module: nn.Module, layout: Layout) -> tuple[nn.Module, ...] | None:
     """The BatchNorms whose ReLU outputs can be rebuilt in a residual block an adapter of :mod:`.families` describes
     (torchvision's or timm's BasicBlock or Bottleneck): every one of its norm layers that feeds an activation is an
     ``nn.BatchNorm2d`` (not a frozen or other norm layer), each followed by an in-place ``nn.ReLU``."""
-    pairs = families.norm_activations(module)
+    pairs = layout.norm_activations(module)
     if not pairs or not all(type(bn) is nn.BatchNorm2d and _in_place_relu(act) for bn, act in pairs):
         return None
     return tuple(bn for bn, _ in pairs)
 
 
-def _tail(block: nn.Module) -> tuple[nn.Module, nn.Module | None] | None:
+def _tail(block: nn.Module, layout: Layout) -> tuple[nn.Module, nn.Module | None] | None:
     """For a residual block with its family's forward (see :meth:`.families.Family.tail`), whose output is its last
     BatchNorm's, added to in place and made non-negative in place by an in-place ReLU: that BatchNorm and its
     shortcut's (None without one)."""
-    tail = families.tail(block)
+    tail = layout.tail(block)
     if tail is None or type(tail.norm) is not nn.BatchNorm2d or not _in_place_relu(tail.activation):
         return None
     if tail.shortcut is not None and type(tail.shortcut) is not nn.BatchNorm2d:
@@ -652,7 +648,7 @@ def _tail(block: nn.Module) -> tuple[nn.Module, nn.Module | None] | None:
     return tail.norm, tail.shortcut
 
 
-def _following(model: nn.Module) -> dict[int, nn.Module]:
+def _following(model: nn.Module, layout: Layout) -> dict[int, nn.Module]:
     """What runs next on each module's output, where the model's structure says so: the next child of an
     ``nn.Sequential``, and in a model of a known family what its adapter says (in a ResNet the next stage's first
     block after a stage's last, the pooling after the last block)."""
@@ -661,7 +657,7 @@ def _following(model: nn.Module) -> dict[int, nn.Module]:
         if plain_sequential(module):
             children = list(module.children())
             after.update((id(a), b) for a, b in zip(children, children[1:], strict=False))
-    after.update(families.following(model))
+    after.update(layout.following)
     return after
 
 
@@ -670,16 +666,16 @@ def _keeps_nothing(module: nn.Module) -> bool:
     return type(module) is nn.AdaptiveAvgPool2d and module.output_size in (1, (1, 1))
 
 
-def _takes_recipes(module: nn.Module | None) -> bool:
+def _takes_recipes(module: nn.Module | None, layout: Layout) -> bool:
     """Whether a block's output may be saved as a recipe, given what runs next on it: a rebuilt block (not
     checkpointed, with its family's forward, which does not change its input in place), or a module that keeps
     nothing of it."""
     if isinstance(module, RebuiltBatchNormReLU):
-        return not is_checkpointed(module) and _tail(module) is not None
+        return not is_checkpointed(module) and _tail(module, layout) is not None
     return module is not None and _keeps_nothing(module)
 
 
-def output_tails(model: nn.Module) -> list[tuple[nn.Module, tuple[nn.Module, nn.Module | None] | None]]:
+def output_tails(model: nn.Module, layout: Layout) -> list[tuple[nn.Module, tuple[nn.Module, nn.Module | None] | None]]:
     """For each rebuilt block of ``model``, what its output is rebuilt from (``memguard_tail``: its last BatchNorm
     and its shortcut's or None), or None where it keeps its output.
 
@@ -690,16 +686,16 @@ def output_tails(model: nn.Module) -> list[tuple[nn.Module, tuple[nn.Module, nn.
     last use. A block whose output goes anywhere else keeps it. Depends on which blocks are rebuilt or checkpointed:
     :func:`.surgery.link_outputs` sets it after every change.
     """
-    after = _following(model)
+    after = _following(model, layout)
     out: list[tuple[nn.Module, tuple[nn.Module, nn.Module | None] | None]] = []
     for module in model.modules():
         if isinstance(module, RebuiltBatchNormReLU):
-            tail = _tail(module) if not is_checkpointed(module) else None  # a checkpoint recomputes it whole
-            out.append((module, tail if tail is not None and _takes_recipes(after.get(id(module))) else None))
+            tail = _tail(module, layout) if not is_checkpointed(module) else None  # a checkpoint recomputes it whole
+            out.append((module, tail if tail is not None and _takes_recipes(after.get(id(module)), layout) else None))
     return out
 
 
-def _taker(module: nn.Module | None) -> nn.Module | None:
+def _taker(module: nn.Module | None, layout: Layout) -> nn.Module | None:
     """The module to mark :class:`TakesRecipes` when ``module`` runs next on a rebuilt unit's output: the first
     element of a plain ``nn.Sequential``; none if it is a rebuilt unit or holds one (those take recipes already), is
     checkpointed or wrapped by other code (it keeps its input anyway), or keeps nothing of its input."""
@@ -707,21 +703,21 @@ def _taker(module: nn.Module | None) -> nn.Module | None:
         module = next(iter(module._modules.values()))
     if module is None or isinstance(module, RebuiltBatchNormReLU | nn.ModuleList):
         return None
-    if is_checkpointed(module) or wrapped_by_someone_else(module) or _keeps_nothing(module):
+    if is_checkpointed(module) or layout.wrapped_by_someone_else(module) or _keeps_nothing(module):
         return None
     return None if any(isinstance(m, RebuiltConvNormActivation) for m in module.modules()) else module
 
 
-def recipe_takers(model: nn.Module) -> list[nn.Module]:
+def recipe_takers(model: nn.Module, layout: Layout) -> list[nn.Module]:
     """The modules of ``model`` that are to be :class:`TakesRecipes`: for each rebuilt unit outside checkpoints, the
     module that runs next on its output, where the model's structure says so and :func:`_taker` finds one. Depends
     on which units are rebuilt and what is checkpointed: :func:`.surgery.link_outputs` follows it after every
     change."""
-    after = _following(model)
+    after = _following(model, layout)
     takers: dict[int, nn.Module] = {}
     for module in _outside_checkpoints(model):
         if isinstance(module, RebuiltConvNormActivation):
-            taker = _taker(after.get(id(module)))
+            taker = _taker(after.get(id(module)), layout)
             if taker is not None:
                 takers[id(taker)] = taker
     return list(takers.values())

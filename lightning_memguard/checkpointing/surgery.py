@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from lightning_memguard.checkpointing import families
+from lightning_memguard.checkpointing.families import Layout
 from lightning_memguard.checkpointing.rebuild import (
     DEFAULT_CONFIG,
     RebuildConfig,
@@ -46,7 +46,6 @@ from lightning_memguard.checkpointing.wrap import (
     keyword_positions,
     swap_chain,
     swapped_class,
-    wrapped_by_someone_else,
 )
 
 ATTRIBUTES: dict[str, tuple[type[SwappedModule], ...]] = {
@@ -119,6 +118,7 @@ def apply(
     config: RebuildConfig = DEFAULT_CONFIG,
     replacing: Applied | None = None,
     split_graphs: bool = False,
+    layout: Layout | None = None,
 ) -> Applied:
     """Change ``model`` in place: undo ``replacing`` (an earlier call's changes), checkpoint each run of links (one
     checkpoint per run), rebuild BatchNorm + ReLU outputs (and Conv2dNormActivation units' BatchNorm and activation
@@ -129,15 +129,17 @@ def apply(
     A run with a module already checkpointed, or wrapped by other code (or checkpointed by its family's own switch:
     timm's ``set_grad_checkpointing()``, Hugging Face's ``gradient_checkpointing_enable()``), is left alone, with one
     warning for each kind. If anything raises, the model is as it was before the call (classes and attributes) and the
-    error passes.
+    error passes. ``layout`` is the model's :class:`~.families.Layout` (a plan makes it once and hands it to every
+    call; made here where none is given).
     """
+    layout = layout or Layout(model)
     with restored_on_failure(model):
         if replacing is not None:
             for module, mixin in reversed(replacing.swaps):
                 _take_off(module, (mixin,))
         swaps: list[tuple[nn.Module, type[SwappedModule]]] = []
-        done = _checkpoint(runs, bn_correct, swaps, families.switched_on(model) if runs else set())
-        splits = _split(model, runs, done, swaps) if split_graphs else []
+        done = _checkpoint(runs, bn_correct, swaps, layout)
+        splits = _split(model, runs, done, swaps, layout) if split_graphs else []
         names = []
         for link in rebuilt:
             if link.stem and len(link.modules) == 4:
@@ -146,13 +148,13 @@ def apply(
             elif link.stem:
                 found = []
             else:
-                found = [swap for _, module in link.modules for swap in rebuild_swaps(module, config)]
+                found = [swap for _, module in link.modules for swap in rebuild_swaps(module, config, layout)]
             for swap in found:
                 _give(swap, swaps)
             if found:
                 names.append(link.name)
-        link_outputs(model)
-        link_switches(model)
+        link_outputs(model, layout)
+        link_switches(model, layout)
         return Applied(runs=done, rebuilt=names, splits=splits, swaps=swaps)
 
 
@@ -160,10 +162,10 @@ def _checkpoint(
     runs: Sequence[Sequence[Link]],
     bn_correct: bool,
     swaps: list[tuple[nn.Module, type[SwappedModule]]],
-    switched: Container[int] = (),
+    layout: Layout,
 ) -> list[list[str]]:
     """Checkpoint each run (one checkpoint per run), except those already checkpointed, wrapped by other code, or
-    holding a block whose family's own switch checkpoints it (``switched``, by ``id``); return the runs done."""
+    holding a block whose family's own switch checkpoints it (``layout.switched_on``); return the runs done."""
     done: list[list[str]] = []
     ours: list[str] = []
     theirs: list[str] = []
@@ -172,7 +174,7 @@ def _checkpoint(
         if any(is_checkpointed(m) for m in modules):
             ours.append(run[0].name)
             continue
-        if any(wrapped_by_someone_else(m) or id(m) in switched for m in modules):
+        if any(layout.wrapped_by_someone_else(m) or id(m) in layout.switched_on for m in modules):
             theirs.append(run[0].name)
             continue
         head, members = modules[0], modules[1:]
@@ -204,6 +206,7 @@ def _split(
     runs: Sequence[Sequence[Link]],
     done: list[list[str]],
     swaps: list[tuple[nn.Module, type[SwappedModule]]],
+    layout: Layout,
 ) -> list[str]:
     """Make each container (below the model) of the checkpointed links begin a compiled graph of its own, where
     there are at least two; return their names."""
@@ -223,7 +226,7 @@ def _split(
             split.append(name)
         elif isinstance(module, nn.ModuleList | nn.ModuleDict):  # never called: its parent calls the blocks
             continue
-        elif not is_checkpointed(module) and not wrapped_by_someone_else(module):
+        elif not is_checkpointed(module) and not layout.wrapped_by_someone_else(module):
             _give(Swap(module, GraphSplit, {"memguard_split": name}), swaps)
             split.append(name)
     return split
@@ -273,19 +276,20 @@ def restored_on_failure(model: nn.Module) -> Iterator[None]:
         raise
 
 
-def link_outputs(model: nn.Module) -> int:
+def link_outputs(model: nn.Module, layout: Layout | None = None) -> int:
     """Set which rebuilt blocks of ``model`` rebuild their own output too (see :func:`.rebuild.output_tails`), and
     which modules save a rebuilt unit's output as its recipe (:class:`.rebuild.TakesRecipes`, see
     :func:`.rebuild.recipe_takers`), giving and taking that mixin; return how many outputs are linked (tails and
     takers). :func:`apply` and the removals call it after every change."""
+    layout = layout or Layout(model)
     count = 0
-    for module, tail in output_tails(model):
+    for module, tail in output_tails(model, layout):
         if tail is not None:
             module.__dict__["memguard_tail"] = tail
             count += 1
         else:
             module.__dict__.pop("memguard_tail", None)
-    takers = {id(taker) for taker in recipe_takers(model)}
+    takers = {id(taker) for taker in recipe_takers(model, layout)}
     for module in model.modules():
         if id(module) in takers and not isinstance(module, TakesRecipes):
             _give(Swap(module, TakesRecipes, {}), [])
@@ -294,13 +298,13 @@ def link_outputs(model: nn.Module) -> int:
     return count + len(takers)
 
 
-def link_switches(model: nn.Module) -> int:
+def link_switches(model: nn.Module, layout: Layout | None = None) -> int:
     """Give each module whose forward must get keyword arguments while blocks inside it are checkpointed (as the
     adapters of :mod:`.families` say: a Hugging Face base model's ``use_cache=False``) those arguments
     (:class:`.wrap.TrainingKeywords`) where a block inside it is checkpointed, and take them where none is any more;
     return how many modules have them. :func:`apply` and the removals call it after every change."""
     wanted: dict[int, tuple[nn.Module, dict[str, Any]]] = {}
-    for module, keywords in families.switches(model):
+    for module, keywords in (layout or Layout(model)).switches:
         if any(is_checkpointed(m) for m in module.modules()):
             wanted[id(module)] = (module, keywords)
     for module in model.modules():
@@ -315,8 +319,9 @@ def link_switches(model: nn.Module) -> int:
 def _remove(model: nn.Module, kinds: tuple[type[SwappedModule], ...]) -> int:
     with restored_on_failure(model):
         count = sum(_take_off(module, kinds) for module in model.modules())
-        link_outputs(model)
-        link_switches(model)
+        layout = Layout(model)
+        link_outputs(model, layout)
+        link_switches(model, layout)
         return count
 
 

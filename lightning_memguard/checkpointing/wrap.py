@@ -1,6 +1,6 @@
 """Activation checkpointing of whole blocks and runs of blocks, with BatchNorm statistics updated once per step: the
-mixins that do it, the swapped classes they make, and finding a model's blocks. Changing a model is
-:mod:`.surgery`'s alone."""
+mixins that do it and the swapped classes they make. Which modules are a model's blocks, :mod:`.families` says;
+changing a model is :mod:`.surgery`'s alone."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import contextlib
 import inspect
 import types
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -17,10 +17,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_memguard import _compiler
-from lightning_memguard.checkpointing import families
-
-Units = str | set[type[nn.Module]] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
-
 
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -273,182 +269,6 @@ class Swap(NamedTuple):
     module: nn.Module
     mixin: type[SwappedModule]
     attributes: dict[str, Any]
-
-
-_FOREIGN_WRAPPERS = families.FOREIGN_WRAPPERS
-
-
-def wrapped_by_someone_else(module: nn.Module) -> bool:
-    """Whether another library wraps ``module`` (a known wrapper class, or a forward set on the instance), or its
-    family's own switch checkpoints it (a Hugging Face layer after ``gradient_checkpointing_enable()``)."""
-    return (
-        "forward" in module.__dict__
-        or type(module).__name__ in _FOREIGN_WRAPPERS
-        or families.checkpointed_by_family(module)
-    )
-
-
-def check_units(units: Any) -> Units:
-    """``units`` as :func:`find_units` takes it: ``"auto"``, module classes (one, or a non-empty set, tuple, list or
-    frozenset of them, taken as a tuple) or a predicate ``(name, module) -> bool``.
-
-    Raises:
-        TypeError: for anything else, quoting it.
-        ValueError: for another string or an empty collection.
-
-    Example:
-        >>> from torchvision.models.resnet import BasicBlock
-        >>> check_units(BasicBlock), check_units("auto")
-        ((<class 'torchvision.models.resnet.BasicBlock'>,), 'auto')
-        >>> check_units(set())
-        Traceback (most recent call last):
-        ...
-        ValueError: `units` must name at least one module class, got set()
-    """
-    if isinstance(units, str):
-        if units != "auto":
-            raise ValueError(f"`units` must be 'auto', module classes or a callable, got {units!r}")
-        return units
-    if isinstance(units, type):
-        units = (units,)
-    if isinstance(units, set | frozenset | tuple | list):
-        if not units:
-            raise ValueError(f"`units` must name at least one module class, got {units!r}")
-        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in units):
-            raise TypeError(f"`units` must hold nn.Module subclasses, got {units!r}")
-        return tuple(units)
-    if callable(units):
-        return units  # type: ignore[no-any-return]
-    raise TypeError(f"`units` must be 'auto', module classes or a callable (name, module) -> bool, got {units!r}")
-
-
-def _base_class(module: nn.Module) -> type:
-    """The class a module had before this library swapped it, or the class that someone else's wrapper wraps."""
-    if type(module).__name__ in _FOREIGN_WRAPPERS:
-        inner = getattr(module, "_checkpoint_wrapped_module", None) or getattr(module, "module", None)
-        if isinstance(inner, nn.Module):
-            return _base_class(inner)
-    return swap_chain(type(module))[1]
-
-
-def _chain(container: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The elements of an ``nn.Sequential`` / ``nn.ModuleList`` with nested ones of those flattened, as (name,
-    module). A container subclass with a forward of its own (torchvision's Conv2dNormActivation) is an element."""
-    out: list[tuple[str, nn.Module]] = []
-    for name, child in container.named_children():
-        plain = type(child) in (nn.Sequential, nn.ModuleList)
-        out.extend((f"{name}.{n}", m) for n, m in _chain(child)) if plain else out.append((name, child))
-    return out
-
-
-def _repeating(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost modules whose class repeats (twice or more in the model) as composite elements of chains."""
-    chains = [m for m in model.modules() if isinstance(m, nn.Sequential | nn.ModuleList)]
-    counts: dict[type, int] = {}
-    for chain in chains:
-        for _, element in _chain(chain):
-            cls = _base_class(element)
-            if any(True for _ in element.children()) and not issubclass(cls, nn.Sequential | nn.ModuleList):
-                counts[cls] = counts.get(cls, 0) + 1
-    found: list[tuple[str, nn.Module]] = []
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        if isinstance(module, nn.Sequential | nn.ModuleList):
-            for name, child in _chain(module):
-                if counts.get(_base_class(child), 0) > 1:
-                    found.append((f"{prefix}{name}", child))
-                else:
-                    visit(f"{prefix}{name}.", child)
-            return
-        for name, child in module.named_children():
-            visit(f"{prefix}{name}.", child)
-
-    visit("", model)
-    return _carrying_most(model, found)
-
-
-def _carrying_most(model: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """Of the repeating modules, those of the classes that carry most of the model's parameters: largest first, the
-    classes it takes for more than half of them (all, where they never do: an embedding larger than the layers), and
-    beside them any class with at least a tenth of the largest's (a decoder's layers beside an encoder's). A small
-    repeated part (heads of a few parameters each) is not a block to checkpoint."""
-    params: dict[type, dict[int, int]] = {}
-    for _, module in found:
-        own = params.setdefault(_base_class(module), {})
-        own.update((id(p), p.numel()) for p in module.parameters())
-    sizes = {cls: sum(own.values()) for cls, own in params.items()}
-    total = sum(p.numel() for p in model.parameters())
-    largest = max(sizes.values(), default=0)
-    kept: set[type] = set()
-    carried = 0
-    for cls in sorted(sizes, key=lambda c: -sizes[c]):  # stable: equal sizes in order of appearance
-        if 2 * carried > total and 10 * sizes[cls] < largest:
-            break
-        kept.add(cls)
-        carried += sizes[cls]
-    return [(name, module) for name, module in found if _base_class(module) in kept]
-
-
-def _declared(model: nn.Module) -> set[str] | None:
-    """Class names a Hugging Face model declares as units that must stay whole (``_no_split_modules``)."""
-    for module in model.modules():
-        names = getattr(module, "_no_split_modules", None)
-        if names:
-            return set(names)
-    return None
-
-
-def _matches(units: Units, name: str, module: nn.Module) -> bool:
-    if isinstance(units, tuple):
-        return isinstance(module, units)
-    if callable(units):
-        return bool(units(name, module))
-    raise TypeError(
-        f"`units` must be 'auto', a set of module classes or a callable (name, module) -> bool, got {units!r}"
-    )
-
-
-def find_units(model: nn.Module, units: Any = "auto") -> list[tuple[str, nn.Module]]:
-    """The outermost submodules that ``units`` selects, in order of registration.
-
-    ``"auto"`` asks the adapters of :mod:`.families` first: where ``model`` is or holds models of known families
-    (torchvision's and timm's ResNets, timm's ConvNeXt, ViT / DeiT / EVA, Swin, EfficientNet / MobileNet, Hugging
-    Face transformers), their blocks, in order. Else it finds blocks by structure: the classes a model names in
-    ``_no_split_modules``, where it declares them; else the outermost modules that repeat (the same class twice or
-    more, with submodules of their own) as elements of an ``nn.Sequential`` or ``nn.ModuleList`` chain, nested
-    chains flattened, of the classes that carry most of the model's parameters (largest first until more than half,
-    and any with at least a tenth of the largest's): a ResNet's Bottlenecks, MobileNet's InvertedResiduals,
-    EfficientNet's MBConvs, a transformer's layers, but not a few small heads repeated beside them.
-
-    Raises:
-        TypeError: if ``units`` is of the wrong kind.
-        ValueError: if nothing in the model matches, or a model of a known family refuses checkpointing (a Hugging
-            Face model declaring ``supports_gradient_checkpointing = False``) and ``units`` is ``"auto"``.
-    """
-    units = check_units(units)
-    found: list[tuple[str, nn.Module]] = []
-    if units == "auto":
-        found = families.blocks(model) or []
-    if units == "auto" and not found:
-        declared = _declared(model)
-        if declared:
-            units = lambda name, module: _base_class(module).__name__ in declared  # noqa: E731
-        else:
-            found = _repeating(model)
-    if not found and units != "auto":
-        skip_prefixes: list[str] = []
-        for name, module in model.named_modules():
-            if not name or any(name.startswith(p) for p in skip_prefixes):
-                continue
-            if type(module).__name__ in _FOREIGN_WRAPPERS or _matches(units, name, module):
-                found.append((name, module))
-                skip_prefixes.append(name + ".")
-    if not found:
-        raise ValueError(
-            f"no blocks to checkpoint found in {type(model).__name__} with units={units!r}; pass `units` as a set of"
-            " module classes or a predicate on (name, module)"
-        )
-    return found
 
 
 @contextlib.contextmanager

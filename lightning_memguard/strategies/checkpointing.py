@@ -11,6 +11,7 @@ from lightning_memguard.callbacks._private import BeforeModelWrapped
 from lightning_memguard.callbacks.checkpointing import example_for_budget, measuring_said
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.checkpointing.rebuild import RebuildConfig
+from lightning_memguard.checkpointing.settings import CheckpointingSettings
 
 
 class _ChecksBeforeWrapping(BeforeModelWrapped):
@@ -35,7 +36,7 @@ def _checkpoint_before_wrapping(strategy: Strategy, policy: CheckpointingPolicy)
         return
     who = type(strategy).__name__
     example, from_batch = None, None
-    if policy.memory_budget is not None and policy.runs is None:
+    if policy.settings.memory_budget is not None and policy.runs is None:
         example, from_batch = example_for_budget(module.trainer, who)
     with measuring_said(from_batch, who):
         policy.apply(
@@ -53,17 +54,17 @@ class CheckpointingDDPStrategy(_ChecksBeforeWrapping, DDPStrategy):
     """``DDPStrategy`` that checkpoints the model's blocks before wrapping it in ``DistributedDataParallel``.
 
     Args:
-        activation_checkpointing_policy: the blocks: ``"auto"`` (found by structure), module classes (a set), or a
-            predicate ``(name, module) -> bool``; the name ``FSDPStrategy`` gives the same argument.
+        activation_checkpointing_policy: the blocks (``CheckpointingSettings.units``): ``"auto"`` (found by
+            structure), module classes (a set), or a predicate ``(name, module) -> bool``; the name ``FSDPStrategy``
+            gives the same argument.
         memory_budget: a float in (0, 1] of the un-checkpointed peak, a size of at least 1 MB, or None (every block).
             With a budget, rank zero measures on the module's ``example_input_array`` (a tensor, a tuple of
             positional or a dict of keyword arguments of ``forward``), or without one on the first training batch's
             model inputs (see :class:`~lightning_memguard.ActivationCheckpointing`), and every rank applies its
             plan; the plan is made anew in each ``fit``. On a compiled module the budget is measured compiled, and
             compile's ``activation_memory_budget`` the plan chose is set for the fit.
-        rebuild_bn_relu: the cheap recomputation of torchvision ResNet blocks and Conv2dNormActivation units.
-        rebuild_config: how the rebuild makes its tensors (``RebuildConfig``); None: the defaults.
-        bn_correct: recomputation leaves BatchNorm running statistics alone.
+        rebuild_bn_relu, rebuild_config, bn_correct: as
+            :class:`~lightning_memguard.checkpointing.settings.CheckpointingSettings` declares them.
         *args, **kwargs: ``DDPStrategy``'s own.
 
     Raises:
@@ -72,7 +73,7 @@ class CheckpointingDDPStrategy(_ChecksBeforeWrapping, DDPStrategy):
     Example:
         >>> from torchvision.models.resnet import Bottleneck
         >>> strategy = CheckpointingDDPStrategy(activation_checkpointing_policy={Bottleneck}, memory_budget=0.6)
-        >>> strategy.checkpointing.memory_budget
+        >>> strategy.checkpointing.settings.memory_budget
         0.6
     """
 
@@ -87,7 +88,9 @@ class CheckpointingDDPStrategy(_ChecksBeforeWrapping, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         self.checkpointing = CheckpointingPolicy(
-            activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config
+            CheckpointingSettings(
+                activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config
+            )
         )
         super().__init__(*args, **kwargs)
 
@@ -120,6 +123,8 @@ class CheckpointingSingleDeviceStrategy(_ChecksBeforeWrapping, SingleDeviceStrat
         **kwargs: Any,
     ) -> None:
         self.checkpointing = CheckpointingPolicy(
-            activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config
+            CheckpointingSettings(
+                activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config
+            )
         )
         super().__init__(device, **kwargs)

@@ -1,4 +1,8 @@
-"""Which blocks to checkpoint for a memory budget: profiles in, a choice and its predicted peak out.
+"""Which blocks to checkpoint for a memory budget: profiles in, a choice and its predicted peak out, and the
+searches that check it against measured peaks (step objects: ``propose()``, ``observe()``, ``result``).
+
+Pure: numbers in, decisions out; no torch and no Lightning import. :mod:`.plan_eager` and :mod:`.plan_compiled`
+measure what these choose.
 
 The model is a chain of links (a ResNet: its stem, then its blocks), each feeding the next. Adjacent chosen links
 that may be joined can be checkpointed as one run: the tensors between them are freed too, at no extra
@@ -45,21 +49,14 @@ class BlockProfile:
         return max(0, self.saved_bytes - self.input_bytes - self.output_bytes)
 
 
-def group_runs(chosen: set[int], joinable: Sequence[bool]) -> list[list[int]]:
-    """Chosen link indices as maximal runs of adjacent links; ``joinable[i]`` says whether links i and i + 1 may
-    share one.
+def budget_bytes(baseline: int, memory_budget: float | int) -> int:
+    """A fraction of the baseline peak, or bytes as they are.
 
     Example:
-        >>> group_runs({0, 1, 2, 4, 5}, joinable=[True, True, True, False, True])
-        [[0, 1, 2], [4, 5]]
+        >>> budget_bytes(1000, 0.6), budget_bytes(1000, 700)
+        (600, 700)
     """
-    runs: list[list[int]] = []
-    for i in sorted(chosen):
-        if runs and runs[-1][-1] == i - 1 and joinable[i - 1]:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs
+    return int(baseline * memory_budget) if isinstance(memory_budget, float) else memory_budget
 
 
 def best_runs(

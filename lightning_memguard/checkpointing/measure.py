@@ -1,0 +1,317 @@
+"""A model as a chain of links, and measuring it on a real batch.
+
+:func:`model_chain` sees the model as the planner does: its blocks in order (and a ResNet's stem before its first
+block), with which neighbours may share a run. :class:`StepMeter` runs one forward and backward and reads its peak,
+its time, and each link's saved activations and forward time (:class:`~.budget.BlockProfile`). Nothing here changes
+the model: :mod:`.surgery` does, as :mod:`.plan_eager` and :mod:`.plan_compiled` decide."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from lightning_memguard.checkpointing.budget import BlockProfile
+from lightning_memguard.checkpointing.families import Layout
+from lightning_memguard.checkpointing.rebuild import rebuildable, stem_rebuildable
+from lightning_memguard.checkpointing.wrap import Link, is_checkpointed, plain_sequential, preserved_state
+
+
+def model_chain(
+    model: nn.Module, found: list[tuple[str, nn.Module]], layout: Layout | None = None
+) -> tuple[list[Link], list[bool]]:
+    """The links to plan over and which neighbours may share a run.
+
+    Blocks that are consecutive children of one ``nn.Sequential`` (with ``nn.Sequential``'s own forward) may share
+    a run, so a stage's output (what feature extractors read) is always its own. In a model whose adapter names a
+    stem (torchvision's and timm's ResNets with their own forward: conv1, bn1, relu / act1, maxpool) the stem is a
+    link too, on its own, before the block it runs before. A block sharded by FSDP2 (``fully_shard``) is a run of its
+    own.
+    """
+    names = {name for name, _ in found}
+    stems = {
+        stem.before: Link(name, stem.modules, stem=True)
+        for name, stem in (layout or Layout(model)).stems
+        if stem.before in names
+    }  # first block's name -> the stem link before it
+    links: list[Link] = []
+    joinable: list[bool] = []
+    modules = dict(model.named_modules())
+    for name, module in found:
+        if name in stems:
+            if links:
+                joinable.append(False)
+            links.append(stems[name])
+            joinable.append(False)
+        elif links:
+            joinable.append(_consecutive_in_sequential(modules, links[-1].name, name))
+        links.append(Link(name, ((name, module),)))
+    return links, joinable
+
+
+def _consecutive_in_sequential(modules: dict[str, nn.Module], a: str, b: str) -> bool:
+    parent_a, _, index_a = a.rpartition(".")
+    parent_b, _, index_b = b.rpartition(".")
+    parent = modules.get(parent_a)
+    # a Sequential subclass with a forward of its own may not call its children one after another
+    if parent_a != parent_b or parent is None or not plain_sequential(parent):
+        return False
+    # a block sharded by FSDP2 gathers its weights in hooks around its own call; a run calls its members' forward
+    if isinstance(modules[a], FSDPModule) or isinstance(modules[b], FSDPModule):
+        return False
+    order = list(modules[parent_a]._modules)
+    return order.index(index_b) == order.index(index_a) + 1
+
+
+def runs_named(links: list[Link], joinable: list[bool], runs: list[list[str]]) -> list[list[Link]]:
+    """The model's links for each run of names (to re-apply a plan on a fresh copy of the model).
+
+    Raises:
+        ValueError: a name the model does not have, or a run whose links may not share one checkpoint.
+    """
+    index = {link.name: i for i, link in enumerate(links)}
+    for run in runs:
+        missing = [n for n in run if n not in index]
+        if missing:
+            raise ValueError(f"the model has no block named {missing[0]!r} to checkpoint")
+        for a, b in zip(run, run[1:], strict=False):
+            if index[b] != index[a] + 1 or not joinable[index[a]]:
+                raise ValueError(
+                    f"{a!r} and {b!r} cannot share a run: a run is made of consecutive blocks of one nn.Sequential,"
+                    " none of them sharded by FSDP2's fully_shard"
+                )
+    return [[links[index[n]] for n in run] for run in runs]
+
+
+def in_model_order(names: Sequence[str], links: list[Link]) -> list[str]:
+    order = {link.name: i for i, link in enumerate(links)}
+    return sorted(names, key=order.__getitem__)
+
+
+def can_rebuild(link: Link, layout: Layout) -> bool:
+    if link.stem:
+        return len(link.modules) == 4 and stem_rebuildable(*(m for _, m in link.modules[1:]))
+    return any(rebuildable(m, layout) for _, m in link.modules)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    if torch.is_tensor(output):
+        return output.float().sum()
+    if isinstance(output, dict):
+        output = list(output.values())
+    return sum(default_loss(o) for o in output if torch.is_tensor(o) or isinstance(o, list | tuple | dict))  # type: ignore[return-value]
+
+
+def tensors(args: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(args):
+        return [args]
+    if isinstance(args, list | tuple):
+        return [t for a in args for t in tensors(a)]
+    if isinstance(args, dict):
+        return [t for a in args.values() for t in tensors(a)]
+    return []
+
+
+def example_arguments(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments a model takes an example input as, the way Lightning's model summary
+    calls ``forward`` on ``example_input_array``: a tuple or list is positional (``forward(*example)``), a dict
+    keywords (``forward(**example)``), anything else (a tensor) the one argument (``forward(example)``).
+
+    Example:
+        >>> example_arguments({"input_ids": 1, "attention_mask": 0}), example_arguments((1, 2)), example_arguments(3)
+        (((), {'input_ids': 1, 'attention_mask': 0}), ((1, 2), {}), ((3,), {}))
+    """
+    if isinstance(example, list | tuple):
+        return tuple(example), {}
+    if isinstance(example, Mapping):
+        return (), dict(example)
+    return (example,), {}
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    if isinstance(t, DTensor):  # a sharded parameter (FSDP2): this rank's shard is what it holds
+        t = t.to_local()
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.nbytes())
+
+
+_agreed: ContextVar[Callable[[Any], Any]] = ContextVar("memguard_agreed", default=lambda figures: figures)
+
+
+@contextmanager
+def measured_alike(broadcast: Callable[[Any], Any]) -> Iterator[None]:
+    """Inside, every figure a measurement takes is ``broadcast``'s (rank zero's), on every rank that measures: each
+    takes the same path through the search, and so runs the same forwards and backwards. A sharded model's forward
+    holds collectives, so every rank must measure, and none may run a pass another skips."""
+    token = _agreed.set(broadcast)
+    try:
+        yield
+    finally:
+        _agreed.reset(token)
+
+
+class StepMeter:
+    """Runs forward and backward once and measures memory (and, optionally, each block)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        example: Any,
+        loss_fn: Callable[[Any], torch.Tensor],
+        runner: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any] | None = None,
+    ) -> None:
+        self.model, self.example, self.loss_fn = model, example, loss_fn
+        self.args, self.kwargs = example_arguments(example)  # a tensor, a tuple (positional) or a dict (keywords)
+        self.runner = runner  # a compiled step (model, args, kwargs) -> output; None: the model as it is called
+        self.cuda = any(t.is_cuda for t in tensors(example))
+        # held whether or not anything is saved: parameters, buffers and the batch itself; everything else a
+        # forward saves counts, also tensors that need no gradient (max-pooling indices, dropout masks)
+        held = [*model.parameters(), *model.buffers(), *tensors(example)]
+        self.held = {_storage_key(t) for t in held}
+        self.agree = _agreed.get()  # every rank's figures, where every rank measures (:func:`measured_alike`)
+
+    def _run(self) -> None:
+        if self.runner is not None:
+            out = self.runner(self.model, self.args, self.kwargs)
+        else:
+            out = self.model(*self.args, **self.kwargs)
+        self.loss_fn(out).backward()
+
+    def seconds(self, steps: int = 3) -> float:
+        """Median seconds of one forward and backward, after one untimed pass (a compile, where one is due)."""
+        return self.agree(self._seconds(steps))
+
+    def peak(self) -> int:
+        """CUDA: the step's peak above what was allocated before. CPU: bytes of saved activations and kept inputs."""
+        return self.agree(self._peak())
+
+    def profile(self, links: list[Link]) -> list[BlockProfile]:
+        """Each link's saved activations (split into input, output and the rest) and forward time, in one pass."""
+        return self.agree(self._profile(links))
+
+    def _seconds(self, steps: int) -> float:
+        with preserved_state(self.model):
+            self._run()
+            times = []
+            for _ in range(steps):
+                if self.cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                self._run()
+                if self.cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def _peak(self) -> int:
+        with preserved_state(self.model):
+            if self.cuda:
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                self._run()
+                torch.cuda.synchronize()
+                return int(torch.cuda.max_memory_allocated() - before)
+            seen: set[tuple[int, int]] = set()
+            total = 0
+
+            def count(t: torch.Tensor) -> None:
+                nonlocal total
+                key = _storage_key(t)
+                if key not in self.held and key not in seen:
+                    seen.add(key)
+                    total += key[1]
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                count(t)
+                return t
+
+            def kept_inputs(module: nn.Module, args: Any) -> None:
+                if torch.is_grad_enabled():
+                    for t in tensors(args):
+                        count(t)
+
+            # a checkpoint's inputs stay alive; a compiled step saves them as its own saved tensors, counted above
+            checkpoints = [m for m in self.model.modules() if is_checkpointed(m)] if self.runner is None else []
+            handles = [m.register_forward_pre_hook(kept_inputs) for m in checkpoints]
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    self._run()
+            finally:
+                for h in handles:
+                    h.remove()
+            return total
+
+    def _profile(self, links: list[Link]) -> list[BlockProfile]:
+        saved: dict[str, dict[tuple[int, int], int]] = {link.name: {} for link in links}
+        inputs: dict[str, set[tuple[int, int]]] = {link.name: set() for link in links}
+        outputs: dict[str, set[tuple[int, int]]] = {link.name: set() for link in links}
+        starts: dict[str, Any] = {}
+        seen: set[tuple[int, int]] = set()
+        current: list[str] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = _storage_key(t)
+            if current and key not in self.held and key not in seen:
+                seen.add(key)
+                saved[current[-1]][key] = key[1]
+            return t
+
+        def clock() -> Any:
+            if self.cuda:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                return event
+            return time.perf_counter()
+
+        def pre(name: str) -> Callable[..., None]:
+            def hook(module: nn.Module, args: Any) -> None:
+                current.append(name)
+                inputs[name] = {_storage_key(t) for t in tensors(args)}
+                starts[name] = clock()
+
+            return hook
+
+        def post(name: str) -> Callable[..., None]:
+            def hook(module: nn.Module, args: Any, output: Any) -> None:
+                starts[name] = (starts[name], clock())
+                outputs[name] = {_storage_key(t) for t in tensors(output)}
+                current.pop()
+
+            return hook
+
+        handles = []
+        for link in links:
+            handles.append(link.modules[0][1].register_forward_pre_hook(pre(link.name)))
+            handles.append(link.modules[-1][1].register_forward_hook(post(link.name)))
+        try:
+            with preserved_state(self.model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                self._run()
+        finally:
+            for h in handles:
+                h.remove()
+        if self.cuda:
+            torch.cuda.synchronize()
+        profiles = []
+        for link in links:
+            start, end = starts[link.name]
+            ms = start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+            own = saved[link.name]
+            profiles.append(
+                BlockProfile(
+                    link.name,
+                    saved_bytes=sum(own.values()),
+                    input_bytes=sum(own.get(k, 0) for k in inputs[link.name]),
+                    output_bytes=sum(own.get(k, 0) for k in outputs[link.name]),
+                    forward_ms=ms,
+                )
+            )
+        return profiles

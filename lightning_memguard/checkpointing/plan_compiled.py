@@ -1,0 +1,123 @@
+"""Planning a budget for a compiled model: :class:`~.budget.CompileBudgetSearch` chooses compile's
+``activation_memory_budget`` and the links together, each choice applied by :func:`.surgery.apply` and measured
+compiled afresh, a graph per container of blocks (see :func:`.plan.checkpoint_blocks`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memguard import _compiler
+from lightning_memguard.checkpointing import surgery
+from lightning_memguard.checkpointing.budget import CompileBudgetSearch, best_runs, budget_bytes, choose_blocks, value
+from lightning_memguard.checkpointing.families import Layout
+from lightning_memguard.checkpointing.measure import StepMeter, default_loss, in_model_order, runs_named, tensors
+from lightning_memguard.checkpointing.result import CheckpointPlan, finished, warnings_once
+from lightning_memguard.checkpointing.wrap import Link
+
+ONE_GRAPH_MARGIN = 0.02
+"""How much faster (a fraction of the step time) the compiled plan's pick must be as one graph than with a graph per
+container to be kept so: one measurement's timing differs by about that much from the next."""
+
+
+def _candidate(setting: float | None, applied: surgery.Applied, peak: int, seconds: float) -> dict[str, Any]:
+    return {
+        "activation_memory_budget": setting,
+        "runs": applied.runs,
+        "graph_splits": applied.splits,
+        "peak_bytes": peak,
+        "step_ms": round(seconds * 1e3, 3),
+    }
+
+
+def plan_compiled(
+    measured: nn.Module,
+    model: nn.Module,
+    links: list[Link],
+    joinable: list[bool],
+    memory_budget: float | int,
+    example_input: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    bn_correct: bool,
+    options: dict[str, Any] | None,
+    settings: tuple[float, ...],
+    layout: Layout,
+) -> CheckpointPlan:
+    """The budget under compile: each of compile's settings alone, then with the fewest most valuable blocks that
+    fit where it may still be the fastest (:class:`~lightning_memguard.checkpointing.budget.CompileBudgetSearch`),
+    measured compiled, the blocks' containers each a graph of its own; the fastest that fits is applied, in one
+    graph where that fits and is faster (see :func:`.plan.checkpoint_blocks`)."""
+    loss_fn = loss_fn or default_loss
+    with _compiler.eager():  # each link's own bytes and time, to rank them: in eager mode, hooks and all
+        profiles = StepMeter(model, example_input, loss_fn).profile(links)
+    gradients = any(t.is_cuda for t in tensors(example_input))
+    now = _compiler.activation_memory_budget_now()
+    levels = (None, *(s for s in dict.fromkeys(settings) if s != now))  # the default in force is measured once
+    search = CompileBudgetSearch(
+        [now if s is None else s for s in levels],
+        lambda peak, budget: choose_blocks(profiles, peak, budget, joinable, gradients)[0],
+        [value(p) for p in profiles],
+        [p.saving for p in profiles],
+        lambda baseline: budget_bytes(baseline, memory_budget),  # of compile's default peak alone
+    )
+    candidates: list[dict[str, Any]] = []
+    applied = surgery.Applied()
+
+    def measure(setting: float | None, runs: list[list[Link]], split_graphs: bool) -> dict[str, Any]:
+        nonlocal applied
+        with _compiler.activation_memory_budget(setting):  # each measurement compiles anew, under its setting
+            meter = StepMeter(measured, example_input, loss_fn, _compiler.fresh_compiled(measured, options))
+            applied = surgery.apply(
+                model, runs, bn_correct=bn_correct, replacing=applied, split_graphs=split_graphs, layout=layout
+            )
+            candidate = _candidate(setting, applied, meter.peak(), meter.seconds())
+        candidates.append(candidate)
+        return candidate
+
+    with warnings_once():
+        while (step := search.propose()) is not None:
+            index, chosen = step
+            start = search.alone(index)  # the peak the links are cut into runs against (None: measuring it now)
+            cut = best_runs(chosen, profiles, start.peak if start else 0, joinable, gradients)
+            runs = [[links[i] for i in run] for run in cut]
+            tried = measure(levels[index], runs, split_graphs=True)
+            search.observe(tried["peak_bytes"], tried["step_ms"] / 1e3)
+        budget = search.budget
+        assert budget is not None and search.result is not None
+        pick = candidates[search.result]
+        runs = runs_named(links, joinable, pick["runs"])  # the twin below has the same runs
+        if pick["graph_splits"]:  # the same blocks in one graph: chosen instead where it fits and is faster
+            twin = measure(pick["activation_memory_budget"], runs, split_graphs=False)
+            # one graph peaks higher at about the same speed (ResNet50: 0.3 %): it must be faster beyond the noise
+            if twin["peak_bytes"] <= budget and twin["step_ms"] < pick["step_ms"] * (1 - ONE_GRAPH_MARGIN):
+                pick = twin
+    applied = surgery.apply(
+        model, runs, bn_correct=bn_correct, replacing=applied, split_graphs=bool(pick["graph_splits"]), layout=layout
+    )
+    _compiler.forget_graphs_apart()  # training compiles its graphs apart anew, under its own settings
+    return finished(
+        CheckpointPlan(
+            blocks=in_model_order(applied.checkpointed, links),
+            candidates=len(links),
+            runs=applied.runs,
+            baseline_bytes=search.tried[0].peak,
+            budget_bytes=budget,
+            measured_bytes=pick["peak_bytes"],
+            profiles=profiles,
+            graph_splits=applied.splits,
+            compiled=True,
+            activation_memory_budget=pick["activation_memory_budget"],
+            compile_candidates=candidates,
+            lower=_lower_compiled(settings),
+        )
+    )
+
+
+def _lower_compiled(settings: tuple[float, ...]) -> list[str]:
+    """What would lower a compiled plan's floor: a smaller batch, compile's lower settings."""
+    lowest = min(settings, default=None)
+    below = f"below {lowest}" if lowest is not None else "such as 0.5"
+    return ["a smaller batch", f"compile's activation_memory_budget {below} (`compile_settings`)"]

@@ -1,0 +1,55 @@
+"""The five checkpointing settings, declared once: the callback, the strategies and the policy share them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_memguard.checkpointing.families import Units, check_units
+from lightning_memguard.checkpointing.rebuild import RebuildConfig, check_config
+from lightning_memguard.core.checks import check_bool, check_memory_budget
+
+
+@dataclass(frozen=True)
+class CheckpointingSettings:
+    """What to checkpoint and how, checked on construction (``ActivationCheckpointing``, ``CheckpointingDDPStrategy``
+    and ``CheckpointingSingleDeviceStrategy`` take these as their arguments and hand them over as they are).
+
+    Args:
+        units: ``"auto"``, module classes (kept as a tuple), or a predicate ``(name, module) -> bool``.
+        memory_budget: a float in (0, 1] (a fraction of the un-checkpointed peak), a size of at least 1 MB (an int
+            or a string such as ``"6GB"``, kept as given), or None (every block).
+        bn_correct: recomputation leaves BatchNorm running statistics alone.
+        rebuild_bn_relu: the cheap recomputation of ResNet blocks (torchvision's, timm's) and Conv2dNormActivation
+            units (see ``checkpoint_blocks``).
+        rebuild_config: how the rebuild makes its tensors (``RebuildConfig(fused=..., chain_kept=...)``); None:
+            the defaults.
+
+    Raises:
+        TypeError, ValueError: a setting of the wrong kind or out of range, quoting it.
+
+    Example:
+        >>> CheckpointingSettings(memory_budget="6GB").memory_budget
+        '6GB'
+        >>> CheckpointingSettings(units=None)
+        Traceback (most recent call last):
+        ...
+        TypeError: `units` must be 'auto', module classes or a callable (name, module) -> bool, got None
+    """
+
+    units: Units = "auto"
+    memory_budget: float | int | str | None = None
+    bn_correct: bool = True
+    rebuild_bn_relu: bool = False
+    rebuild_config: RebuildConfig | None = None
+
+    def __post_init__(self) -> None:
+        memory_budget: Any = self.memory_budget
+        object.__setattr__(self, "units", check_units(self.units))
+        checked = check_memory_budget(memory_budget)
+        # a string as given ("6GB" stays "6GB"), a number as Python's (np.float32(0.6) is 0.6); checked again where
+        # it is measured
+        object.__setattr__(self, "memory_budget", memory_budget if isinstance(memory_budget, str) else checked)
+        check_bool("bn_correct", self.bn_correct)
+        check_bool("rebuild_bn_relu", self.rebuild_bn_relu)
+        check_config(self.rebuild_config)
