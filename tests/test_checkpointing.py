@@ -658,13 +658,29 @@ def test_a_kernel_that_fails_warns_once_and_the_rebuild_goes_on_eagerly(monkeypa
     assert all((a[k] - b[k]).abs().max() <= 1e-5 * a[k].abs().max() for k in a if k.startswith("grad:"))
 
 
-def test_the_kernel_declines_what_it_cannot_run_and_the_rebuild_goes_eager():
+def test_the_kernel_declines_what_it_cannot_run_and_the_rebuild_goes_eager(monkeypatch):
+    """Whether or not Triton is installed: where the kernel cannot run (a CPU tensor outside Triton's interpreter, a
+    layout it does not handle, an identity of another shape) ``fused`` returns None without launching it."""
     from lightning_memguard.checkpointing import _fused
 
+    class _Launches(list):
+        """Stands in for the kernel: ``kernel[grid](...)`` records the launch and runs nothing."""
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.append(grid)
+
+    launched = _Launches()
+    monkeypatch.setattr(_fused, "_kernel", lambda: launched)
+    monkeypatch.setattr(_fused, "_failed", [])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     bn = nn.BatchNorm2d(4)
     x = torch.randn(2, 4, 3, 3)
     stats = (x, torch.zeros(4), torch.ones(4), bn.weight.detach(), bn.bias.detach())
-    assert _fused.fused(stats) is None or _fused.available(x)  # a CPU tensor: only Triton's interpreter runs it
+    assert not _fused.available(x) and _fused.fused(stats) is None  # a CPU tensor: only Triton's interpreter runs it
+    monkeypatch.setattr(_fused, "available", lambda t: True)  # where it could run: the layouts and shapes decide
+    assert _fused.fused((x.transpose(2, 3), *stats[1:])) is None  # neither dense layout
+    assert _fused.fused(stats, torch.randn(2, 4, 3, 1)) is None  # an identity of another shape
+    assert launched == []
     assert _fused._inner(x) == 9 and _fused._inner(x.contiguous(memory_format=torch.channels_last)) == 1
     assert _fused._inner(x.transpose(2, 3)) is None  # neither dense layout
 

@@ -220,11 +220,19 @@ def test_capacity_argument_overrides_the_probe(tmp_path, fake_probe):
     assert guard.epochs[0].capacity_gb == pytest.approx(8 * 2**30 / 1e9)
 
 
+class _NoBatches(torch.utils.data.IterableDataset):
+    """A stream that yields nothing: Lightning runs the epoch (its length is unknown), and no step is timed."""
+
+    def __iter__(self):
+        return iter(())
+
+
 def test_epoch_without_timed_steps_logs_nan_not_garbage(tmp_path, fake_probe):
     guard = MemGuard(probe=fake_probe)
-    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, limit_train_batches=0, callbacks=[guard]))
-    trainer.fit(TinyModel())
-    assert guard.epochs == [] or math.isnan(guard.epochs[0].step_ms)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[guard]))
+    trainer.fit(TinyModel(), train_dataloaders=DataLoader(_NoBatches(), batch_size=None))
+    assert len(guard.epochs) == 1  # the epoch ran and was recorded
+    assert math.isnan(guard.epochs[0].step_ms) and math.isnan(guard.epochs[0].samples_per_sec)
 
 
 def test_a_spill_in_the_last_steps_of_an_epoch_is_not_lost(tmp_path, fake_probe):
