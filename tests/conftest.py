@@ -249,8 +249,9 @@ def ddp_scenario_results(out: Path, spec: str, filename: str) -> dict[int, dict]
     return results
 
 
-# test_ddp.py's, test_ddp_guard.py's and test_strategies.py's DDP scenarios, in one launch: the compiled ones late
-# (strategy's compiled scenario fixes the planner's step times for good), planning_fails last (it ends the launch)
+# test_ddp.py's, test_ddp_guard.py's, test_adapt.py's and test_checkpointing_strategies.py's DDP scenarios, in one
+# launch: the compiled ones late (strategy's compiled scenario fixes the planner's step times for good),
+# planning_fails last (it ends the launch)
 DDP_SCENARIOS = [
     "ddp_guard_run:mid-stop",
     "ddp_guard_run:last-raise",
@@ -261,6 +262,7 @@ DDP_SCENARIOS = [
     "ddp_tuner_run:oom",
     "ddp_tuner_run:oom_backward",
     "ddp_strategy_run:eager",
+    "ddp_adapt_run:adapt",
     "ddp_tuner_run:oom_compiled",
     "ddp_strategy_run:compiled",
     "strategy_cells_run:ddp",

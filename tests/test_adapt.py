@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import StepClock, trainer_kwargs
+from conftest import StepClock, ddp_scenario_results, trainer_kwargs
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
@@ -221,3 +221,16 @@ def test_an_adaptation_is_said_in_one_line_with_its_numbers():
     assert line == (
         "step 31: 256 x 1 spilled (20.80 GB on a 16.00 GB card); now 128 x 2, the same 256 samples per optimizer step"
     )
+
+
+def test_two_ddp_ranks_adapt_in_the_same_step_to_the_same_split_when_one_spills(ddp_launch):
+    """Rank 1 alone meets less memory at step 4 (tests/ddp_adapt_run.py); both ranks train on as one."""
+    results = ddp_scenario_results(ddp_launch, "ddp_adapt_run:adapt", "adapt{rank}.json")
+    for rank in (0, 1):
+        r = results[rank]
+        assert [(a["step"], a["before"], a["after"]) for a in r["adaptations"]] == [(5, 1, 2)]
+        assert r["steps"] == 8 and r["micro_batches"] == [[32]] * 5 + [[16, 16]] * 3
+        assert r["same_as_plain"]  # the weights of the same DDP run without the spill
+    assert "spilled (2.2 MB on a 2.0 MB card)" in results[1]["adaptations"][0]["why"]
+    assert "spilled on another rank" in results[0]["adaptations"][0]["why"]
+    assert results[0]["weights_sum"] == results[1]["weights_sum"]

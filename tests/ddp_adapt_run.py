@@ -1,0 +1,108 @@
+"""Two CPU processes under DDP (gloo); on rank 1 alone another application takes memory of the emulated card at
+optimizer step 4, and MemGuard(on_spill="adapt") adapts. Run by test_adapt.py, through ddp_run.py, as scenario
+``adapt``. Each rank also trains the same run without the spill: the weights must agree.
+
+Usage: python ddp_adapt_run.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from lightning_memguard import MemGuard  # noqa: E402
+from lightning_memguard.testing import SysmemSpillEmulator  # noqa: E402
+
+TAKEN_AT = 4
+
+
+class Wide(LightningModule):
+    """An MLP without BatchNorm whose saved activations grow with the batch (16 kB a sample)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_size = 32
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 2))
+        gen = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(32 * 16, 16, generator=gen), torch.randint(0, 2, (32 * 16,), generator=gen)
+        self.micro_batches: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx >= len(self.micro_batches):
+            self.micro_batches.append([])
+        self.micro_batches[batch_idx].append(len(batch[0]))
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size, shuffle=True)
+
+
+class TakeMemory(Callback):
+    def __init__(self, emulator: SysmemSpillEmulator, nbytes: int) -> None:
+        self.emulator, self.nbytes = emulator, nbytes
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == TAKEN_AT:
+            self.emulator.other_processes = self.nbytes
+
+
+def _fit(out: str, adapt: bool) -> Wide:
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.manual_seed(0)
+    model = Wide()
+    callbacks: list[Callback] = []
+    if adapt:
+        emu = SysmemSpillEmulator(capacity=2 * 10**6, sleep=lambda s: None)  # the batch needs 1.46 MB of it
+        guard = MemGuard(
+            on_spill="adapt", probe=emu.probe, read_every=1, warmup_steps=1, reference_steps=1, spill_checkpoint=False
+        )
+        callbacks = [emu, guard, TakeMemory(emu, 7 * 10**5 if rank == 1 else 0)]
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, callbacks=callbacks, logger=False,
+        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, default_root_dir=out,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model)
+    model.adaptations = [a.to_dict() for a in guard.adaptations] if adapt else []  # type: ignore[attr-defined]
+    model.steps = trainer.global_step  # type: ignore[attr-defined]
+    return model
+
+
+def run(out: str, scenario: str = "adapt") -> None:
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    adapted, plain = _fit(out, adapt=True), _fit(out, adapt=False)
+    with open(os.path.join(out, f"adapt{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(
+            {
+                "adaptations": adapted.adaptations,  # type: ignore[attr-defined]
+                "steps": adapted.steps,  # type: ignore[attr-defined]
+                "micro_batches": adapted.micro_batches,
+                "weights_sum": float(sum(p.double().sum() for p in adapted.parameters())),
+                "same_as_plain": all(
+                    torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+                    for a, b in zip(adapted.parameters(), plain.parameters(), strict=True)
+                ),
+            },
+            f,
+        )
+
+
+def main() -> None:
+    run(sys.argv[1])
+
+
+if __name__ == "__main__":
+    main()
