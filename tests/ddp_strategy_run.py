@@ -1,5 +1,5 @@
 """Two CPU processes (gloo): plain DDP, then CheckpointingDDPStrategy with a budget, from the same seed. Each rank
-writes the plan it applied and its weights' checksum. Run by test_strategies.py.
+writes the plan it applied and its weights' checksum. Run by test_checkpointing_strategies.py.
 
 Usage: python ddp_strategy_run.py OUT_DIR [compiled|planning_fails]
 compiled: both fits on an aot_eager torch.compile. planning_fails: rank zero runs out of memory while it plans.

@@ -293,20 +293,6 @@ def test_detector_rests_longer_while_slow_windows_show_no_memory_growth():
     assert verdicts[-1] is Verdict.SPILL
 
 
-def test_planner_cuts_runs_so_that_recomputation_does_not_bring_the_peak_back():
-    """Joining every chosen block into one run frees the most in forward, but recomputing it brings everything back:
-    a one-run plan of a whole chain has the baseline's peak (seen on the GPU before runs were cut)."""
-    from lightning_memguard.checkpointing.budget import BlockProfile, choose_blocks, predict_peak
-
-    chain = [BlockProfile(f"b{i}", saved_bytes=100, input_bytes=0, output_bytes=20, forward_ms=1.0) for i in range(8)]
-    joinable = [True] * 7
-    baseline = 1000  # 800 of activations, 200 of weights and the rest
-    assert predict_peak(baseline, chain, [list(range(8))]) == baseline
-    chosen, runs, predicted = choose_blocks(chain, baseline, budget=500, joinable=joinable)
-    assert predicted <= 500 and len(runs) > 1
-    assert sorted(i for run in runs for i in run) == sorted(chosen)
-
-
 def test_detector_with_patience_longer_than_its_read_window():
     det = SpillDetector(16 * GB, warmup_steps=0, reference_steps=2, patience=5, read_window=2)
     for _ in range(8):
@@ -349,18 +335,6 @@ def test_detector_refuses_step_times_and_sample_counts_of_different_lengths():
         det.observe_step(0.1, 32)
     with pytest.raises(ValueError, match="5 step times but 4 sample counts"):  # and in the steady phase
         det.observe_steps([0.1] * 5, [32] * 4)
-
-
-def test_a_recomputed_run_holds_the_gradient_of_its_output_on_cuda():
-    """Seen on the H200: recomputing ResNet50's first stage peaked about twice its output above the activations."""
-    from lightning_memguard.checkpointing.budget import BlockProfile, predict_peak
-
-    first = BlockProfile("first", saved_bytes=500, input_bytes=0, output_bytes=100, forward_ms=1.0)
-    rest = BlockProfile("rest", saved_bytes=100, input_bytes=0, output_bytes=0, forward_ms=1.0)
-    baseline = 700  # 600 of activations
-    assert predict_peak(baseline, [first, rest], [[0]], gradients=False) == 100 + 500 + 0  # recomputed: all back
-    assert predict_peak(baseline, [first, rest], [[0]]) == 100 + 500 + 2 * 100
-    assert predict_peak(baseline, [first, rest], [[1]]) == baseline  # at the end: in the baseline's peak already
 
 
 def test_timeline_times_each_step_from_its_batch_start_to_the_next():
@@ -414,36 +388,3 @@ def test_timeline_reads_memory_every_read_every_steps_once_steady():
 
 
 # ---------------------------------------------------------------- the budget search, as a step object
-
-
-def _run_budget_search(chosen, values, budget, peaks):
-    from lightning_memguard.checkpointing.budget import BudgetSearch
-
-    search = BudgetSearch(chosen, values, budget)
-    while (links := search.propose()) is not None:
-        search.observe(peaks[tuple(sorted(links))])
-    return search
-
-
-def test_budget_search_adds_until_it_fits_then_gives_back_the_least_valuable():
-    peaks = {(0,): 90, (0, 1): 75, (0, 1, 2): 55, (0, 2): 65, (1, 2): 70, (2,): 85}
-    search = _run_budget_search({0}, [3.0, 2.0, 1.0], 70, peaks)
-    # over: add 1, still over: add 2, fits; give back 2 (75: no), 1 (65: yes), 0 ({2}: 85, no); measure the result
-    assert search.tried == [((0,), 90), ((0, 1), 75), ((0, 1, 2), 55), ((0, 1), 75), ((0, 2), 65), ((2,), 85),
-                            ((0, 2), 65)]  # fmt: skip
-    assert search.result == ({0, 2}, 65)
-
-
-def test_budget_search_keeps_the_lowest_peak_when_nothing_fits():
-    peaks = {(0,): 90, (0, 1): 95}  # adding link 1 made it worse
-    search = _run_budget_search({0}, [3.0, 2.0], 50, peaks)
-    assert search.tried == [((0,), 90), ((0, 1), 95), ((0,), 90)]
-    assert search.result == ({0}, 90)
-
-
-def test_budget_search_never_returns_a_set_it_did_not_measure_last():
-    peaks = {(): 40, (0,): 30}
-    search = _run_budget_search({0}, [1.0], 50, peaks)  # the prediction was cautious: nothing is needed
-    assert search.tried[-1] == ((), 40) and search.result == (set(), 40)
-    with pytest.raises(RuntimeError, match="observe\\(\\) called after the search ended"):
-        search.observe(1)

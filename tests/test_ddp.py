@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import ddp_scenario_results
 
-# the scenarios run in one launch with test_ddp_guard.py's and test_strategies.py's (conftest.DDP_SCENARIOS, the
-# ddp_launch fixture)
+# the scenarios run in one launch with test_ddp_guard.py's and test_checkpointing_strategies.py's
+# (conftest.DDP_SCENARIOS, the ddp_launch fixture)
 
 
 def _run(ddp_launch, spill_rank: int, on_spill: str) -> dict[int, dict]:

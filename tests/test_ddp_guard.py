@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from conftest import ddp_scenario_results
 
-# the scenarios run in one launch with test_ddp.py's and test_strategies.py's (conftest.DDP_SCENARIOS, the ddp_launch
-# fixture)
+# the scenarios run in one launch with test_ddp.py's and test_checkpointing_strategies.py's
+# (conftest.DDP_SCENARIOS, the ddp_launch fixture)
 
 
 def _run(ddp_launch, scenario: str) -> dict[int, dict]:

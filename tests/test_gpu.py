@@ -86,8 +86,8 @@ def test_emulated_spill_is_stopped_within_three_steps(tmp_path):
 
 
 def test_emulated_spill_of_a_compiled_model_is_stopped(tmp_path):
-    """CPU twin: tests/test_emulator_compile.py (aot_eager). Here inductor, whose saved tensors stay allocated and
-    make a real PCIe round trip."""
+    """CPU twin: tests/test_compile_emulator_spills.py (aot_eager). Here inductor, whose saved tensors stay allocated
+    and make a real PCIe round trip."""
     emu = SysmemSpillEmulator(capacity="2GB")  # ResNet50 at batch 64 needs about 3.2 GB, compiled about as much
     guard = MemGuard(probe=emu.probe, warmup_steps=3)
     model = ImageClassifier("resnet50", image_size=224, batch_size=64, steps_per_epoch=20, channels_last=True)
@@ -287,7 +287,8 @@ def test_budget_with_the_rebuild_holds_on_cuda_and_checkpoints_fewer_blocks():
 
 
 def test_callback_with_the_rebuild_and_a_budget_under_bf16_mixed(tmp_path):
-    """CPU twin: test_callback_with_the_rebuild_and_a_budget (tests/test_checkpointing.py)."""
+    """CPU twin: test_callback_with_the_rebuild_and_a_budget
+    (tests/test_checkpointing_exact_training_and_budgets.py)."""
     from lightning_memguard import ActivationCheckpointing
     from lightning_memguard.checkpointing.rebuild import RebuiltBatchNormReLU, RebuiltStemReLU
 
@@ -336,7 +337,7 @@ def test_preflight_on_a_linux_driver_finds_no_fallback(tmp_path):
 
 
 def test_batch_size_tuner_on_a_compiled_model_runs_one_static_inductor_graph_per_size(tmp_path):
-    """CPU twin: tests/test_compile.py (aot_eager, an injected clock)."""
+    """CPU twin: tests/test_compile_tuners_and_memguard.py (aot_eager, an injected clock)."""
     from lightning_memguard import BatchSizeTuner
 
     graphs = []
@@ -366,7 +367,7 @@ def test_batch_size_tuner_on_a_compiled_model_runs_one_static_inductor_graph_per
 
 def test_rebuilt_units_under_bf16_and_channels_last(monkeypatch):
     """CPU twins: test_the_one_pass_kernel_rebuilds_the_batchnorm_outputs_of_units and
-    test_units_train_bit_for_bit_like_the_plain_model_and_keep_far_less (tests/test_rebuild_units.py)."""
+    test_units_train_bit_for_bit_like_the_plain_model_and_keep_far_less (tests/test_checkpointing_rebuild_units.py)."""
     import copy
 
     import torchvision
@@ -400,9 +401,9 @@ def test_rebuilt_units_under_bf16_and_channels_last(monkeypatch):
 
 
 def test_every_block_under_inductor_peaks_near_eager_mode_with_a_graph_per_stage():
-    """CPU twin: tests/test_graph_splits.py (aot_eager: the graphs, static shapes, eager gradients, each block's
-    input gradient realized once). Here inductor. Measured on the H200 (2026-12-01, batch 128): a graph per stage
-    peaks 8 % above eager mode (17 % before each block's input gradient was realized), one graph 27 %."""
+    """CPU twin: tests/test_compile_graph_per_container.py (aot_eager: the graphs, static shapes, eager gradients, each
+    block's input gradient realized once). Here inductor. Measured on the H200 (2026-12-01, batch 128): a graph per
+    stage peaks 8 % above eager mode (17 % before each block's input gradient was realized), one graph 27 %."""
     import torchvision
 
     from lightning_memguard import checkpoint_resnet

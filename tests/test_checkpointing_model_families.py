@@ -1,4 +1,4 @@
-"""Model families (issue 27): one adapter per family in one registry (``checkpointing/families``). Every adapter's
+"""Model families: one adapter per family in one registry (``checkpointing/families``). Every adapter's
 models, built from small configurations (no downloads), are found as their family's own switch sees them, train,
 keep gradients and BatchNorm buffers bit-identical to the plain model's, keep their ``state_dict`` keys, pickle,
 and train compiled (``aot_eager``) as well as eager. timm's ResNet family is rebuilt, BatchNorm-exact; a Hugging
@@ -146,7 +146,7 @@ CASES = [
 ]  # fmt: skip
 BY_ID = {case.id: case for case in CASES}
 # one model of each adapter that names blocks, at its smallest: a compile costs seconds a model (torchvision's ResNet
-# compiles in test_compile_checkpointing and test_graph_splits)
+# compiles in test_compile_checkpointing_budget and test_compile_graph_per_container)
 COMPILED = {
     "timm_resnet50d": _timm("resnet50d", **{**TINY_RESNET, "layers": (1, 1, 1, 1)}),
     "timm_convnext": _timm("test_convnext", depths=(1, 1, 1, 1), drop_path_rate=0.1),

@@ -1,4 +1,4 @@
-"""Checkpointed blocks under torch.compile, one compiled graph per container (issue 14, item 2).
+"""Checkpointed blocks under torch.compile, one compiled graph per container.
 
 On the H200 a compiled ResNet50 with every block checkpointed, trained, peaks at 4.78 GB as one graph and at 4.08 GB
 with a graph per stage (eager mode: 3.84 GB), each block's input gradient realized as one buffer (before that:
@@ -17,7 +17,7 @@ import torch
 from conftest import planner_step_times, trainer_kwargs
 from lightning.pytorch import Trainer
 from models import small_resnet
-from test_compile_checkpointing import Net, _fresh_dynamo, _resnet  # noqa: F401 - _fresh_dynamo: autouse
+from test_compile_checkpointing_budget import Net, _fresh_dynamo, _resnet  # noqa: F401 - _fresh_dynamo: autouse
 
 from lightning_memguard import ActivationCheckpointing, _compiler
 from lightning_memguard.checkpointing import apply_plan, checkpoint_blocks, checkpoint_resnet, remove_checkpointing

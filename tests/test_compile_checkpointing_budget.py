@@ -1,6 +1,6 @@
-"""A memory budget for a model that trains under torch.compile (issue 14, item 2): measured compiled, held compiled,
-with compile's own ``activation_memory_budget`` as one more lever. CPU: the ``aot_eager`` backend, whose compiled
-graphs save their tensors through the saved-tensor hooks, so saved bytes are counted as in eager mode."""
+"""A memory budget for a model that trains under torch.compile: measured compiled, held compiled, with compile's own
+``activation_memory_budget`` as one more lever. CPU: the ``aot_eager`` backend, whose compiled graphs save their
+tensors through the saved-tensor hooks, so saved bytes are counted as in eager mode."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Issue 38, items 4 and 11: example inputs the way Lightning takes them, and a budget without one.
+"""Example inputs the way Lightning takes them, and a budget without one.
 
-Item 4: ``example_input_array`` is a tensor (``forward(x)``), a tuple (``forward(*x)``) or a dict (``forward(**x)``),
-as Lightning's model summary calls it; a budget is planned on each form. Item 11: without ``example_input_array``, a
-budget is measured on the first training batch (the rule: a tensor is the input; a tuple or list, its first element;
-a dict, the keys ``forward`` takes), the run still sees every batch in the same order, and the line says so.
+``example_input_array`` is a tensor (``forward(x)``), a tuple (``forward(*x)``) or a dict (``forward(**x)``), as
+Lightning's model summary calls it; a budget is planned on each form. Without ``example_input_array``, a budget is
+measured on the first training batch (the rule: a tensor is the input; a tuple or list, its first element; a dict,
+the keys ``forward`` takes), the run still sees every batch in the same order, and the line says so.
 """
 
 from __future__ import annotations

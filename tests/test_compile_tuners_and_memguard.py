@@ -1,4 +1,4 @@
-"""The tuners and MemGuard on a ``torch.compile``d model (issue 14): each trial size runs its own static graph,
+"""The tuners and MemGuard on a ``torch.compile``d model: each trial size runs its own static graph,
 compile time is not step time, and training after the search runs the chosen size's graph.
 
 The compiler backend is ``aot_eager`` (forward and backward graphs, no code generation) behind a recorder that
