@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import environment, free_memory, make_trainer, median, write_json  # noqa: E402
 
 from lightning_memguard import AccumulationTuner, BatchSizeTuner  # noqa: E402
-from lightning_memguard.core.search import accumulation_candidates, power_ladder  # noqa: E402
 from lightning_memguard.testing import ImageClassifier, StepTimer, SysmemSpillEmulator  # noqa: E402
+from lightning_memguard.tuning.search import accumulation_candidates, power_ladder  # noqa: E402
 
 CFG: dict[str, Any] = {"arch": "resnet50", "image_size": 224, "num_classes": 1000, "channels_last": True}
 

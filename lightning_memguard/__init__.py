@@ -15,6 +15,7 @@ _EXPORTS = {
     "ActivationCheckpointing": "lightning_memguard.callbacks",
     "BatchSizeTuner": "lightning_memguard.callbacks",
     "MemGuard": "lightning_memguard.callbacks",
+    "checkpoint_blocks": "lightning_memguard.checkpointing",
     "checkpoint_resnet": "lightning_memguard.checkpointing",
     "SysmemSpillError": "lightning_memguard.core.messages",
 }
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from lightning_memguard.callbacks import ActivationCheckpointing as ActivationCheckpointing
     from lightning_memguard.callbacks import BatchSizeTuner as BatchSizeTuner
     from lightning_memguard.callbacks import MemGuard as MemGuard
+    from lightning_memguard.checkpointing import checkpoint_blocks as checkpoint_blocks
     from lightning_memguard.checkpointing import checkpoint_resnet as checkpoint_resnet
     from lightning_memguard.core.messages import SysmemSpillError as SysmemSpillError
 

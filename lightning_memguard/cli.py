@@ -432,113 +432,21 @@ def _plan(args: argparse.Namespace) -> int:
     capacity = _capacity(args.emulate_capacity)
     precision = _precision(args.precision, args.device)
     backend = _compile_backend(args.compile, args.compile_backend, args.device)
-    from lightning_memguard.core.search import accumulation_candidates
+    from lightning_memguard.tuning.search import accumulation_candidates
 
     smallest = accumulation_candidates(args.effective_batch, args.min_micro_batch)[0][0]
     model = _check_model_input(source, args.image_size, given_size, args.channels_last, cuda, smallest,
                                f"micro-batch {smallest} (--min-micro-batch)")  # fmt: skip
     filled = _not_defaults(filled, model, args.image_size)
-
-    import warnings
-
-    import torch
-    from lightning.pytorch import Callback, LightningModule, Trainer
-
-    from lightning_memguard.callbacks import AccumulationTuner
-    from lightning_memguard.core.search import TrialResult
-    from lightning_memguard.sweep import run_folders, training_module
-    from lightning_memguard.testing import SysmemSpillEmulator
-
-    class _Measured(Exception):
-        pass
-
-    class StopBeforeTraining(Callback):
-        def on_train_batch_start(self, *args: object) -> None:
-            raise _Measured
-
-    class ReportingTuner(AccumulationTuner):
-        """Prints each trial's row on stderr as soon as it is measured: on a slow device the search takes a while,
-        and would otherwise be silent until the end."""
-
-        def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-            self._trial_started = time.perf_counter()
-            super().on_fit_start(trainer, pl_module)
-
-        def _agree(self, trainer: Trainer, result: TrialResult) -> TrialResult:
-            agreed = super()._agree(trainer, result)
-            took = time.perf_counter() - self._trial_started
-            checkpointed = ", activation checkpointing on" if self.checkpointing else ""
-            print(f"memguard plan: {_trial_row(agreed)}  ({took:.1f} s{checkpointed})", file=sys.stderr, flush=True)
-            self._trial_started = time.perf_counter()
-            return agreed
-
     warmup = (CUDA_DEFAULTS if cuda else CPU_DEFAULTS).trial_warmup
     what = (f"{model.described}, micro-batches from {smallest} up to {args.effective_batch},"
             f" {warmup} warm-up + {_steps(args.trial_steps, 'timed optimizer step')} each")  # fmt: skip
     print(_settings_line("plan", cuda, precision, what, filled), file=sys.stderr, flush=True)
-    emu = SysmemSpillEmulator(capacity=capacity) if capacity else None
-    tuner = ReportingTuner(args.effective_batch, min_micro_batch=args.min_micro_batch, allow_checkpointing=True,
-                           probe=emu.probe if emu is not None else None, cache=False, warmup_steps=warmup,
-                           timed_steps=args.trial_steps)  # fmt: skip
-    module = training_module(source, model.num_classes, model.image_size or 0, args.effective_batch, 64,
-                             args.channels_last)  # fmt: skip
-    callbacks: list[Callback] = [c for c in (emu, tuner, StopBeforeTraining()) if c is not None]
-    try:
-        with run_folders("plan") as root:
-            trainer = Trainer(
-                accelerator="cuda" if cuda else "cpu", devices=1, precision=precision,  # type: ignore[arg-type]
-                max_epochs=1, callbacks=callbacks, logger=False, enable_progress_bar=False,
-                enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=root,
-            )  # fmt: skip
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                trainer.fit(module if backend is None else torch.compile(module, backend=backend))  # type: ignore[arg-type]
-    except _Measured:
-        pass
-    except RuntimeError as err:
-        if tuner.batch_size is None and tuner.results and not any(r.fits for r in tuner.results):
-            print(f"memguard: {_nothing_fits(args, tuner.results, smallest, model.image_size)}", file=sys.stderr)
-        else:
-            print(f"memguard: {err}", file=sys.stderr)
-        return 1
-    (chosen,) = [r for r in tuner.results if r.size == tuner.batch_size and r.fits][-1:]
-    extra = ", with activation checkpointing" if tuner.checkpointing else ""
-    print(f"effective batch {args.effective_batch}: micro-batch {tuner.batch_size} x accumulate_grad_batches "
-          f"{tuner.accumulate_grad_batches}{extra}")  # fmt: skip
-    print(f"expected: {chosen.samples_per_sec:.1f} samples/s, peak {(chosen.peak_bytes or 0) / 1e9:.2f} GB")
-    if backend is not None:
-        print(f"compiled ({backend}): the search took {tuner.search_s:.1f} s, {tuner.compile_s:.1f} s of it compiling")
-    print("measured:")
-    for r in tuner.results:
-        print(f"  {_trial_row(r)}")
-    print("paste:")
-    print(f"  model.batch_size = {tuner.batch_size}")
-    lines = f"Trainer(accumulate_grad_batches={tuner.accumulate_grad_batches}, callbacks=[MemGuard()"
-    lines += ", ActivationCheckpointing()])" if tuner.checkpointing else "])"
-    print(f"  {lines}")
-    return 0
+    from lightning_memguard.plan import PlanConfig, run_plan
 
-
-def _trial_row(r: Any) -> str:
-    """One trial of plan's search: micro-batch x accumulation, outcome, throughput, peak memory."""
-    compiled = f"  compiled, {r.compile_s:.1f} s compiling" if r.compiled else ""
-    return (f"{r.size:>5} x {r.accumulate:<3} {r.outcome:<13} {r.samples_per_sec or 0:>10.1f} samples/s"
-            f"  peak {(r.peak_bytes or 0) / 1e9:.2f} GB{compiled}")  # fmt: skip
-
-
-def _nothing_fits(args: argparse.Namespace, results: Sequence[Any], smallest: int, image_size: int | None) -> str:
-    """Plan already falls back to activation checkpointing: what is left to change is the command's own input (a
-    LightningModule's images are its own)."""
-    tried = ", ".join(f"{r.size} x {r.accumulate}: {r.outcome}" for r in results)
-    advice = [f"a smaller --effective-batch (now {args.effective_batch})"]
-    if image_size is not None:
-        advice.insert(0, f"a smaller --image-size (now {image_size})")
-    if smallest > 1:
-        advice.insert(0, f"a smaller --min-micro-batch (now {args.min_micro_batch})")
-    return (
-        f"nothing fits: not even a micro-batch of {smallest} trains on this device without spilling, with activation"
-        f" checkpointing as well ({tried}); try {', or '.join(advice)}"
-    )
+    cfg = PlanConfig(source, model.num_classes, model.image_size, args.effective_batch, args.min_micro_batch,
+                     args.channels_last, precision, cuda, backend, capacity, warmup, args.trial_steps)  # fmt: skip
+    return run_plan(cfg, smallest)
 
 
 @contextlib.contextmanager

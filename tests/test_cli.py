@@ -336,7 +336,7 @@ def test_help_shows_the_defaults_on_cuda_and_on_the_cpu(command, shown, monkeypa
 
 
 def test_plan_prints_a_progress_line_per_trial_as_it_goes(monkeypatch, capsys):
-    from lightning_memguard.callbacks._trials import TrialSession
+    from lightning_memguard.tuning.trials import TrialSession
 
     seen_before_each_trial = []
     run = TrialSession.run

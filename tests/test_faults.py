@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from tuner_helpers import BatchClock
 
 from lightning_memguard import BatchSizeTuner, MemGuard, SysmemSpillError
-from lightning_memguard.callbacks import _trials
+from lightning_memguard.tuning import trials as _trials
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)

@@ -12,7 +12,9 @@ from tuner_helpers import BatchClock
 
 from lightning_memguard import AccumulationTuner
 from lightning_memguard.core.reading import MemoryReading
-from lightning_memguard.core.search import (
+from lightning_memguard.core.spill import Evidence
+from lightning_memguard.core.throughput import TrialTiming, group_steps, time_trial
+from lightning_memguard.tuning.search import (
     PREDICTED,
     AccumulationSearch,
     Forecast,
@@ -23,8 +25,6 @@ from lightning_memguard.core.search import (
     power_ladder,
     trial_outcome,
 )
-from lightning_memguard.core.spill import Evidence
-from lightning_memguard.core.throughput import TrialTiming, group_steps, time_trial
 
 GB = 10**9
 

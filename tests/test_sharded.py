@@ -134,7 +134,7 @@ def test_the_trials_state_of_a_sharded_model_is_put_back_in_place(one_rank_mesh)
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from lightning_memguard.callbacks._state import load_training_state, training_state
+    from lightning_memguard.tuning.training_state import load_training_state, training_state
 
     def full(t):
         return (t.full_tensor() if isinstance(t, DTensor) else t).clone()
@@ -280,7 +280,7 @@ def test_every_collective_of_a_sharded_step_comes_right_after_an_agreement_point
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    from lightning_memguard.callbacks._sharded_agreement import UnitPoints, fsdp_units
+    from lightning_memguard.tuning.sharded_agreement import UnitPoints, fsdp_units
 
     events: list[str] = []
 
@@ -338,7 +338,7 @@ def test_an_out_of_memory_error_inside_fsdps_own_code_is_not_agreed_on(one_rank_
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    from lightning_memguard.callbacks._sharded_agreement import UnitPoints, fsdp_units
+    from lightning_memguard.tuning.sharded_agreement import UnitPoints, fsdp_units
 
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
     fully_shard(net[1], mesh=one_rank_mesh)
@@ -369,7 +369,7 @@ def test_an_agreed_error_ends_the_run_where_torch_cannot_reset_fsdps_step(one_ra
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor
 
-    from lightning_memguard.callbacks._sharded_agreement import (
+    from lightning_memguard.tuning.sharded_agreement import (
         AgreedOutOfMemory,
         OutOfMemoryEndsRun,
         UnitPoints,
@@ -404,8 +404,8 @@ def test_an_out_of_memory_error_nobody_can_learn_ends_the_run_naming_the_trial(t
     from lightning.pytorch import Trainer
     from tuner_helpers import BatchClock
 
-    from lightning_memguard.callbacks._sharded_agreement import OutOfMemoryEndsRun
     from lightning_memguard.testing import ImageClassifier
+    from lightning_memguard.tuning.sharded_agreement import OutOfMemoryEndsRun
 
     class FailsUnshared(ImageClassifier):
         def training_step(self, batch, batch_idx):

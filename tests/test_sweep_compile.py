@@ -24,7 +24,7 @@ COMPILE = ["--compile", "--compile-backend", "aot_eager"]
 def _drive(monkeypatch, graphs_after_batch: list[int], minimum: int, steps: int, accumulate: int) -> _TimeStepsThatRan:
     """Run the callback's hooks as a Trainer would, Dynamo's graph count after each batch given; until it stops."""
     count = [0]
-    monkeypatch.setattr(_compiler.inspect, "compiles", lambda: count[0])  # what CompileWatch reads
+    monkeypatch.setattr(_compiler.dynamo_state, "compiles", lambda: count[0])  # what CompileWatch reads
     timer = _TimeStepsThatRan(minimum=minimum, steps=steps, accumulate=accumulate)
     trainer = types.SimpleNamespace(should_stop=False)
     timer.on_train_start(trainer, None)  # type: ignore[arg-type]
@@ -54,7 +54,7 @@ def test_a_compile_between_two_batches_marks_the_next_step(monkeypatch):
     """The graph count is compared with the last batch's end, so a compile outside any batch (a hook, validation)
     marks the step whose time holds it."""
     count = [0]
-    monkeypatch.setattr(_compiler.inspect, "compiles", lambda: count[0])  # what CompileWatch reads
+    monkeypatch.setattr(_compiler.dynamo_state, "compiles", lambda: count[0])  # what CompileWatch reads
     timer = _TimeStepsThatRan(minimum=0, steps=5, accumulate=1)
     trainer = types.SimpleNamespace(should_stop=False)
     timer.on_train_start(trainer, None)  # type: ignore[arg-type]

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from tuner_helpers import BatchClock
 
 from lightning_memguard import AccumulationTuner, BatchSizeTuner
-from lightning_memguard.core.epoch import EpochLength
-from lightning_memguard.core.search import AccumulationSearch, TrialResult, capped_ladder
+from lightning_memguard.tuning.epoch import EpochLength
+from lightning_memguard.tuning.search import AccumulationSearch, TrialResult, capped_ladder
 
 QUICK = dict(warmup_steps=1, timed_steps=2, cache=False)
 

@@ -17,7 +17,7 @@ from lightning.pytorch import Trainer
 from tuner_helpers import BatchClock, PerSample
 
 from lightning_memguard import AccumulationTuner, BatchSizeTuner
-from lightning_memguard.core.cache import CACHE_FILE, FileLock, ResultCache, check_entry
+from lightning_memguard.tuning.cache import CACHE_FILE, FileLock, ResultCache, check_entry
 
 QUICK = dict(warmup_steps=1, timed_steps=1)
 ROW = {"size": 8, "step_ms": 5.0, "peak_bytes": 10, "samples_per_sec": 1600.0, "outcome": "ok"}

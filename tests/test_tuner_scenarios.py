@@ -472,6 +472,7 @@ def test_a_budgeted_checkpointing_listed_after_a_tuner_plans_first(tmp_path, tun
     """Listed after the tuner, the checkpointing still plans before the tuner measures, so the tuner measures the
     checkpointed model, which is the one that trains; the plan is made once."""
     from lightning_memguard.checkpointing import policy
+    from lightning_memguard.tuning import workflow
 
     settings = dict(cache=False, probe=FakeProbe(), **QUICK)
     if tuner_cls is BatchSizeTuner:
@@ -480,7 +481,7 @@ def test_a_budgeted_checkpointing_listed_after_a_tuner_plans_first(tmp_path, tun
         tuner = AccumulationTuner(8, **settings)
     checkpointing = ActivationCheckpointing(memory_budget=0.6)
     applied, measured_checkpointed = [], []
-    real_plan, real_search = policy.checkpoint_blocks, tuner._search
+    real_plan, real_search = policy.checkpoint_blocks, workflow.search
 
     def plan(model, units, memory_budget, **kwargs):  # the plan's measuring is tested elsewhere: every block here
         applied.append(memory_budget)
@@ -492,7 +493,7 @@ def test_a_budgeted_checkpointing_listed_after_a_tuner_plans_first(tmp_path, tun
         return real_search(trainer, *args, **kwargs)
 
     monkeypatch.setattr(policy, "checkpoint_blocks", plan)
-    monkeypatch.setattr(tuner, "_search", search)
+    monkeypatch.setattr(workflow, "search", search)
     model = ImageClassifier("resnet18", image_size=16, batch_size=4, steps_per_epoch=2, pool_size=8)
     model.example_input_array = torch.randn(4, 3, 16, 16)
     Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[tuner, checkpointing])).fit(model)

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from tuner_helpers import BatchClock, PerSample
 
 from lightning_memguard import AccumulationTuner, BatchSizeTuner
-from lightning_memguard.callbacks._trials import _check_delivered
+from lightning_memguard.tuning.trials import _check_delivered
 
 
 class OneCycle(TinyModel):

@@ -29,10 +29,10 @@ LightningModule keeps after ``fit`` unwrapped it) is read through :mod:`lightnin
 """
 
 from lightning_memguard._compiler.caches import forget_compiled
+from lightning_memguard._compiler.dynamo_state import CompileWatch, compiles, compiling, is_compiled, unwrapped
 from lightning_memguard._compiler.frames import ran_compiled, saved_by_compiled_graph
 from lightning_memguard._compiler.fresh import fresh_compiled
 from lightning_memguard._compiler.graphs import forget_graphs_apart, gradient_realized, graph_apart, not_traced
-from lightning_memguard._compiler.inspect import CompileWatch, compiles, compiling, is_compiled, unwrapped
 from lightning_memguard._compiler.settings import (
     activation_memory_budget,
     activation_memory_budget_now,

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memguard._compiler.dynamo_state import lightning_dynamo_context
 from lightning_memguard._compiler.graphs import forget_graphs_apart
-from lightning_memguard._compiler.inspect import lightning_dynamo_context
 
 
 def _step(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:

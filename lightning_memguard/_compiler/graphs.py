@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_memguard._compiler.caches import forget_compiled
-from lightning_memguard._compiler.inspect import compiling
+from lightning_memguard._compiler.dynamo_state import compiling
 
 
 def _define_realize() -> Any:

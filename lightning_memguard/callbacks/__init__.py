@@ -1,7 +1,35 @@
-"""Lightning callbacks: thin adapters between the Trainer and the pure core."""
+"""Lightning callbacks: thin adapters between the Trainer and the pure core.
 
-from lightning_memguard.callbacks.checkpointing import ActivationCheckpointing
-from lightning_memguard.callbacks.memguard import MemGuard
-from lightning_memguard.callbacks.tuners import AccumulationTuner, BatchSizeTuner
+The names are loaded on first use, so the modules below this package (``callbacks._private``, which the tuning and
+checkpointing packages read) can be imported without loading every callback first.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "AccumulationTuner": "lightning_memguard.callbacks.tuners",
+    "ActivationCheckpointing": "lightning_memguard.callbacks.checkpointing",
+    "BatchSizeTuner": "lightning_memguard.callbacks.tuners",
+    "MemGuard": "lightning_memguard.callbacks.memguard",
+}
+
+if TYPE_CHECKING:
+    from lightning_memguard.callbacks.checkpointing import ActivationCheckpointing as ActivationCheckpointing
+    from lightning_memguard.callbacks.memguard import MemGuard as MemGuard
+    from lightning_memguard.callbacks.tuners import AccumulationTuner as AccumulationTuner
+    from lightning_memguard.callbacks.tuners import BatchSizeTuner as BatchSizeTuner
 
 __all__ = ["AccumulationTuner", "ActivationCheckpointing", "BatchSizeTuner", "MemGuard"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'lightning_memguard.callbacks' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -29,9 +29,9 @@ where it is used (the Trainer's and the strategy's public attributes and methods
 - Checkpoints (``Trainer._checkpoint_connector``): :func:`checkpoint_contents`, the spill checkpoint's contents.
 - FSDP's own checkpointing (``FSDPStrategy._activation_checkpointing_kwargs``): :func:`fsdp_checkpoints_itself`,
   so that ActivationCheckpointing is refused beside ``FSDPStrategy(activation_checkpointing_policy=...)``.
-- Compile (``LightningModule._compiler_ctx``): :func:`compiled_by_lightning`, the ``torch.compile`` context ``fit``
-  kept when it unwrapped a compiled LightningModule; read by :mod:`lightning_memguard._compiler`, which must not
-  import Lightning itself.
+
+The ``torch.compile`` context ``fit`` keeps on a LightningModule it unwrapped (``LightningModule._compiler_ctx``) is
+read where the other compile contexts are, in :mod:`lightning_memguard._compiler.dynamo_state`, by name.
 """
 
 from __future__ import annotations
@@ -206,16 +206,6 @@ def checkpoint_contents(trainer: Trainer) -> dict[str, Any]:
     """The full checkpoint that ``trainer.save_checkpoint`` would write, without writing it
     (``_CheckpointConnector.dump_checkpoint``); every rank calls it, as the strategy may gather."""
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-
-
-# ---------------------------------------------------------------- compile
-
-
-def compiled_by_lightning(module: nn.Module) -> Callable[..., Any] | None:
-    """The ``torch.compile`` context (``OptimizedModule.dynamo_ctx``) a LightningModule was compiled with, where
-    ``fit`` unwrapped a ``torch.compile`` result (``LightningModule._compiler_ctx``); None otherwise."""
-    context = getattr(module, "_compiler_ctx", None)
-    return context.get("dynamo_ctx") if context is not None else None
 
 
 def fsdp_checkpoints_itself(strategy: Strategy) -> bool:

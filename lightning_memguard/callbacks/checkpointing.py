@@ -18,13 +18,13 @@ from lightning_memguard.callbacks._private import (
     fsdp_checkpoints_itself,
     train_loader,
 )
-from lightning_memguard.callbacks._state import holds_shards
-from lightning_memguard.callbacks._trials import reload_train_dataloader, rng_kept
 from lightning_memguard.checkpointing.families import Units
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy, inputs_from_batch
 from lightning_memguard.checkpointing.rebuild import RebuildConfig
 from lightning_memguard.checkpointing.result import CheckpointPlan
 from lightning_memguard.checkpointing.settings import CheckpointingSettings
+from lightning_memguard.tuning.training_state import holds_shards
+from lightning_memguard.tuning.trials import reload_train_dataloader, rng_kept
 
 
 class ActivationCheckpointing(Callback):

@@ -36,23 +36,25 @@ from lightning_memguard.callbacks._private import (
     strategy_methods_replaced,
     train_loader,
 )
-from lightning_memguard.callbacks._sharded_agreement import (
+from lightning_memguard.core.capacity import judged_capacity
+from lightning_memguard.core.spill import Evidence, shared_baseline
+from lightning_memguard.core.throughput import group_steps, time_trial
+from lightning_memguard.probes import MemoryProbe, probe_for
+from lightning_memguard.tuning.search import OK, OOM, TrialResult, trial_outcome
+from lightning_memguard.tuning.settings import TunerSettings
+from lightning_memguard.tuning.sharded_agreement import (
     AgreedOutOfMemory,
     OutOfMemoryEndsRun,
     UnitPoints,
     fsdp_units,
 )
-from lightning_memguard.callbacks._state import (
+from lightning_memguard.tuning.training_state import (
     holds_shards,
     host_copy,
     interrupts_held,
     load_training_state,
     training_state,
 )
-from lightning_memguard.core.search import OK, OOM, TrialResult, trial_outcome
-from lightning_memguard.core.spill import Evidence, shared_baseline
-from lightning_memguard.core.throughput import group_steps, time_trial
-from lightning_memguard.probes import MemoryProbe
 
 
 class _StepClock(Callback):
@@ -245,6 +247,12 @@ def first_batch_signature(trainer: Trainer) -> list[Any] | None:
     for batch in batches:
         visit(batch)
     return signature
+
+
+def probe_and_capacity(trainer: Trainer, settings: TunerSettings) -> tuple[MemoryProbe, int]:
+    """The memory reader the trials read (the settings' or the device's) and the capacity they are judged against."""
+    probe = settings.probe if settings.probe is not None else probe_for(trainer.strategy.root_device)
+    return probe, judged_capacity(settings.capacity, probe.capacity())  # type: ignore[arg-type]  # bytes by now
 
 
 class TrialSession:

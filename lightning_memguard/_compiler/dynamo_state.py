@@ -39,14 +39,14 @@ class CompileWatch:
 
 
 def lightning_dynamo_context(module: nn.Module) -> Callable[..., Any] | None:
-    """The ``torch.compile`` context a LightningModule was compiled with, where ``fit`` unwrapped a ``torch.compile``
-    result (Lightning's, read in :func:`lightning_memguard.callbacks._private.compiled_by_lightning`); None where
-    Lightning is not loaded (then nothing was compiled by it)."""
+    """The ``torch.compile`` context (``OptimizedModule.dynamo_ctx``) a LightningModule was compiled with, where
+    ``fit`` unwrapped a ``torch.compile`` result: Lightning keeps it in ``LightningModule._compiler_ctx``, the one
+    attribute of Lightning's read here, by name, without importing Lightning; None otherwise (and where Lightning
+    is not loaded: then nothing was compiled by it)."""
     if sys.modules.get("lightning.pytorch") is None:
         return None
-    from lightning_memguard.callbacks._private import compiled_by_lightning
-
-    return compiled_by_lightning(module)
+    context = getattr(module, "_compiler_ctx", None)
+    return context.get("dynamo_ctx") if context is not None else None
 
 
 def is_compiled(module: nn.Module) -> bool:

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from lightning_memguard.core.epoch import EpochLength
 from lightning_memguard.core.spill import Evidence, Verdict, judge
+from lightning_memguard.tuning.epoch import EpochLength
 
 OK, OOM, SPILL, OVER_HEADROOM = "ok", "oom", "spill", "over_headroom"
 PREDICTED = "predicted_over"  # not run: the memory line fitted to the measured sizes puts it above the capacity

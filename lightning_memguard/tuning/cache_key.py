@@ -1,6 +1,6 @@
 """What a tuner's cached choice is keyed on: every field, read from the Trainer in this one place.
 
-The file itself (its lock, atomic writes, the entries' schema) is :class:`lightning_memguard.core.cache.ResultCache`.
+The file itself (its lock, atomic writes, the entries' schema) is :class:`lightning_memguard.tuning.cache.ResultCache`.
 """
 
 from __future__ import annotations
@@ -8,19 +8,22 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
 from lightning_memguard import __version__, _compiler
-from lightning_memguard.callbacks._trials import first_batch_signature, reload_train_dataloader, rng_kept
 from lightning_memguard.callbacks.checkpointing import ActivationCheckpointing
-from lightning_memguard.core.cache import digest
-
-if TYPE_CHECKING:
-    from lightning_memguard.callbacks.tuners import _MeasuringTuner
+from lightning_memguard.tuning.cache import digest
+from lightning_memguard.tuning.settings import TunerSettings
+from lightning_memguard.tuning.trials import (
+    first_batch_signature,
+    probe_and_capacity,
+    reload_train_dataloader,
+    rng_kept,
+)
 
 
 def _qualname(obj: Any) -> str:
@@ -46,13 +49,15 @@ def _shapes(example: Any) -> Any:
 
 
 def cache_key(
-    tuner: _MeasuringTuner,
     trainer: Trainer,
     pl_module: LightningModule,
+    settings: TunerSettings,
+    tuner: str,
     samples_per_epoch: int | None,
     extra: dict[str, Any],
 ) -> str:
-    """The key of ``tuner``'s choice for this fit: everything that decides memory, speed and which sizes can run.
+    """The key of a tuner's choice for this fit (``tuner``: its class name): everything that decides memory, speed
+    and which sizes can run.
 
     - ``model``, ``params``: the LightningModule's class and parameter count;
     - ``modules``: a hash of every submodule's name and class (a checkpointed or rebuilt block changes it);
@@ -72,8 +77,8 @@ def cache_key(
     """
     device = trainer.strategy.root_device
     example = getattr(pl_module, "example_input_array", None)
-    datamodule, arg = getattr(trainer, "datamodule", None), tuner.batch_arg_name
-    probe, capacity = tuner._probe_and_capacity(trainer)
+    datamodule, arg = getattr(trainer, "datamodule", None), settings.batch_arg_name
+    probe, capacity = probe_and_capacity(trainer, settings)
     with rng_kept():
         reload_train_dataloader(trainer)
         batch = first_batch_signature(trainer)
@@ -101,12 +106,12 @@ def cache_key(
         "torch": torch.__version__,
         "lightning": lightning.__version__,
         "memguard": __version__,
-        "tuner": type(tuner).__name__,
+        "tuner": tuner,
         "probe": type(probe).__name__,
         "capacity": capacity,
-        "headroom": tuner.headroom,
-        "min_gain": tuner.min_gain,
-        "tolerance": tuner.tolerance,
+        "headroom": settings.headroom,
+        "min_gain": settings.min_gain,
+        "tolerance": settings.tolerance,
         "extra": extra,
     }
     return digest(fields)

@@ -1,7 +1,7 @@
 """The tuners' result cache on disk: one JSON object of entries by key, read defensively, written under a lock.
 
 Nothing here imports Lightning: the file, its lock and the entries' schema are plain Python, tested with plain
-values. What the key is made of lives in :mod:`lightning_memguard.callbacks._cache`, the one place that reads it
+values. What the key is made of lives in :mod:`lightning_memguard.tuning.cache_key`, the one place that reads it
 from a Trainer.
 
 - A read never raises: a file that is missing, unreadable, a folder, not JSON, or JSON that is not an object is a
@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lightning_memguard.core.search import OK, OOM, OVER_HEADROOM, PREDICTED, SPILL, Margin, TrialResult
+from lightning_memguard.tuning.search import OK, OOM, OVER_HEADROOM, PREDICTED, SPILL, Margin, TrialResult
 
 CACHE_FILE = "tuner-cache.json"
 _TMP_PREFIX, _TMP_SUFFIX = ".tuner-cache-", ".tmp"
@@ -132,10 +132,10 @@ def check_entry(entry: Any, *, accumulates: bool, per_step: int | None = None) -
 
     An entry holds ``batch_size`` (a positive int), ``accumulate_grad_batches`` (None for a
     ``BatchSizeTuner``; a positive int for an ``AccumulationTuner``, whose micro-batch times it is ``per_step``),
-    ``results`` (trials, each the fields of a :class:`~lightning_memguard.core.search.TrialResult` with values of
+    ``results`` (trials, each the fields of a :class:`~lightning_memguard.tuning.search.TrialResult` with values of
     their types; the chosen size, with its accumulation for an ``AccumulationTuner``, among those that fit) and,
     for an ``AccumulationTuner`` only, ``checkpointing`` (a bool); and ``margin``, how far the choice stood from the
-    fastest other size that fit (the fields of a :class:`~lightning_memguard.core.search.Margin`, or None where no
+    fastest other size that fit (the fields of a :class:`~lightning_memguard.tuning.search.Margin`, or None where no
     other did). Nothing else. An entry without ``margin`` (written before it was kept) is read as it is.
 
     Example:
@@ -146,7 +146,7 @@ def check_entry(entry: Any, *, accumulates: bool, per_step: int | None = None) -
         >>> check_entry({"batch_size": 8, "accumulate_grad_batches": -1, "results": [row]}, accumulates=False)
         Traceback (most recent call last):
         ...
-        lightning_memguard.core.cache.BadEntry: accumulate_grad_batches must be None, got -1
+        lightning_memguard.tuning.cache.BadEntry: accumulate_grad_batches must be None, got -1
     """
     if not isinstance(entry, dict):
         raise BadEntry(f"an entry must be an object, got {entry!r}")

@@ -18,22 +18,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_memguard.callbacks._batches import samples_in
 from lightning_memguard.callbacks._private import train_loader, validation_by_time
-from lightning_memguard.callbacks._trials import loader_samples
-from lightning_memguard.core.epoch import EpochLength
+from lightning_memguard.tuning.epoch import EpochLength
+from lightning_memguard.tuning.trials import loader_samples
 
 
-def _searches_batch_size(callback: Callback) -> bool:
-    from lightning_memguard.callbacks.tuners import _MeasuringTuner
-
-    return isinstance(callback, BatchSizeFinder | _MeasuringTuner)
-
-
-def _rank(callback: Callback) -> tuple[int, str]:
-    """Lightning's finder first, then BatchSizeTuner, then AccumulationTuner: the message reads the same whatever
-    the order in ``callbacks`` and whichever of them refuses first."""
-    from lightning_memguard.callbacks.tuners import AccumulationTuner, BatchSizeTuner
-
-    kinds = (BatchSizeFinder, BatchSizeTuner, AccumulationTuner)
+def _rank(callback: Callback, kinds: tuple[type[Callback], ...]) -> tuple[int, str]:
+    """Lightning's finder first, then the tuners in the order given: the message reads the same whatever the order
+    in ``callbacks`` and whichever of them refuses first."""
     rank = next((i for i, kind in enumerate(kinds) if isinstance(callback, kind)), len(kinds))
     return rank, type(callback).__name__
 
@@ -45,14 +36,19 @@ def _name(callback: Callback) -> str:
     return name
 
 
-def refuse_two_batch_size_searches(trainer: Trainer) -> None:
+def refuse_two_batch_size_searches(trainer: Trainer, tuners: tuple[type[Callback], ...]) -> None:
     """Two callbacks that each set the batch size at fit start: the last to run would silently overwrite the
-    other's choice (Lightning moves its ``BatchSizeFinder`` first, whatever the order given).
+    other's choice (Lightning moves its ``BatchSizeFinder`` first, whatever the order given). ``tuners``: this
+    library's callbacks that set it (``BatchSizeTuner``, ``AccumulationTuner``), in the order a message names them.
 
     Raises:
         ValueError: naming every one of them and what to remove; the same message from each of them.
     """
-    searches = sorted((c for c in trainer.callbacks if _searches_batch_size(c)), key=_rank)  # type: ignore[attr-defined]
+    kinds: tuple[type[Callback], ...] = (BatchSizeFinder, *tuners)
+    searches = sorted(
+        (c for c in trainer.callbacks if isinstance(c, kinds)),  # type: ignore[attr-defined]
+        key=lambda c: _rank(c, kinds),
+    )
     if len(searches) < 2:
         return
     names = [_name(c) for c in searches]

@@ -1,0 +1,134 @@
+"""`memguard plan`: AccumulationTuner's search for one effective batch, each trial printed as it is measured, then
+the choice and the lines to paste."""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_memguard.callbacks import AccumulationTuner
+from lightning_memguard.sweep import ModelSource, run_folders, training_module
+from lightning_memguard.testing import SysmemSpillEmulator
+from lightning_memguard.tuning.search import TrialResult
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What one ``memguard plan`` measures, its arguments checked by the command."""
+
+    source: ModelSource
+    num_classes: int
+    image_size: int | None
+    effective_batch: int
+    min_micro_batch: int
+    channels_last: bool
+    precision: str
+    cuda: bool
+    backend: str | None  # torch.compile's, or None: eager
+    capacity: int | None  # an emulated card's, or None: the device's
+    warmup: int  # untimed optimizer steps per micro-batch
+    steps: int  # timed optimizer steps per micro-batch
+
+
+class _Measured(Exception):
+    """The search is done and the training it set up is not wanted."""
+
+
+class _StopBeforeTraining(Callback):
+    def on_train_batch_start(self, *args: object) -> None:
+        raise _Measured
+
+
+class _Progress(Callback):
+    """Each trial's row on stderr as soon as it is measured (the tuner's ``on_trial``): on a slow device the search
+    takes a while, and would otherwise be silent until the end."""
+
+    tuner: AccumulationTuner
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.started = time.perf_counter()
+
+    def __call__(self, result: TrialResult) -> None:
+        took = time.perf_counter() - self.started
+        checkpointed = ", activation checkpointing on" if self.tuner.checkpointing else ""
+        print(f"memguard plan: {trial_row(result)}  ({took:.1f} s{checkpointed})", file=sys.stderr, flush=True)
+        self.started = time.perf_counter()
+
+
+def run_plan(cfg: PlanConfig, smallest: int) -> int:
+    """Measures, then prints the choice, what it is expected to run at, every trial and the lines to paste; 1 (with
+    the reason on stderr) where nothing fits. ``smallest``: the smallest micro-batch the search may try."""
+    emu = SysmemSpillEmulator(capacity=cfg.capacity) if cfg.capacity else None
+    progress = _Progress()
+    tuner = AccumulationTuner(cfg.effective_batch, min_micro_batch=cfg.min_micro_batch, allow_checkpointing=True,
+                              probe=emu.probe if emu is not None else None, cache=False, warmup_steps=cfg.warmup,
+                              timed_steps=cfg.steps, on_trial=progress)  # fmt: skip
+    progress.tuner = tuner
+    module = training_module(cfg.source, cfg.num_classes, cfg.image_size or 0, cfg.effective_batch, 64,
+                             cfg.channels_last)  # fmt: skip
+    callbacks: list[Callback] = [c for c in (emu, progress, tuner, _StopBeforeTraining()) if c is not None]
+    try:
+        with run_folders("plan") as root:
+            trainer = Trainer(
+                accelerator="cuda" if cfg.cuda else "cpu", devices=1, precision=cfg.precision,  # type: ignore[arg-type]
+                max_epochs=1, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=root,
+            )  # fmt: skip
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer.fit(module if cfg.backend is None else torch.compile(module, backend=cfg.backend))  # type: ignore[arg-type]
+    except _Measured:
+        pass
+    except RuntimeError as err:
+        if tuner.batch_size is None and tuner.results and not any(r.fits for r in tuner.results):
+            print(f"memguard: {_nothing_fits(cfg, tuner.results, smallest)}", file=sys.stderr)
+        else:
+            print(f"memguard: {err}", file=sys.stderr)
+        return 1
+    (chosen,) = [r for r in tuner.results if r.size == tuner.batch_size and r.fits][-1:]
+    extra = ", with activation checkpointing" if tuner.checkpointing else ""
+    print(f"effective batch {cfg.effective_batch}: micro-batch {tuner.batch_size} x accumulate_grad_batches "
+          f"{tuner.accumulate_grad_batches}{extra}")  # fmt: skip
+    print(f"expected: {chosen.samples_per_sec:.1f} samples/s, peak {(chosen.peak_bytes or 0) / 1e9:.2f} GB")
+    if cfg.backend is not None:
+        print(
+            f"compiled ({cfg.backend}): the search took {tuner.search_s:.1f} s, {tuner.compile_s:.1f} s of it compiling"
+        )
+    print("measured:")
+    for r in tuner.results:
+        print(f"  {trial_row(r)}")
+    print("paste:")
+    print(f"  model.batch_size = {tuner.batch_size}")
+    lines = f"Trainer(accumulate_grad_batches={tuner.accumulate_grad_batches}, callbacks=[MemGuard()"
+    lines += ", ActivationCheckpointing()])" if tuner.checkpointing else "])"
+    print(f"  {lines}")
+    return 0
+
+
+def trial_row(r: Any) -> str:
+    """One trial of plan's search: micro-batch x accumulation, outcome, throughput, peak memory."""
+    compiled = f"  compiled, {r.compile_s:.1f} s compiling" if r.compiled else ""
+    return (f"{r.size:>5} x {r.accumulate:<3} {r.outcome:<13} {r.samples_per_sec or 0:>10.1f} samples/s"
+            f"  peak {(r.peak_bytes or 0) / 1e9:.2f} GB{compiled}")  # fmt: skip
+
+
+def _nothing_fits(cfg: PlanConfig, results: Sequence[Any], smallest: int) -> str:
+    """Plan already falls back to activation checkpointing: what is left to change is the command's own input (a
+    LightningModule's images are its own)."""
+    tried = ", ".join(f"{r.size} x {r.accumulate}: {r.outcome}" for r in results)
+    advice = [f"a smaller --effective-batch (now {cfg.effective_batch})"]
+    if cfg.image_size is not None:
+        advice.insert(0, f"a smaller --image-size (now {cfg.image_size})")
+    if smallest > 1:
+        advice.insert(0, f"a smaller --min-micro-batch (now {cfg.min_micro_batch})")
+    return (
+        f"nothing fits: not even a micro-batch of {smallest} trains on this device without spilling, with activation"
+        f" checkpointing as well ({tried}); try {', or '.join(advice)}"
+    )

@@ -1,0 +1,111 @@
+"""The package's modules import each other without a cycle: the import graph, read from the source, has none.
+
+Every ``import`` counts wherever it stands: at the top, inside a function (a deferred import hides a cycle from the
+interpreter, not from a reader), or under ``TYPE_CHECKING``. The one exception is the root package's face, which loads
+the public names lazily, on first use, and so stands above every module.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import lightning_memguard
+
+PACKAGE = pathlib.Path(lightning_memguard.__file__).parent
+ROOT = "lightning_memguard"
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = [ROOT, *path.relative_to(PACKAGE).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _imported(module: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The package's modules that ``module`` imports: ``from a.b import c`` is ``a.b.c`` where that is a module, else
+    ``a.b``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[: len(module.split(".")) - node.level + (path.name == "__init__.py")]
+                source = ".".join([*base, node.module] if node.module else base)
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                if f"{source}.{alias.name}" in modules:
+                    found.add(f"{source}.{alias.name}")
+                elif source in modules:
+                    found.add(source)
+    found.discard(module)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: set() if m == ROOT else _imported(m, p, modules) for m, p in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            step = next(edges, None)
+            if step is not None:
+                if step not in index:
+                    index[step] = low[step] = len(index)
+                    stack.append(step)
+                    on_stack.add(step)
+                    work.append((step, iter(sorted(graph[step]))))
+                elif step in on_stack:
+                    low[node] = min(low[node], index[step])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_reads_deferred_and_type_checking_imports():
+    graph = import_graph()
+    assert "lightning_memguard.callbacks.tuners" in graph["lightning_memguard.callbacks"]
+    assert len(graph) > 50
+
+
+def test_no_module_of_the_package_imports_itself_back():
+    assert cycles(import_graph()) == []
