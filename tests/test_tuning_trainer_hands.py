@@ -1,4 +1,4 @@
-"""The Trainer's other hands on the batch size, the accumulation and the data (issue 25): Lightning's
+"""The Trainer's other hands on the batch size, the accumulation and the data: Lightning's
 BatchSizeFinder and GradientAccumulationScheduler, ``limit_train_batches`` / ``overfit_batches``, ``max_time``, an
 iterable without length. Each is refused in ``setup`` with a message that names both things, or accounted for;
 every clock is injected."""
@@ -85,7 +85,7 @@ def test_the_accumulation_search_keeps_the_direct_batch_within_min_gain():
 
     assert run({4: 400.0, 8: 1016.0, 16: 1000.0}) == ([4, 8, 16], 16)  # 1.6 %: noise, the direct batch
     assert run({4: 400.0, 8: 1100.0, 16: 1000.0}) == ([4, 8, 16], 8)  # 10 %: it pays
-    assert run({4: 1000.0, 8: 900.0, 16: 1200.0}) == ([4, 8, 16], 16)  # a slower 8 does not end it (issue 38)
+    assert run({4: 1000.0, 8: 900.0, 16: 1200.0}) == ([4, 8, 16], 16)  # a slower 8 does not end it
     assert run({4: 400.0, 8: 1000.0, 16: None}) == ([4, 8, 16], 8)
     assert run({4: 400.0, 8: 1016.0, 16: 1000.0}, min_gain=0.0) == ([4, 8, 16], 8)
 
@@ -307,7 +307,7 @@ class Streamed(TinyModel):
 @pytest.mark.parametrize("limit, tried, chosen", [(None, [4, 8, 16], (4, 4)), (2, [8, 16], (8, 2))])
 def test_an_iterable_without_length(tmp_path, limit, tried, chosen):
     """Decided: no length: one pass counts the samples up to what a step needs (here 64 > 16: a stream that long is
-    taken to run whole steps, no cap; a shorter one is capped, tests/test_tuners_users_runs.py); an int
+    taken to run whole steps, no cap; a shorter one is capped, tests/test_tuning_users_runs.py); an int
     ``limit_train_batches`` still caps the batches of an epoch, and micro-batches that need more per step are left
     out."""
     clock, seen = BatchClock(small_is_fast), StepSamples()

@@ -1,5 +1,5 @@
 """The tuners in the situations Lightning users put them in: resume, loaders passed to fit, small datasets, the
-result cache, fast_dev_run, hyperparameters that are not tensors. Every clock is injected (issue 16)."""
+result cache, fast_dev_run, hyperparameters that are not tensors. Every clock is injected."""
 
 from __future__ import annotations
 

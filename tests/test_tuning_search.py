@@ -1,8 +1,10 @@
-"""The search core: the exact sequence of sizes tried on fake cards."""
+"""The search core: the exact sequence of sizes tried on fake cards; the pure tuning modules load no Lightning."""
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 from conftest import FakeProbe, TinyModel, trainer_kwargs
@@ -206,7 +208,7 @@ def test_the_accumulation_search_does_not_run_a_micro_batch_predicted_to_spill()
     assert search.result.size == 256
 
 
-# ---------------------------------------------------------------- issue 38: the noise, every micro-batch, a trial's row
+# ---------------------------------------------------------------- the noise, every micro-batch, a trial's row
 
 
 def measured_twice(first, again=None, spread=0.08, peak_per_sample=10**6):
@@ -352,3 +354,15 @@ def test_the_accumulation_tuner_measures_a_close_pair_again_and_says_so(tmp_path
         "AccumulationTuner: 16 x 1 and 8 x 2 are within the measurement's noise (±15.0 %: 10.0 % apart, each measured"
         " twice); chose 16 x 1 by the larger micro-batch (the nearer to the direct batch)",
     ]
+
+
+def test_the_pure_tuning_modules_do_not_import_lightning():
+    """The search, the epoch, the cache file and the settings are the tuners' pure core (the package's docstring
+    lists them), as ``lightning_memguard.core`` is."""
+    pure = ", ".join(f"lightning_memguard.tuning.{m}" for m in ("search", "epoch", "cache", "settings"))
+    code = (
+        f"import sys, {pure}\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'lightning', 'pytorch_lightning'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,4 +1,4 @@
-"""BatchSizeTuner and AccumulationTuner with real Trainers on the CPU."""
+"""A tuner's trials in a real Trainer on the CPU: the choice set, a spill or an OOM not fitting, everything put back."""
 
 from __future__ import annotations
 

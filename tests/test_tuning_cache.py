@@ -1,4 +1,4 @@
-"""The tuners' result cache (issues 25, 26, 30): what is on disk after every read and write, whatever the file held,
+"""The tuners' result cache: what is on disk after every read and write, whatever the file held,
 however many processes wrote it at once, and a key that knows how much data an epoch holds."""
 
 from __future__ import annotations
@@ -306,7 +306,7 @@ def test_a_temporary_file_left_by_a_killed_writer_is_removed(tmp_path):
     assert _files(tmp_path) == [CACHE_FILE]
 
 
-# ---------------------------------------------------------------- issue 25: the data an epoch holds
+# ---------------------------------------------------------------- the data an epoch holds
 
 
 def test_a_choice_made_on_more_data_is_not_reused_on_less(tmp_path):
@@ -352,7 +352,7 @@ def test_a_reused_tuner_measures_again_on_an_epoch_smaller_than_its_choice(tmp_p
     assert tuner.batch_size == small.batch_size == 32
 
 
-# ---------------------------------------------------------------- issue 38: a choice kept with its margin
+# ---------------------------------------------------------------- a choice kept with its margin
 
 
 def _reuse_line(caplog):

@@ -1,4 +1,4 @@
-"""The Lightning features that change the batch, the data or the loop (issue 25, last request), each a scenario:
+"""The Lightning features that change the batch, the data or the loop, each a scenario:
 ``overfit_batches``, ``reload_dataloaders_every_n_epochs``, ``val_check_interval``, ``check_val_every_n_epoch`` and
 ``CombinedLoader`` train loaders in every mode, with the tuners and MemGuard.
 
