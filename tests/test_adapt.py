@@ -77,13 +77,13 @@ class Events(Callback):
             self.emulator.other_processes = self.others.pop(step)
         if step in self.model_changes:
             self.model_changes.pop(step)(pl_module)
-        self._batch = len(batch[0])
+        self._batch = _samples(batch)
         seen: list[int] = []
         self.micro_batches.append(seen)
         original = pl_module.training_step
 
         def counting(part, *args, **kwargs):
-            seen.append(len(part[0]))
+            seen.append(_samples(part))
             return original(part, *args, **kwargs)
 
         pl_module.training_step = counting
@@ -95,10 +95,14 @@ class Events(Callback):
         self.samples_per_step.append(self._batch)
 
 
+def _samples(batch) -> int:
+    return len(batch[0]) if isinstance(batch, list | tuple) else len(batch)
+
+
 def _run(tmp_path, others=None, model_changes=None, guard_kwargs=None, model=None, max_epochs=2, callbacks=(),
          ckpt_path=None, expect_adapting=None, **trainer_kw):  # fmt: skip
     torch.manual_seed(0)
-    model = model or Wide()
+    model = Wide() if model is None else model()  # made after the seed, as the plain run's
     emulator = SysmemSpillEmulator(capacity=_capacity(), sleep=lambda s: None)
     events = Events(emulator, others, model_changes)
     guard = MemGuard(
@@ -122,7 +126,7 @@ def _capacity() -> int:
 def _plain(tmp_path, max_epochs=2, model=None, ckpt_path=None) -> list[torch.Tensor]:
     """The same run without MemGuard, nothing spilling: the weights adapting must reproduce."""
     torch.manual_seed(0)
-    model = model or Wide()
+    model = Wide() if model is None else model
     Trainer(**trainer_kwargs(tmp_path / "plain", max_epochs=max_epochs)).fit(model, ckpt_path=ckpt_path)
     return [p.detach().clone() for p in model.parameters()]
 
@@ -204,8 +208,61 @@ def test_where_it_cannot_keep_the_training_the_same_it_stops_saying_why(tmp_path
     with pytest.warns(
         RuntimeWarning, match="could not adapt: the model's BatchNorm layers would take their statistics"
     ):
-        trainer, guard, _, _ = _run(tmp_path, others={4: TAKEN}, model=Wide(batchnorm=True), expect_adapting=False)
+        trainer, guard, _, _ = _run(
+            tmp_path, others={4: TAKEN}, model=lambda: Wide(batchnorm=True), expect_adapting=False
+        )
     assert trainer.global_step < 24 and guard.adaptations == []
+
+
+def test_a_spill_in_the_last_steps_of_an_epoch_adapts_the_next_epoch(tmp_path):
+    trainer, guard, events, model = _run(tmp_path, others={11: TAKEN})  # the epoch's last batch spills
+    assert [(a.step, a.after) for a in guard.adaptations] == [(12, 2)]  # found at the epoch's end, not a stop
+    assert events.micro_batches == [[32]] * 12 + [[16, 16]] * 12 and trainer.global_step == 24
+    assert _close(model, _plain(tmp_path))
+
+
+def test_a_model_with_batchnorm_adapts_by_checkpointing_its_blocks_with_the_same_gradients(tmp_path):
+    from lightning_memguard.checkpointing import is_checkpointed
+    from lightning_memguard.testing import ImageClassifier
+
+    def model():
+        return ImageClassifier("resnet18", image_size=32, batch_size=16, steps_per_epoch=6, pool_size=8)
+
+    torch.manual_seed(0)
+    plain = model()
+    Trainer(**trainer_kwargs(tmp_path / "plain", max_epochs=1)).fit(plain)
+    torch.manual_seed(0)
+    adapted = model()
+    # the step starts from 134 MB (weights, gradients, momentum) and saves 6.6 MB of activations, 1.3 MB with every
+    # block checkpointed: with 12 MB taken on the 150 MB card the first spills, the second fits
+    emulator = SysmemSpillEmulator(capacity=150 * 10**6, sleep=lambda s: None)
+    events = Events(emulator, {3: 12 * 10**6})
+    guard = MemGuard(
+        on_spill="adapt", probe=emulator.probe, read_every=1, warmup_steps=1, reference_steps=1, spill_checkpoint=False
+    )
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[emulator, guard, events]))
+    with pytest.warns(RuntimeWarning, match="activation checkpointing on"):
+        trainer.fit(adapted)
+    assert [(a.before, a.after, a.checkpointing) for a in guard.adaptations] == [(1, 1, True)]
+    assert trainer.global_step == 6 and events.micro_batches == [[16]] * 6  # never split: BatchNorm sees the batch
+    assert any(is_checkpointed(m) for m in adapted.modules()) and not emulator.spilled_bytes
+    assert all(
+        torch.allclose(a, b, atol=1e-6)
+        for a, b in zip(adapted.state_dict().values(), plain.state_dict().values(), strict=True)
+    )
+
+
+def test_a_compiled_model_adapts_and_compiles_the_new_micro_batch_once(tmp_path):
+    made = []
+
+    def compiled():
+        made.append(torch.compile(Wide(), backend="aot_eager"))
+        return made[0]
+
+    trainer, guard, events, _ = _run(tmp_path, others={4: TAKEN}, model=compiled, max_epochs=1)
+    assert [(a.step, a.after) for a in guard.adaptations] == [(5, 2)] and trainer.global_step == 12
+    assert events.micro_batches == [[32]] * 5 + [[16, 16]] * 7
+    assert _close(made[0], _plain(tmp_path, max_epochs=1))
 
 
 def test_split_batch_keeps_what_is_not_per_sample():
