@@ -265,6 +265,70 @@ def test_a_compiled_model_adapts_and_compiles_the_new_micro_batch_once(tmp_path)
     assert _close(made[0], _plain(tmp_path, max_epochs=1))
 
 
+class SamplesProbe:
+    """A card whose step peak is 1 MB plus 20 kB for each sample of the largest forward since the last reset."""
+
+    def __init__(self) -> None:
+        self.most = 0
+
+    def capacity(self) -> int:
+        return 2 * 10**6
+
+    def reset_peak(self) -> None:
+        self.most = 0
+
+    def read(self):
+        from lightning_memguard.probes import MemoryReading
+
+        peak = 10**6 + 20_000 * self.most
+        return MemoryReading(peak, peak, self.capacity(), 0, 10**6)
+
+
+class Validated(Wide):
+    """Batches of 32 to train (1.64 MB: they fit), of 64 to validate (2.28 MB on the 2 MB card: they spill)."""
+
+    def __init__(self, probe: SamplesProbe) -> None:
+        super().__init__()
+        self.probe = probe
+        self.validation_micro_batches: list[int] = []
+
+    def forward(self, x):
+        self.probe.most = max(self.probe.most, len(x))
+        return super().forward(x)
+
+    def validation_step(self, batch, batch_idx):
+        self.validation_micro_batches.append(len(batch[0]))
+        self.log("val_loss", torch.nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(self.x[:128], self.y[:128]), batch_size=64)
+
+
+def test_a_spill_in_validation_splits_the_validation_batches_and_leaves_training_as_it_was(tmp_path):
+    def fit(on_spill):
+        torch.manual_seed(0)
+        probe = SamplesProbe()
+        model = Validated(probe)
+        guard = MemGuard(on_spill=on_spill, probe=probe, read_every=1, warmup_steps=1, spill_checkpoint=False)
+        kwargs = trainer_kwargs(tmp_path / on_spill, max_epochs=2, callbacks=[guard], limit_val_batches=1.0)
+        trainer = Trainer(**kwargs)
+        with (
+            pytest.warns(RuntimeWarning, match="validation batches now run as 32 x 2")
+            if on_spill == "adapt"
+            else _nothing()
+        ):
+            trainer.fit(model)
+        return trainer, guard, model
+
+    trainer, guard, model = fit("adapt")
+    assert [(a.validation, a.before, a.after) for a in guard.adaptations] == [(True, 1, 2)]
+    assert model.validation_micro_batches == [64, 64] + [32, 32, 32, 32]  # epoch 0's validation, then split
+    assert trainer.global_step == 24  # training was not stopped, nor split
+    plain_trainer, _, plain = fit("warn")
+    assert _close(model, [p.detach() for p in plain.parameters()])
+    assert trainer.callback_metrics["val_loss"] == pytest.approx(plain_trainer.callback_metrics["val_loss"].item())
+
+
 def test_split_batch_keeps_what_is_not_per_sample():
     x, mask = torch.arange(12).reshape(6, 2), torch.ones(3, 3)
     parts = split_batch({"x": x, "mask": mask, "name": "a"}, 6, 4)

@@ -95,6 +95,8 @@ class MicroBatches:
         self.on_oom = on_oom
         self.recover = recover
         self.chunks = 1
+        self.validation_chunks = 1  # micro-batches per validation batch (no backward: outputs of the last kept)
+        self.validation_samples = 0  # of the last validation batch
         self._owned = False  # this step's zero_grad and backward were done here
         self._stack = ExitStack()
 
@@ -118,9 +120,24 @@ class MicroBatches:
                 return None  # done before the step's first forward
             return zero_grad(*args, **kwargs)
 
-        self._stack.enter_context(
-            strategy_methods_replaced(strategy, {"training_step": training_step, "backward": owned_backward})
-        )
+        validation_step = strategy.validation_step
+
+        def split_validation_step(*args: Any, **kwargs: Any) -> Any:
+            batch = args[0]
+            samples = self.validation_samples = samples_in(batch) or 1
+            if self.validation_chunks <= 1:
+                return validation_step(*args, **kwargs)
+            output = None
+            for part, _ in split_batch(batch, samples, self.validation_chunks):
+                output = validation_step(part, *args[1:], **kwargs)  # logged figures are weighted by their samples
+            return output
+
+        replaced = {
+            "training_step": training_step,
+            "backward": owned_backward,
+            "validation_step": split_validation_step,
+        }
+        self._stack.enter_context(strategy_methods_replaced(strategy, replaced))
         self._stack.enter_context(_hook_replaced(pl_module, "optimizer_zero_grad", owned_zero_grad))
 
     def uninstall(self) -> None:
@@ -251,6 +268,7 @@ class RunAdapter:
         self.grow = GrowBack(grow_every)
         self.adaptations: list[Adaptation] = []
         self.chunks = 1  # micro-batches per loaded batch
+        self.validation_chunks = 1  # micro-batches per validation batch (restored from a checkpoint)
         self.checkpointing = False  # turned on by an adaptation
         self._micro: MicroBatches | None = None
         self._trainer: Trainer | None = None
@@ -268,10 +286,12 @@ class RunAdapter:
             return  # a spill then stops the run, saying why (see `_cannot_split`)
         self._micro = MicroBatches(trainer, self._after_oom, recover=trainer.world_size == 1)
         self._micro.chunks = self.chunks
+        self._micro.validation_chunks = self.validation_chunks
         self._micro.install(pl_module)
 
     def stop(self) -> None:
         if self._micro is not None:
+            self.validation_chunks = self._micro.validation_chunks
             self._micro.uninstall()
             self._micro = None
 
@@ -345,6 +365,26 @@ class RunAdapter:
             )
         return None
 
+    def after_validation_spill(self, trainer: Trainer, reading: Any, capacity: int) -> None:
+        """Validation spilled (every rank agreed, at its end): its batches run in twice as many micro-batches from
+        the next validation on. Validation trains nothing, so splitting it changes no weight: a model's logged
+        figures, averaged over samples, are the same."""
+        micro = self._micro
+        if micro is None:
+            return
+        samples = max(micro.validation_samples, 1)
+        before = micro.validation_chunks
+        micro.validation_chunks = _agreed_max(trainer, min(before * 2, samples))
+        size = size_formatter(capacity, 2)
+        why = f"validation spilled ({size(reading.used)} on a {size(capacity)} card)"
+        self._said(
+            Adaptation(trainer.global_step, samples, before, micro.validation_chunks, False, why, validation=True)
+        )
+
+    @property
+    def installed(self) -> bool:
+        return self._micro is not None
+
     # ------------------------------------------------------------------ growing back
 
     def maybe_grow(self, trainer: Trainer, reading: Any, capacity: int, samples: int) -> bool:
@@ -401,12 +441,14 @@ class RunAdapter:
         return {
             "adaptations": [a.to_dict() for a in self.adaptations],
             "chunks": self.chunks,
+            "validation_chunks": self._micro.validation_chunks if self._micro is not None else self.validation_chunks,
             "checkpointing": self.checkpointing,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.adaptations = [Adaptation(**row) for row in state.get("adaptations", [])]
         self._set_chunks(int(state.get("chunks", 1)))
+        self.validation_chunks = int(state.get("validation_chunks", 1))
         self.checkpointing = bool(state.get("checkpointing", False))
 
 

@@ -297,6 +297,20 @@ class MemGuard(Callback):
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close_step_early()
+        if self._adapter is not None and self._adapter.installed:
+            # adapting judges validation by its own peak: the training steps' are read first, then forgotten
+            self._read_and_judge(trainer)
+            self._require_probe().reset_peak()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        adapter, timeline = self._adapter, self._timeline
+        if adapter is None or not adapter.installed or timeline is None or trainer.sanity_checking:
+            return
+        reading = self._require_probe().read()
+        capacity = timeline.detector.capacity
+        if trainer.strategy.reduce_boolean_decision(reading.used > capacity, all=False):
+            adapter.after_validation_spill(trainer, reading, capacity)
+        self._require_probe().reset_peak()  # the next training steps are judged by their own peak
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self._close_step_early()

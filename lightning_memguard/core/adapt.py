@@ -27,10 +27,14 @@ class Adaptation:
         checkpointing: activation checkpointing turned on by this change.
         why: what made it (``"spill"``, ``"out of memory"``, ``"memory freed"``) with its figures.
         accumulate: Lightning's own accumulation (``accumulate_grad_batches``): loaded batches per optimizer step.
+        validation: the change is to the validation batches (no backward: their outputs and logged figures are the
+            same, only the peak falls).
 
     Example:
         >>> Adaptation(31, 256, 1, 2, False, "256 x 1 spilled (20.8 GB on a 16.0 GB card)").line()
         'step 31: 256 x 1 spilled (20.8 GB on a 16.0 GB card); now 128 x 2, the same 256 samples per optimizer step'
+        >>> Adaptation(40, 64, 1, 2, False, "validation spilled (16.9 GB on a 16.0 GB card)", validation=True).line()
+        'step 40: validation spilled (16.9 GB on a 16.0 GB card); validation batches now run as 32 x 2'
         >>> Adaptation(80, 128, 2, 1, False, "memory freed", accumulate=2).line()
         'step 80: memory freed; now 128 x 1 (x 2 batches accumulated), the same 256 samples per optimizer step'
     """
@@ -42,9 +46,12 @@ class Adaptation:
     checkpointing: bool
     why: str
     accumulate: int = 1
+    validation: bool = False
 
     def line(self) -> str:
         shape = f"{micro_batch(self.batch, self.after)} x {self.after}"
+        if self.validation:
+            return f"step {self.step}: {self.why}; validation batches now run as {shape}"
         if self.accumulate > 1:
             shape += f" (x {self.accumulate} batches accumulated)"
         extra = ", activation checkpointing on" if self.checkpointing else ""
