@@ -433,3 +433,55 @@ def test_every_block_under_inductor_peaks_near_eager_mode_with_a_graph_per_stage
     one_graph = peak(model, torch.compile(model))
     assert plan.graph_splits == ["layer1", "layer2", "layer3", "layer4"]
     assert split <= 1.10 * eager < one_graph, (split, eager, one_graph)
+
+
+class _Ballast(Callback):
+    """Another allocation on the card from optimizer step ``take`` to ``free`` (CPU twin: tests/test_adapt.py)."""
+
+    def __init__(self, nbytes: int, take: int, free: int) -> None:
+        self.nbytes, self.take, self.free, self.held = nbytes, take, free, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.take:
+            self.held = torch.empty(self.nbytes, dtype=torch.uint8, device="cuda")
+        if trainer.global_step == self.free:
+            self.held = None
+
+
+def _emulated_peak(tmp_path, batch: int) -> int:
+    emu = SysmemSpillEmulator(capacity="1TB")
+    model = ImageClassifier("resnet50", image_size=224, batch_size=batch, steps_per_epoch=3, channels_last=True)
+    _trainer(tmp_path / str(batch), [emu], max_epochs=1).fit(model)
+    torch.cuda.empty_cache()
+    return emu.probe.read().peak_allocated
+
+
+def test_adapt_goes_on_split_when_memory_is_taken_and_grows_back_when_it_is_freed(tmp_path):
+    full, half = _emulated_peak(tmp_path, 64), _emulated_peak(tmp_path, 32)
+    capacity = int(half + (full - half) * 1.6)  # 64 fits, with room to spare
+    ballast = int((capacity - full + capacity * 0.93 - half) / 2)  # with it, 64 spills and 32 fits
+    emu = SysmemSpillEmulator(capacity=capacity)
+    guard = MemGuard(probe=emu.probe, on_spill="adapt", adapt_batchnorm=True, grow_every=4, spill_checkpoint=False)
+    model = ImageClassifier("resnet50", image_size=224, batch_size=64, steps_per_epoch=30, channels_last=True)
+    trainer = _trainer(tmp_path, [emu, guard, _Ballast(ballast, 5, 15)], max_epochs=1)
+    with pytest.warns(RuntimeWarning, match="MemGuard adapted"):
+        trainer.fit(model)
+    assert trainer.global_step == 30
+    (shrunk, grown) = guard.adaptations
+    assert (shrunk.before, shrunk.after) == (1, 2) and 5 < shrunk.step <= 8 and "spilled" in shrunk.why
+    assert (grown.before, grown.after) == (2, 1) and 15 < grown.step <= 15 + 2 * 4 + 1 and "freed" in grown.why
+
+
+def test_adapt_redoes_a_step_that_ran_out_of_memory_under_prevent(tmp_path):
+    full, half = _emulated_peak(tmp_path, 64), _emulated_peak(tmp_path, 32)
+    guard = MemGuard(capacity=int((full + half) / 2), prevent=True, prevent_margin=0, on_spill="adapt",
+                     adapt_batchnorm=True, spill_checkpoint=False)  # fmt: skip
+    model = ImageClassifier("resnet50", image_size=224, batch_size=64, steps_per_epoch=6, channels_last=True)
+    trainer = _trainer(tmp_path, [guard], max_epochs=1)
+    try:
+        with pytest.warns(RuntimeWarning, match="ran out of memory; now 32 x 2"):
+            trainer.fit(model)
+        assert trainer.global_step == 6 and guard.adaptations[0].step == 0
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
