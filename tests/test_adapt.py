@@ -252,6 +252,54 @@ def test_a_model_with_batchnorm_adapts_by_checkpointing_its_blocks_with_the_same
     )
 
 
+class ResNetOnImages(LightningModule):
+    """A torchvision ResNet (one block a stage) whose batches are (images, labels): its forward takes the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from models import small_resnet
+
+        self.net = small_resnet()
+        gen = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(96, 3, 32, 32, generator=gen), torch.randint(0, 10, (96,), generator=gen)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=16, shuffle=True)
+
+
+def test_checkpointing_is_planned_for_the_memory_free_now_on_the_batch_in_hand(tmp_path):
+    # a step starts from 58.9 MB and saves 4.6 MB (5.1 MB at its peak, as the planner counts), 0.75 MB with every
+    # block checkpointed; on a 70 MB card with 7 MB taken, 62.3 MB is usable (1 % headroom): about 3.4 MB for
+    # activations, which a plan of fewer than all the blocks meets
+    torch.manual_seed(0)
+    model = ResNetOnImages()
+    emulator = SysmemSpillEmulator(capacity=70 * 10**6, sleep=lambda s: None)
+    events = Events(emulator, {2: 7 * 10**6})
+    guard = MemGuard(
+        on_spill="adapt", probe=emulator.probe, read_every=1, warmup_steps=1, reference_steps=1, headroom=0.01,
+        spill_checkpoint=False,
+    )  # fmt: skip
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[emulator, guard, events]))
+    with pytest.warns(RuntimeWarning, match="activation checkpointing: checkpointed [1-4] of 5 blocks .* budget"):
+        trainer.fit(model)
+    assert [(a.before, a.after, a.checkpointing) for a in guard.adaptations] == [(1, 1, True)]
+    assert trainer.global_step == 6 and emulator.spilled_bytes == 0  # the last step fits
+    torch.manual_seed(0)
+    plain = ResNetOnImages()
+    Trainer(**trainer_kwargs(tmp_path / "plain", max_epochs=1)).fit(plain)
+    pairs = zip(model.state_dict().values(), plain.state_dict().values(), strict=True)
+    assert all(torch.allclose(a.float(), b.float(), atol=1e-6) for a, b in pairs)  # BatchNorm's buffers included
+
+
 def test_a_compiled_model_adapts_and_compiles_the_new_micro_batch_once(tmp_path):
     made = []
 

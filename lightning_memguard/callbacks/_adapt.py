@@ -30,6 +30,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_memguard.callbacks._batches import samples_in
 from lightning_memguard.callbacks._private import strategy_methods_replaced
 from lightning_memguard.checkpointing import checkpoint_blocks, is_checkpointed
+from lightning_memguard.checkpointing.policy import inputs_from_batch
 from lightning_memguard.core.adapt import Adaptation, GrowBack, chunks_to_fit, chunks_to_grow, micro_batch
 from lightning_memguard.core.advice import FitAdvice
 from lightning_memguard.core.units import size_formatter
@@ -298,7 +299,13 @@ class RunAdapter:
     # ------------------------------------------------------------------ adapting
 
     def after_spill(
-        self, trainer: Trainer, pl_module: LightningModule, spill: Any, samples: int, allocated_now: int | None
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        spill: Any,
+        samples: int,
+        allocated_now: int | None,
+        batch: Any = None,
     ) -> str | None:
         """Every rank agreed on a spill at this batch's start: adapt from this batch on (the spilling steps trained
         correctly, only slowly: they are kept). None: adapted; else why adapting is not possible."""
@@ -318,7 +325,10 @@ class RunAdapter:
             why = f"{self._shape(samples)} spilled ({size(spill.used_bytes)} on a {size(spill.capacity)} card)"
         else:
             why = f"{self._shape(samples)} spilled on another rank"
-        return self._lever(trainer, pl_module, samples, wanted, why)
+        room = None  # what a checkpointing plan's activations may use: the card less its headroom, others' memory and
+        if spill is not None and allocated_now is not None:  # what a step starts from (weights, gradients, optimizer)
+            room = int(spill.capacity * (1 - self.headroom)) - (spill.other_bytes or 0) - allocated_now
+        return self._lever(trainer, pl_module, samples, wanted, why, batch, room)
 
     def _after_oom(self, chunks: int, samples: int, error: BaseException) -> int | None:
         """An out-of-memory error inside a training step: the split to redo it with, or None (raised)."""
@@ -329,7 +339,34 @@ class RunAdapter:
             return None
         return self.chunks
 
-    def _lever(self, trainer: Trainer, pl_module: LightningModule, samples: int, wanted: int, why: str) -> str | None:
+    def _checkpoint(self, pl_module: LightningModule, batch: Any, samples: int, room: int | None) -> str:
+        """Activation checkpointing that fits what is free now: the library's planner with a budget of ``room`` bytes
+        for the step's activations, measured on a micro-batch of this batch (its inputs found as a budget without ``example_input_array`` finds
+        them); every block where that cannot be planned (no batch or room known, inputs ``forward`` does not take or
+        fails on, the measurement itself out of memory). Returns the plan's summary.
+
+        Raises:
+            ValueError: the model has no blocks to checkpoint.
+        """
+        if batch is not None and room is not None and room > 0:
+            part = split_batch(batch, samples, self.chunks)[0][0] if self.chunks > 1 else batch
+            try:
+                example, _ = inputs_from_batch(part, pl_module.forward)
+                return checkpoint_blocks(pl_module, memory_budget=int(room), example_input=example).summary()
+            except (ValueError, TypeError, RuntimeError):  # RuntimeError: out of memory too
+                _free_memory()  # planned on nothing usable (say a batch of indices the model maps): every block
+        return checkpoint_blocks(pl_module).summary()
+
+    def _lever(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        samples: int,
+        wanted: int,
+        why: str,
+        batch: Any = None,
+        room: int | None = None,
+    ) -> str | None:
         before = self.chunks
         self.grow.restart(trainer.global_step)  # the next try with fewer micro-batches comes an interval later
         cannot = self._cannot_split(pl_module, samples)
@@ -341,10 +378,11 @@ class RunAdapter:
             return None
         if not self.checkpointing:
             try:
-                checkpoint_blocks(pl_module)
+                plan = self._checkpoint(pl_module, batch, samples, room)
             except ValueError as err:  # no blocks found
                 return f"{cannot or 'the batch cannot be split further'}, and activation checkpointing found {err}"
             self.checkpointing = True
+            why = f"{why}; activation checkpointing: {plan}"
             self._said(
                 Adaptation(trainer.global_step, samples, before, before, True, why, trainer.accumulate_grad_batches)
             )

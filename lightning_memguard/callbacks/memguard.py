@@ -112,7 +112,8 @@ class MemGuard(Callback):
     zeroed gradients. The levers, in order, each only where it keeps the training the same: each loaded batch split
     into micro-batches whose gradients add up before the one optimizer step (the same samples per step, the same data
     order, the same optimizer and scheduler steps; each micro-batch's loss weighted by its share, as Lightning's
-    accumulation does); then activation checkpointing of every block. Where neither is left (manual optimization, a
+    accumulation does); then activation checkpointing, planned for the memory free now on the batch in hand (every
+    block where it cannot be planned). Where neither is left (manual optimization, a
     model with training BatchNorm and no blocks, micro-batches of one sample) the run stops as ``"stop"`` does,
     saying why. Every ``grow_every`` steps, fewer micro-batches are tried again where this run's readings say they
     fit what is free now. Each change is said in one line, logged (``memguard/micro_batches``,
@@ -285,7 +286,7 @@ class MemGuard(Callback):
         if vote is not None:
             stop = timeline.spill is not None and self._response.acts
             if vote.cast(stop) if vote.distributed else stop:
-                if not self._adapted(trainer, pl_module):
+                if not self._adapted(trainer, pl_module, batch):
                     self._response.agreed(trainer, self.spill, vote, self._batch())  # "raise" now, "stop" at batch end
             elif self._adapter is not None:
                 self._grow(trainer)
@@ -392,13 +393,13 @@ class MemGuard(Callback):
             offload=self.offload,
         )  # fmt: skip
 
-    def _adapted(self, trainer: Trainer, pl_module: LightningModule) -> bool:
+    def _adapted(self, trainer: Trainer, pl_module: LightningModule, batch: Any = None) -> bool:
         """``on_spill="adapt"``, every rank agreed on a spill: the run goes on adapted (True), or the response says
         why it could not and stops it (False)."""
         if self._adapter is None:
             return False
         why_not = self._adapter.after_spill(
-            trainer, pl_module, self.spill, self._batch() or 1, self._response.allocated_now
+            trainer, pl_module, self.spill, self._batch() or 1, self._response.allocated_now, batch
         )
         if why_not is not None:
             self._response.cannot_adapt = why_not
