@@ -340,10 +340,11 @@ class RunAdapter:
         return self.chunks
 
     def _checkpoint(self, pl_module: LightningModule, batch: Any, samples: int, room: int | None) -> str:
-        """Activation checkpointing that fits what is free now: the library's planner with a budget of ``room`` bytes
-        for the step's activations, measured on a micro-batch of this batch (its inputs found as a budget without ``example_input_array`` finds
-        them); every block where that cannot be planned (no batch or room known, inputs ``forward`` does not take or
-        fails on, the measurement itself out of memory). Returns the plan's summary.
+        """Activation checkpointing that fits what is free now: the library's planner with a budget of ``room``
+        bytes for the step's activations, measured on a micro-batch of this batch (its inputs found as a budget
+        without ``example_input_array`` finds them); every block where that cannot be planned (no batch or room
+        known, inputs ``forward`` does not take or fails on, the measurement itself out of memory). Returns the
+        plan's summary.
 
         Raises:
             ValueError: the model has no blocks to checkpoint.
