@@ -251,7 +251,7 @@ def test_the_doctor_shows_what_windows_counts(monkeypatch):
     assert info["windows_counters"] == "pywin32 is not installed (`pip install pywin32`)"
     # the pip line pairs with the installed torch, from its own metadata (this torch's Linux wheel names its Triton)
     assert re.fullmatch(
-        r'missing: pip install -U "triton-windows>=3\.\d+,<3\.\d+" \(or "lightning-memguard\[windows\]"\)',
+        r'missing: pip install -U "triton-windows>=3\.\d+,<3\.\d+"',  # no PyPI name: the package is not on PyPI
         info["triton"],
     ), info["triton"]
 
