@@ -12,13 +12,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memguard import _compiler
-from lightning_memguard.callbacks._adapt import RunAdapter, refuse_to_adapt
 from lightning_memguard.callbacks._agreement import StopVote
 from lightning_memguard.callbacks._batches import loader_parts, loader_paths, samples_in
 from lightning_memguard.callbacks._epoch_report import epoch_record, log_epoch
 from lightning_memguard.callbacks._prevention import AllocatorCap, notice_platform, run_preflight
 from lightning_memguard.callbacks._spill_response import SpillResponse
-from lightning_memguard.core.adapt import Adaptation
 from lightning_memguard.core.capacity import judged_capacity
 from lightning_memguard.core.checks import (
     MIN_CAPACITY,
@@ -36,6 +34,8 @@ from lightning_memguard.core.report import EpochRecord, format_epoch_table
 from lightning_memguard.core.spill import SpillReport
 from lightning_memguard.core.timeline import StepTimeline
 from lightning_memguard.probes import MemoryProbe, MemoryReading, probe_for
+from lightning_memguard.tuning.adapt import Adaptation
+from lightning_memguard.tuning.adapter import RunAdapter, refuse_to_adapt
 
 _ON_SPILL = ("raise", "stop", "warn", "adapt")
 

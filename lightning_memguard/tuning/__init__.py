@@ -16,8 +16,11 @@ their arguments and call in from Lightning's hooks; everything they decide is he
   with a tuner, or read.
 - :mod:`.cache`: the result file (read defensively, written under a lock); :mod:`.cache_key`: what a cached choice is
   keyed on.
+- :mod:`.adapt` and :mod:`.adapter`: ``MemGuard(on_spill="adapt")``, the same levers in the middle of a run: how many
+  micro-batches each batch is split into, when to try fewer again and the record of every change (pure); the split
+  inside the training step, redone after an out-of-memory error, and activation checkpointing for what is free now.
 
-Pure, importing no Lightning (a test checks it): :mod:`.search`, :mod:`.epoch`, :mod:`.cache` and
-:mod:`.settings`. The others are the adapter: they read the Trainer, and Lightning's internals only through
+Pure, importing no Lightning (a test checks it): :mod:`.search`, :mod:`.epoch`, :mod:`.cache`, :mod:`.settings` and
+:mod:`.adapt`. The others are the adapter: they read the Trainer, and Lightning's internals only through
 :mod:`lightning_memguard.callbacks._private`. This package's face imports nothing.
 """

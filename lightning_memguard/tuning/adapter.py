@@ -31,9 +31,9 @@ from lightning_memguard.callbacks._batches import samples_in
 from lightning_memguard.callbacks._private import strategy_methods_replaced
 from lightning_memguard.checkpointing import checkpoint_blocks, is_checkpointed
 from lightning_memguard.checkpointing.policy import inputs_from_batch
-from lightning_memguard.core.adapt import Adaptation, GrowBack, chunks_to_fit, chunks_to_grow, micro_batch
 from lightning_memguard.core.advice import FitAdvice
 from lightning_memguard.core.units import size_formatter
+from lightning_memguard.tuning.adapt import Adaptation, GrowBack, chunks_to_fit, chunks_to_grow, micro_batch
 
 # A callback with this method is told when a micro-batch's backward is done (the spill emulator: a micro-batch's
 # saved activations are freed there, as on a card)
