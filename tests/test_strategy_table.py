@@ -51,10 +51,11 @@ def test_every_callback_under_ddp_and_ddp_spawn_agrees_on_every_rank(cells, fit)
     assert [r[2] for r in r0["results"]] == ["ok", "ok", "predicted_over"]
     assert r0["batch_size"] == r0["samples_at_first_batch"] == 8
     assert r0["accumulate"] == (2 if fit == "accumulation" else 1)
-    # ActivationCheckpointing: every block, or rank zero's budgeted plan, applied on both ranks
-    assert r0["runs"] and set(r0["checkpointed"]) >= {"net.conv1"}
+    # ActivationCheckpointing: every block, or rank zero's budgeted plan, applied on both ranks (which links a budget
+    # takes depends on the forward times rank zero measures on this machine: only that it took some is fixed)
+    assert r0["runs"]
     if fit == "batch_size":
-        assert len(r0["runs"]) == 9  # the stem and the eight BasicBlocks
+        assert len(r0["runs"]) == 9 and set(r0["checkpointed"]) >= {"net.conv1"}  # the stem and the eight BasicBlocks
     assert r0["epochs"] == 1 and r0["table_samples_per_sec"] == pytest.approx(r0["logged_samples_per_sec"])
     if strategy == "ddp_spawn":
         # Lightning brings back the weights and the metrics only: the launching process's objects are as they were
