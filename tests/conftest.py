@@ -269,6 +269,7 @@ DDP_SCENARIOS = [
     "sharded_run:batch_size",
     "sharded_run:accumulation",
     "sharded_run:guard",
+    "sharded_run:adapt",
     "sharded_run:checkpointing",
     "sharded_run:budget",
     "sharded_run:oom_forward",

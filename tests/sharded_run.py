@@ -6,6 +6,8 @@ Usage: python sharded_run.py OUT_DIR SCENARIO...
   accumulation:  AccumulationTuner; rank 1's card holds fewer samples
   guard:         MemGuard; rank 1's memory goes above its card at its 4th batch, on_spill="stop"; rank 1 steps at
                  half the pace
+  adapt:         MemGuard(on_spill="adapt"); another application takes memory of rank 1's card at its 3rd step: both
+                 ranks split their batches from the same step (BatchNorm frozen), against the same run unsplit
   checkpointing: ActivationCheckpointing() on the sharded blocks, against the same run without it
   budget:        ActivationCheckpointing(memory_budget=0.7): every rank measures, rank zero's plan on all
   oom_forward, oom_backward, oom_head, oom_stem: BatchSizeTuner; rank 1 runs out of memory above 8 samples inside a
@@ -158,6 +160,77 @@ def guard(out):
     return result
 
 
+class ForwardProbe(FakeProbe):
+    """A card whose step peak is 1 GB, plus what another application holds, plus 0.9 GB for each sample of the
+    largest forward since the last reset: a split batch peaks lower, as on a card."""
+
+    def __init__(self, net) -> None:
+        super().__init__()
+        self.most, self.taken = 0, 0
+        net.register_forward_pre_hook(self._forward)
+
+    def _forward(self, module, args) -> None:
+        if args and torch.is_tensor(args[0]):
+            self.most = max(self.most, args[0].shape[0])
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        self.most = 0
+
+    def read(self):
+        self.peak = 10**9 + self.taken + self.most * 9 * 10**8
+        return super().read()
+
+
+class TakeMemory(Callback):
+    def __init__(self, probe: ForwardProbe) -> None:
+        self.probe = probe
+        self.micro_batches: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if RANK == 1 and trainer.global_step == 2:
+            self.probe.taken = 13 * 10**9  # 4 samples: 17.6 GB of 16; 2: 15.8 GB
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.micro_batches.append(self.probe.most)
+
+
+class FrozenNorm(ShardedClassifier):
+    """BatchNorm on its running statistics (eval mode) while training: a split batch trains exactly as the whole."""
+
+    def on_train_epoch_start(self) -> None:
+        for m in self.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.eval()
+
+
+def adapt(out):
+    def frozen():
+        torch.manual_seed(0)
+        return FrozenNorm("resnet18", image_size=16, batch_size=4, steps_per_epoch=40, pool_size=8)
+
+    plain = frozen()
+    trainer(out, [], limit_train_batches=8).fit(plain)
+    net = frozen()
+    probe = ForwardProbe(net)
+    memguard = MemGuard(
+        probe=probe, on_spill="adapt", clock=StepClock(0.1), read_every=1, warmup_steps=1, reference_steps=1,
+        spill_checkpoint=False,
+    )  # fmt: skip
+    taker = TakeMemory(probe)
+    t = trainer(out, [taker, memguard], limit_train_batches=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.fit(net)
+    ours, theirs = own(net), own(plain)
+    return {
+        "adaptations": [[a.step, a.before, a.after] for a in memguard.adaptations],
+        "global_step": t.global_step,
+        "largest_forward": taker.micro_batches,
+        "max_difference": max(float((ours[k].float() - theirs[k].float()).abs().max()) for k in ours),
+    }
+
+
 def checkpointing(out):
     trained = {}
     for name, callbacks in (("plain", []), ("checkpointed", [ActivationCheckpointing()])):
@@ -246,7 +319,7 @@ def run(out: str, scenario: str) -> None:
     elif scenario.startswith("oom_"):
         result = out_of_memory(out, scenario.removeprefix("oom_"))
     else:
-        result = {"guard": guard, "checkpointing": checkpointing, "budget": budget}[scenario](out)
+        result = {"guard": guard, "adapt": adapt, "checkpointing": checkpointing, "budget": budget}[scenario](out)
     with open(os.path.join(out, f"{scenario}-rank{RANK}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)
 

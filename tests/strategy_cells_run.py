@@ -3,7 +3,7 @@ strategies. Run by test_strategy_table.py.
 
 Usage: python strategy_cells_run.py OUT_DIR ddp|ddp_spawn
   fit "batch_size":   MemGuard + BatchSizeTuner + ActivationCheckpointing() (every block)
-  fit "accumulation": MemGuard + AccumulationTuner + ActivationCheckpointing(memory_budget=0.7)
+  fit "accumulation": MemGuard(on_spill="adapt") + AccumulationTuner + ActivationCheckpointing(memory_budget=0.7)
 Rank 1's card holds fewer samples. Each rank writes FIT-rankN.json from inside the fit; under ``ddp_spawn`` the
 launching process writes FIT-launcher.json (Lightning brings back only the weights and the metrics).
 """
@@ -98,7 +98,8 @@ def run(out: str, strategy: str) -> None:
             tuner = AccumulationTuner(effective_batch_size=32, min_micro_batch=4, **common)
             checkpointing = ActivationCheckpointing(memory_budget=0.7)
             limits = {"max_steps": 1}
-        guard = MemGuard(probe=FakeProbe())
+        # the accumulation fit's MemGuard adapts (nothing spills: its training step is MemGuard's, the same training)
+        guard = MemGuard(probe=FakeProbe(), on_spill="adapt" if fit == "accumulation" else "raise")
         trainer = Trainer(
             accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out,

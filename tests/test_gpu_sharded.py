@@ -66,7 +66,9 @@ class AtFirstBatch(Callback):
 def _fit(tmp_path, strategy, callbacks, model, **kwargs):
     overrides = dict(accelerator="cuda", devices=1, strategy=_strategy(strategy), precision="bf16-mixed",
                      max_epochs=1, callbacks=callbacks)  # fmt: skip
-    Trainer(**trainer_kwargs(tmp_path, **{**overrides, **kwargs})).fit(model)
+    trainer = Trainer(**trainer_kwargs(tmp_path, **{**overrides, **kwargs}))
+    trainer.fit(model)
+    return trainer
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -148,3 +150,36 @@ def test_memguard_under_a_sharded_strategy_logs_the_epochs_own_peak(tmp_path, st
     (epoch,) = guard.epochs
     assert epoch.peak_allocated_gb == pytest.approx(torch_peak.peak, rel=0.01)
     assert epoch.samples_per_sec > 0
+
+
+class _TakeMemory(Callback):
+    """Another allocation on the card from optimizer step ``take`` on (CPU twin: tests/sharded_run.py ``adapt``)."""
+
+    def __init__(self, nbytes: int, take: int) -> None:
+        self.nbytes, self.take, self.held = nbytes, take, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.take and self.held is None:
+            self.held = torch.empty(self.nbytes, dtype=torch.uint8, device="cuda")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_memguard_adapts_under_a_sharded_strategy(tmp_path, strategy):
+    peaks = {}
+    for batch in (32, 16):  # the emulated card's figures for the whole batch and its half
+        emu = SysmemSpillEmulator(capacity="1TB")
+        _fit(tmp_path / str(batch), strategy, [emu], _model(strategy, batch_size=batch, steps_per_epoch=3))
+        peaks[batch] = emu.probe.read().peak_allocated
+        torch.cuda.empty_cache()
+    capacity = int(peaks[16] + (peaks[32] - peaks[16]) * 1.6)
+    taken = int((capacity - peaks[32] + capacity * 0.93 - peaks[16]) / 2)  # 32 spills beside it, 16 fits
+    emu = SysmemSpillEmulator(capacity=capacity)
+    guard = MemGuard(probe=emu.probe, on_spill="adapt", adapt_batchnorm=True, spill_checkpoint=False)
+    taker = _TakeMemory(taken, 3)
+    with pytest.warns(RuntimeWarning, match="spilled .*; now 16 x 2, the same 32 samples per optimizer step"):
+        trainer = _fit(tmp_path, strategy, [emu, guard, taker], _model(strategy, batch_size=32, steps_per_epoch=12))
+    # every step trained, with all of its 32 samples; under sharding the emulated step can need a second split
+    # (2 x 4, measured on the H200 on 2026-12-03: the first split step still carries the step before it)
+    assert trainer.global_step == 12 and (guard.adaptations[0].before, guard.adaptations[0].after) == (1, 2)
+    assert all(a.batch == 32 and a.after > a.before and not a.checkpointing for a in guard.adaptations)
+    taker.held = None

@@ -17,6 +17,7 @@ SCENARIOS = (
     "batch_size",
     "accumulation",
     "guard",
+    "adapt",
     "checkpointing",
     "budget",
     "oom_forward",
@@ -432,3 +433,13 @@ def test_an_out_of_memory_error_nobody_can_learn_ends_the_run_naming_the_trial(t
     assert "smaller upper bound than 16" in str(caught.value)
     assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
     assert model.batch_size == 4  # put back
+
+
+def test_memguard_adapts_every_sharded_rank_in_the_same_step_with_the_unsplit_runs_weights(sharded):
+    """On rank 1 alone another application takes memory at step 2 (tests/sharded_run.py ``adapt``): both ranks split
+    their batches of 4 in two from that step, and their shards train as the same run unsplit (BatchNorm frozen)."""
+    r0, r1 = _ranks(sharded, "adapt")
+    for r in (r0, r1):
+        assert r["adaptations"] == [[2, 1, 2]] and r["global_step"] == 8
+        assert r["largest_forward"] == [4, 4] + [2] * 6
+        assert r["max_difference"] < 1e-4  # float sums in another order, after 8 steps

@@ -118,8 +118,8 @@ class MemGuard(Callback):
     saying why. Every ``grow_every`` steps, fewer micro-batches are tried again where this run's readings say they
     fit what is free now. Each change is said in one line, logged (``memguard/micro_batches``,
     ``memguard/checkpointing``), kept in :attr:`adaptations` and in the checkpoint: a resumed run starts adapted.
-    Under DDP every rank adapts at the same step to the same split (the largest any rank needs); an out-of-memory
-    error is recovered from on one device only. Refused in ``setup`` under DeepSpeed and the sharded strategies.
+    Under DDP, FSDP and ModelParallelStrategy every rank adapts at the same step to the same split (the largest any
+    rank needs); an out-of-memory error is recovered from on one device only. Refused in ``setup`` under DeepSpeed (its engine owns the backward).
 
     Raises:
         TypeError: for arguments of the wrong type (a bool or a string where a number is meant, a probe class

@@ -501,17 +501,11 @@ def _agreed_max(trainer: Trainer, value: int) -> int:
 
 def refuse_to_adapt(trainer: Trainer) -> None:
     """``on_spill="adapt"`` where the strategy keeps the training step to itself: refused in ``setup``."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+    from lightning.pytorch.strategies import DeepSpeedStrategy
 
     strategy = trainer.strategy
     if isinstance(strategy, DeepSpeedStrategy):
         raise ValueError(
             "MemGuard(on_spill='adapt') does not support DeepSpeedStrategy: DeepSpeed's engine runs the backward and"
             " the accumulation itself, so a step cannot be split or redone; use on_spill='stop' (or 'raise')"
-        )
-    if isinstance(strategy, FSDPStrategy | ModelParallelStrategy):
-        raise ValueError(
-            f"MemGuard(on_spill='adapt') is not supported under {type(strategy).__name__} yet: its gradients are"
-            " reduced inside each micro-batch's backward, which adapting does not yet agree on across ranks; use"
-            " on_spill='stop' (or 'raise'), or adapt on one device or under DDP"
         )
