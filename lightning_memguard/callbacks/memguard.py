@@ -107,19 +107,20 @@ class MemGuard(Callback):
             pins (``pin_memory=True`` loaders) and this, it is a spill.
 
     ``on_spill="adapt"``: instead of stopping, the run goes on in a configuration that fits, from the batch at which
-    every rank agreed on the spill (the steps that spilled trained correctly, only slowly: they are kept), or, for an
-    out-of-memory error inside a training step (``prevent=True`` turns a spill into one), by redoing that step from
-    zeroed gradients. The levers, in order, each only where it keeps the training the same: each loaded batch split
-    into micro-batches whose gradients add up before the one optimizer step (the same samples per step, the same data
-    order, the same optimizer and scheduler steps; each micro-batch's loss weighted by its share, as Lightning's
-    accumulation does); then activation checkpointing, planned for the memory free now on the batch in hand (every
-    block where it cannot be planned). Where neither is left (manual optimization, a
-    model with training BatchNorm and no blocks, micro-batches of one sample) the run stops as ``"stop"`` does,
-    saying why. Every ``grow_every`` steps, fewer micro-batches are tried again where this run's readings say they
-    fit what is free now. Each change is said in one line, logged (``memguard/micro_batches``,
-    ``memguard/checkpointing``), kept in :attr:`adaptations` and in the checkpoint: a resumed run starts adapted.
-    Under DDP, FSDP and ModelParallelStrategy every rank adapts at the same step to the same split (the largest any
-    rank needs); an out-of-memory error is recovered from on one device only. Refused in ``setup`` under DeepSpeed (its engine owns the backward).
+    every rank agreed on the spill (the steps that spilled trained correctly, only slowly: they are kept), or, for
+    an out-of-memory error inside a training step (``prevent=True`` turns a spill into one), by redoing that step
+    from zeroed gradients. The levers, in order, each only where it keeps the training the same: each loaded batch
+    split into micro-batches whose gradients add up before the one optimizer step (the same samples per step, the
+    same data order, the same optimizer and scheduler steps; each micro-batch's loss weighted by its share, as
+    Lightning's accumulation does); then activation checkpointing, planned for the memory free now on the batch in
+    hand (every block where it cannot be planned). Where neither is left (manual optimization, a model with training
+    BatchNorm and no blocks, micro-batches of one sample) the run stops as ``"stop"`` does, saying why. Every
+    ``grow_every`` steps, fewer micro-batches are tried again where this run's readings say they fit what is free
+    now. Each change is said in one line, logged (``memguard/micro_batches``, ``memguard/checkpointing``), kept in
+    :attr:`adaptations` and in the checkpoint: a resumed run starts adapted. Under DDP, FSDP and
+    ModelParallelStrategy every rank adapts at the same step to the same split (the largest any rank needs); an
+    out-of-memory error is recovered from on one device only. Refused in ``setup`` under DeepSpeed (its engine owns
+    the backward).
 
     Raises:
         TypeError: for arguments of the wrong type (a bool or a string where a number is meant, a probe class
