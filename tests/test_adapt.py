@@ -214,6 +214,40 @@ def test_where_it_cannot_keep_the_training_the_same_it_stops_saying_why(tmp_path
     assert trainer.global_step < 24 and guard.adaptations == []
 
 
+class Manual(Wide):
+    """Optimizes by hand: its step is its own, so MemGuard cannot split it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+def test_manual_optimization_is_not_adapted_but_stopped_saying_why(tmp_path):
+    with pytest.warns(RuntimeWarning, match="could not adapt: the model optimizes manually"):
+        trainer, guard, _, _ = _run(tmp_path, others={4: TAKEN}, model=Manual, expect_adapting=False)
+    assert trainer.global_step < 24 and guard.adaptations == []
+
+
+def test_adapt_is_refused_under_deepspeed_in_setup():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lightning_memguard.tuning.adapter import refuse_to_adapt
+
+    strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # Lightning builds the real one only on CUDA
+    with pytest.raises(ValueError, match="does not support DeepSpeedStrategy: DeepSpeed's engine runs the backward"):
+        refuse_to_adapt(SimpleNamespace(strategy=strategy))
+
+
 def test_a_spill_in_the_last_steps_of_an_epoch_adapts_the_next_epoch(tmp_path):
     trainer, guard, events, model = _run(tmp_path, others={11: TAKEN})  # the epoch's last batch spills
     assert [(a.step, a.after) for a in guard.adaptations] == [(12, 2)]  # found at the epoch's end, not a stop
