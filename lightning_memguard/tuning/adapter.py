@@ -322,7 +322,10 @@ class RunAdapter:
             self._grew_at = None
         if spill is not None:
             size = size_formatter(spill.capacity, 2)
-            why = f"{self._shape(samples)} spilled ({size(spill.used_bytes)} on a {size(spill.capacity)} card)"
+            pace = ""
+            if spill.current_rate and spill.reference_rate:  # what the spill cost, as the step ran
+                pace = f", {spill.current_rate:.0f} samples/s against {spill.reference_rate:.0f} before"
+            why = f"{self._shape(samples)} spilled ({size(spill.used_bytes)} on a {size(spill.capacity)} card{pace})"
         else:
             why = f"{self._shape(samples)} spilled on another rank"
         room = None  # what a checkpointing plan's activations may use: the card less its headroom, others' memory and
