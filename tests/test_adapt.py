@@ -437,3 +437,92 @@ def test_two_ddp_ranks_adapt_in_the_same_step_to_the_same_split_when_one_spills(
     assert "spilled (2.2 MB on a 2.0 MB card)" in results[1]["adaptations"][0]["why"]
     assert "spilled on another rank" in results[0]["adaptations"][0]["why"]
     assert results[0]["weights_sum"] == results[1]["weights_sum"]
+
+
+class Logged(Wide):
+    """Logs its loss for the epoch, and skips the batches that hold a sample marked bad (``bad``: their first inputs'
+    value 99), as a guard in a user's training step would."""
+
+    def __init__(self, bad_at: int | None = None) -> None:
+        super().__init__(n=32 * 12 + 5)  # a last batch of 5
+        if bad_at is not None:
+            self.x[bad_at, 0] = 99.0
+
+    def training_step(self, batch, batch_idx):
+        if (batch[0][:, 0] == 99.0).any():
+            return None
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size)  # in order: the bad batch known
+
+
+def test_logged_epoch_figures_are_the_whole_batches_when_split(tmp_path):
+    trainer, guard, events, model = _run(tmp_path, others={4: TAKEN}, model=Logged)
+    assert guard.adaptations and events.micro_batches[-1] == [2, 3]  # the last batch of 5, split
+    torch.manual_seed(0)
+    plain = Logged()
+    plain_trainer = Trainer(**trainer_kwargs(tmp_path / "plain", max_epochs=2))
+    plain_trainer.fit(plain)
+    # before: each micro-batch's value weighed as the whole batch, 1.36 against 1.31
+    assert trainer.callback_metrics["train_loss"].item() == pytest.approx(
+        plain_trainer.callback_metrics["train_loss"].item(), rel=1e-5
+    )
+    assert _close(model, [p.detach() for p in plain.parameters()])
+
+
+def test_a_step_skipped_by_some_micro_batches_only_is_refused_not_changed(tmp_path):
+    # the bad sample in the second half of batch 7: the first half would train alone, at half its weight
+    with pytest.raises(RuntimeError, match="returned None for 1 of them .* but not for the others"):
+        _run(tmp_path, others={4: TAKEN}, model=lambda: Logged(bad_at=7 * 32 + 20), expect_adapting=True)
+    # the whole batch skipped by every micro-batch: skipped, as the whole batch's step is
+    trainer, *_ = _run(tmp_path / "all", others={4: TAKEN}, model=lambda: _bad_everywhere(7))
+    assert trainer.global_step == 26  # 13 batches an epoch; Lightning steps the optimizer for a skipped one too
+
+
+def _bad_everywhere(batch: int) -> Logged:
+    model = Logged()
+    model.x[batch * 32 : (batch + 1) * 32, 0] = 99.0
+    return model
+
+
+class TimeFirst(Wide):
+    """Batches of (inputs of time x batch x features, targets of batch), as a time-first RNN takes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(1)
+        self.sequences = torch.randn(32 * 12, 20, 16, generator=gen)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x.mean(0)), y)
+
+    def train_dataloader(self):
+        def collate(items):
+            return torch.stack([s for s, _ in items], dim=1), torch.stack([t for _, t in items])
+
+        return DataLoader(TensorDataset(self.sequences, self.y), batch_size=32, collate_fn=collate)
+
+
+def test_a_batch_whose_tensors_disagree_on_its_samples_is_not_split_but_stopped(tmp_path):
+    with pytest.warns(RuntimeWarning, match=r"could not adapt: the batch's tensors do not agree on its samples"):
+        trainer, guard, _, _ = _run(tmp_path, others={4: TAKEN}, model=TimeFirst, expect_adapting=False)
+    assert guard.adaptations == [] and trainer.global_step < 24  # before: the sequences were cut in time
+
+
+class FailFromBatch(Callback):
+    def __init__(self, batch_idx: int) -> None:
+        self.batch_idx = batch_idx
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.batch_idx:
+            pl_module.oom_above = 16
+
+
+def test_an_out_of_memory_error_that_cannot_be_redone_says_why(tmp_path):
+    with pytest.raises(torch.OutOfMemoryError, match="could not adapt to it: this batch is not the first of its"):
+        # at accumulation 2 the error comes at batch 5, the second of its accumulation
+        _run(tmp_path, callbacks=[FailFromBatch(5)], accumulate_grad_batches=2, expect_adapting=False)

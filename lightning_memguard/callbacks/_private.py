@@ -170,6 +170,23 @@ def reset_fit_loop(trainer: Trainer) -> None:
 
 
 @contextmanager
+def logged_as_batch(trainer: Trainer, part: Any) -> Iterator[None]:
+    """Inside, ``self.log`` weighs what it averages over an epoch by ``part``'s samples, not by the whole batch the
+    loop is on: the loop's result collection (``trainer._results``) reads its batch size from the batch set there.
+    A batch split into micro-batches then averages as the whole batch would. Put back on exit."""
+    results = trainer._results
+    if results is None:
+        yield
+        return
+    batch, batch_size = results.batch, results.batch_size
+    results.batch, results.batch_size = part, None
+    try:
+        yield
+    finally:
+        results.batch, results.batch_size = batch, batch_size
+
+
+@contextmanager
 def strategy_methods_replaced(strategy: Strategy, replacements: dict[str, Callable[..., Any]]) -> Iterator[None]:
     """Inside, the strategy's methods named in ``replacements`` are the functions given: set on the instance,
     since Lightning's loops call them through it (``trainer.strategy.training_step(...)``). On exit the class's

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_memguard.callbacks._batches import samples_in
-from lightning_memguard.callbacks._private import strategy_methods_replaced
+from lightning_memguard.callbacks._private import logged_as_batch, strategy_methods_replaced
 from lightning_memguard.checkpointing import checkpoint_blocks, is_checkpointed
 from lightning_memguard.checkpointing.policy import inputs_from_batch
 from lightning_memguard.core.advice import FitAdvice
@@ -96,6 +96,8 @@ class MicroBatches:
         self.on_oom = on_oom
         self.recover = recover
         self.chunks = 1
+        self.why_not: str | None = None  # why the last out-of-memory error could not be adapted to (from on_oom)
+        self.batch: Any = None  # the training step's batch, while it runs
         self.validation_chunks = 1  # micro-batches per validation batch (no backward: outputs of the last kept)
         self.validation_samples = 0  # of the last validation batch
         self._owned = False  # this step's zero_grad and backward were done here
@@ -130,7 +132,8 @@ class MicroBatches:
                 return validation_step(*args, **kwargs)
             output = None
             for part, _ in split_batch(batch, samples, self.validation_chunks):
-                output = validation_step(part, *args[1:], **kwargs)  # logged figures are weighted by their samples
+                with logged_as_batch(self.trainer, part):  # logged figures weighted by the micro-batch's samples
+                    output = validation_step(part, *args[1:], **kwargs)
             return output
 
         replaced = {
@@ -161,6 +164,7 @@ class MicroBatches:
         first = batch_idx % accumulate == 0  # Lightning zeroes the gradients at this batch
         optimizer = trainer.optimizers[0]
         samples = samples_in(batch) or 1
+        self.batch = batch  # the batch in hand, for what decides whether it can be split
         while True:
             if first:
                 zero_grad(trainer.current_epoch, batch_idx, optimizer)
@@ -171,13 +175,28 @@ class MicroBatches:
             except (torch.OutOfMemoryError, RuntimeError) as err:
                 if not (isinstance(err, torch.OutOfMemoryError) or is_oom_error(err)):
                     raise
-                # the gradients of the batches accumulated before this one cannot be told from this one's part
-                finer = self.on_oom(self.chunks, samples, err) if self.recover and first else None
+                why_not = self._why_not_redone(first, accumulate)
+                finer = self.on_oom(self.chunks, samples, err) if why_not is None else None
                 if finer is None:
+                    _explain(err, why_not or self.why_not or "no lever is left")
                     raise
                 del err
                 _free_memory()
                 self.chunks = finer  # the step is redone from zeroed gradients, in `finer` micro-batches
+
+    def _why_not_redone(self, first: bool, accumulate: int) -> str | None:
+        if not self.recover:
+            return (
+                "under several processes a rank that fails inside its backward would leave the others waiting in the"
+                " gradient all-reduce, so a step is redone on one device only"
+            )
+        if not first:
+            return (
+                "this batch is not the first of its accumulation (accumulate_grad_batches="
+                f"{self.trainer.accumulate_grad_batches}): the gradients of the batches before it cannot be told from"
+                " its own, so its step cannot be redone"
+            )
+        return None
 
     def _forward_backward(
         self,
@@ -191,20 +210,32 @@ class MicroBatches:
         kwargs: dict[str, Any],
     ) -> Any:
         trainer = self.trainer
-        parts = split_batch(batch, samples, self.chunks) if self.chunks > 1 else [(batch, samples)]
+        if self.chunks <= 1:
+            whole = step(*args, **kwargs)
+            whole_loss = _loss_of(whole)
+            if whole_loss is not None:
+                backward(whole_loss / accumulate, optimizer)
+            return whole
+        parts = split_batch(batch, samples, self.chunks)
         total: torch.Tensor | None = None
         output: Any = None
+        skipped = 0
         for i, (part, n) in enumerate(parts):
             last = i == len(parts) - 1
-            # DDP all-reduces the gradients once, in the last micro-batch's backward
+            # DDP all-reduces the gradients once, in the last micro-batch's backward; each micro-batch's logged
+            # figures are weighted by its own samples, so an epoch's average is the whole batch's
             with (
-                nullcontext()
-                if last or not isinstance(trainer.strategy, DDPStrategy)
-                else trainer.strategy.block_backward_sync()
+                (
+                    nullcontext()
+                    if last or not isinstance(trainer.strategy, DDPStrategy)
+                    else trainer.strategy.block_backward_sync()
+                ),
+                logged_as_batch(trainer, part),
             ):
                 output = step(part, *args[1:], **kwargs)
                 loss = _loss_of(output)
                 if loss is None:
+                    skipped += 1
                     continue
                 weighted = loss * (n / samples) / accumulate
                 backward(weighted, optimizer)
@@ -212,7 +243,14 @@ class MicroBatches:
             if not last:
                 self._micro_batch_end()
         if total is None:
-            return output
+            return None  # every micro-batch skipped: the step is skipped, as the whole batch's would be
+        if skipped:
+            raise RuntimeError(
+                f"MemGuard(on_spill='adapt') split this batch into {len(parts)} micro-batches and `training_step`"
+                f" returned None for {skipped} of them (skipping them) but not for the others: the whole batch's step"
+                " would have skipped all or none, so the training would change. Decide the skip from something every"
+                " micro-batch shares, or use on_spill='stop'"
+            )
         # the value Lightning logs and divides by its accumulation: the batch's loss, as one step would give it
         return _with_loss(output, total * accumulate)
 
@@ -239,6 +277,21 @@ def _hook_replaced(module: LightningModule, name: str, fn: Callable[..., Any]) -
             delattr(module, name)
         else:
             setattr(module, name, own)
+
+
+def _explain(error: BaseException, why_not: str) -> None:
+    """Add to an out-of-memory error that adapting could not recover from why (as the allocator cap explains)."""
+    if error.args and isinstance(error.args[0], str):
+        error.args = (
+            f"{error.args[0]}\n\nMemGuard(on_spill='adapt') could not adapt to it: {why_not}.",
+            *error.args[1:],
+        )
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, found.append)
+    return found
 
 
 def _free_memory() -> None:
@@ -338,7 +391,10 @@ class RunAdapter:
         trainer = self._trainer
         assert trainer is not None
         why = f"{self._shape(samples)} ran out of memory"
-        if self._lever(trainer, trainer.lightning_module, samples, min(chunks * 2, samples), why) is not None:
+        why_not = self._lever(trainer, trainer.lightning_module, samples, min(chunks * 2, samples), why)
+        if why_not is not None:
+            if self._micro is not None:
+                self._micro.why_not = why_not
             return None
         return self.chunks
 
@@ -373,7 +429,9 @@ class RunAdapter:
     ) -> str | None:
         before = self.chunks
         self.grow.restart(trainer.global_step)  # the next try with fewer micro-batches comes an interval later
-        cannot = self._cannot_split(pl_module, samples)
+        if batch is None and self._micro is not None:
+            batch = self._micro.batch
+        cannot = self._cannot_split(pl_module, samples, batch)
         if cannot is None and wanted > self.chunks:
             self._set_chunks(wanted)
             self._said(
@@ -393,11 +451,17 @@ class RunAdapter:
             return None
         return f"{cannot or 'each micro-batch holds one sample'}, and activation checkpointing is on already"
 
-    def _cannot_split(self, pl_module: LightningModule, samples: int) -> str | None:
+    def _cannot_split(self, pl_module: LightningModule, samples: int, batch: Any = None) -> str | None:
         if self._micro is None:
             return "the model optimizes manually (`automatic_optimization=False`): its steps cannot be split"
         if samples < 2 or self.chunks >= samples:
             return "each micro-batch holds one sample"
+        rows = sorted({t.shape[0] for t in _tensors(batch) if t.dim() > 0})
+        if len(rows) > 1:
+            return (
+                f"the batch's tensors do not agree on its samples (first dimensions {rows}: a time-first sequence, a"
+                " tensor shared by all samples): which dimension to split is not known"
+            )
         if not self.allow_batchnorm and any(
             isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training for m in pl_module.modules()
         ):
