@@ -16,11 +16,9 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 from torch import nn
-from torch.utils.data import DataLoader
 
 from lightning_memguard import _compiler
 from lightning_memguard.callbacks import MemGuard
@@ -133,58 +131,6 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-class NetworkClassifier(LightningModule):
-    """A network of any family (timm's, the user's own) trained on random images, as
-    :class:`~lightning_memguard.testing.ImageClassifier` trains a torchvision model: each batch holds sample indices
-    into a pool of images on the model's device, so the loader costs nothing and timings measure the device.
-
-    Example:
-        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5))
-        >>> model = NetworkClassifier("tiny", net, num_classes=5, image_size=8, batch_size=2, steps_per_epoch=3)
-        >>> model.training_step(next(iter(model.train_dataloader())), 0).ndim
-        0
-    """
-
-    def __init__(
-        self,
-        arch: str,
-        net: nn.Module,
-        num_classes: int,
-        image_size: int,
-        batch_size: int,
-        steps_per_epoch: int,
-        channels_last: bool = False,
-        pool_size: int = 64,
-        lr: float = 0.05,
-        seed: int = 0,
-    ) -> None:
-        super().__init__()
-        self.save_hyperparameters(ignore=["net"])
-        self.batch_size = batch_size
-        fmt = torch.channels_last if channels_last else torch.contiguous_format
-        self.net = net.to(memory_format=fmt)  # type: ignore[call-overload]
-        gen = torch.Generator().manual_seed(seed)
-        images = torch.randn(pool_size, 3, image_size, image_size, generator=gen).contiguous(memory_format=fmt)
-        self.register_buffer("images", images, persistent=False)
-        self.register_buffer("labels", torch.randint(0, num_classes, (pool_size,), generator=gen), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        images: torch.Tensor = self.images  # type: ignore[assignment]
-        labels: torch.Tensor = self.labels  # type: ignore[assignment]
-        idx = batch % images.shape[0]
-        return F.cross_entropy(self(images[idx]), labels[idx])
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=0.9)
-
-    def train_dataloader(self) -> DataLoader:
-        samples = torch.arange(self.hparams["steps_per_epoch"] * self.batch_size)
-        return DataLoader(samples, batch_size=self.batch_size)  # type: ignore[arg-type]
-
-
 def training_module(
     source: ModelSource,
     num_classes: int,
@@ -194,8 +140,9 @@ def training_module(
     channels_last: bool,
     pool_size: int = 64,
 ) -> LightningModule:
-    """What sweep and plan train: torchvision's models in an ImageClassifier, timm's and the user's own networks in a
-    :class:`NetworkClassifier`, each on random images; the user's LightningModule as it is, ``batch_size`` set."""
+    """What sweep and plan train: torchvision's models, timm's and the user's own networks in an
+    :class:`~lightning_memguard.testing.ImageClassifier` (a network built here passed as its ``net``), each on random
+    images; the user's LightningModule as it is, ``batch_size`` set."""
     if source.family == "torchvision":
         return ImageClassifier(
             source.text, num_classes=num_classes, image_size=image_size, batch_size=batch_size,
@@ -207,8 +154,10 @@ def training_module(
     if isinstance(built, LightningModule):
         lightning_setattr(built, "batch_size", batch_size)
         return built
-    return NetworkClassifier(source.text, built, num_classes, image_size, batch_size, steps_per_epoch, channels_last,
-                             pool_size)  # fmt: skip
+    return ImageClassifier(
+        source.text, num_classes=num_classes, image_size=image_size, batch_size=batch_size,
+        steps_per_epoch=steps_per_epoch, channels_last=channels_last, pool_size=pool_size, net=built,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from lightning.pytorch import LightningModule
+from torch import nn
 from torch.utils.data import DataLoader
 
 
@@ -19,7 +20,8 @@ class ImageClassifier(LightningModule):
     dataloaders and ``extract_batch_size`` work as in any Lightning project.
 
     Args:
-        arch: any torchvision classification model name (``resnet18``, ``resnet50``, ...).
+        arch: any torchvision classification model name (``resnet18``, ``resnet50``, ...), or, with ``net``, the
+            name of that network.
         num_classes: output classes.
         image_size: height and width of the square images.
         batch_size: samples per batch (the attribute Lightning's tuners change).
@@ -29,12 +31,19 @@ class ImageClassifier(LightningModule):
         pool_size: distinct random images in the pool.
         lr: SGD learning rate.
         seed: seed for the weights and the images.
+        net: a network already built (timm's, your own: images in, ``num_classes`` scores out) to train instead of
+            building ``arch`` from torchvision.
 
     Example:
         >>> model = ImageClassifier("resnet18", image_size=32, batch_size=4, steps_per_epoch=2)
         >>> batch = next(iter(model.train_dataloader()))
         >>> batch.shape, model.training_step(batch, 0).ndim
         (torch.Size([4]), 0)
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        ...                           torch.nn.Linear(4, 5))
+        >>> own = ImageClassifier("tiny", num_classes=5, image_size=8, batch_size=2, steps_per_epoch=3, net=net)
+        >>> own.training_step(next(iter(own.train_dataloader())), 0).ndim
+        0
     """
 
     def __init__(
@@ -49,20 +58,22 @@ class ImageClassifier(LightningModule):
         pool_size: int = 64,
         lr: float = 0.05,
         seed: int = 0,
+        net: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["net"])
         self.batch_size = batch_size
-        try:
-            builder = torchvision.models.get_model_builder(arch)
-        except ValueError as err:
-            raise ValueError(f"`arch` must be a torchvision classification model name, got {arch!r}") from err
         gen = torch.Generator().manual_seed(seed)
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            self.net = builder(weights=None, num_classes=num_classes)
+        if net is None:
+            try:
+                builder = torchvision.models.get_model_builder(arch)
+            except ValueError as err:
+                raise ValueError(f"`arch` must be a torchvision classification model name, got {arch!r}") from err
+            with torch.random.fork_rng():
+                torch.manual_seed(seed)
+                net = builder(weights=None, num_classes=num_classes)
         fmt = torch.channels_last if channels_last else torch.contiguous_format
-        self.net = self.net.to(memory_format=fmt)
+        self.net = net.to(memory_format=fmt)  # type: ignore[call-overload]
         images = torch.randn(pool_size, 3, image_size, image_size, generator=gen).contiguous(memory_format=fmt)
         self.register_buffer("images", images, persistent=False)
         self.register_buffer("labels", torch.randint(0, num_classes, (pool_size,), generator=gen), persistent=False)
