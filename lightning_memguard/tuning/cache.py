@@ -27,7 +27,7 @@ import tempfile
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lightning_memguard.tuning.search import OK, OOM, OVER_HEADROOM, PREDICTED, SPILL, Margin, TrialResult
@@ -96,17 +96,24 @@ _MARGIN_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+def _check_fields(
+    fields: dict[str, Any], where: str, checks: dict[str, tuple[Callable[[Any], bool], str]], required: Sequence[str]
+) -> None:
+    """Every field of ``fields`` known to ``checks`` and passing its check, every ``required`` one there."""
+    unknown = sorted(set(fields) - set(checks), key=str)
+    missing = [name for name in required if name not in fields]
+    if unknown or missing:
+        raise BadEntry(f"{where} has unknown fields {unknown} and lacks {missing}")
+    for name, value in fields.items():
+        check, expected = checks[name]
+        if not check(value):
+            raise BadEntry(f"{where}.{name} must be {expected}, got {value!r}")
+
+
 def _check_row(i: int, row: Any) -> TrialResult:
     if not isinstance(row, dict):
         raise BadEntry(f"results[{i}] must be an object, got {row!r}")
-    unknown = sorted(set(row) - set(_ROW_CHECKS), key=str)
-    missing = [name for name in _ROW_REQUIRED if name not in row]
-    if unknown or missing:
-        raise BadEntry(f"results[{i}] has unknown fields {unknown} and lacks {missing}")
-    for name, value in row.items():
-        check, expected = _ROW_CHECKS[name]
-        if not check(value):
-            raise BadEntry(f"results[{i}].{name} must be {expected}, got {value!r}")
+    _check_fields(row, f"results[{i}]", _ROW_CHECKS, _ROW_REQUIRED)
     return TrialResult(**row)
 
 
@@ -115,13 +122,7 @@ def _check_margin(margin: Any, size: int) -> Margin | None:
         return None
     if not isinstance(margin, dict):
         raise BadEntry(f"margin must be None or an object, got {margin!r}")
-    unknown, missing = sorted(set(margin) - set(_MARGIN_CHECKS), key=str), sorted(set(_MARGIN_CHECKS) - set(margin))
-    if unknown or missing:
-        raise BadEntry(f"margin has unknown fields {unknown} and lacks {missing}")
-    for name, value in margin.items():
-        check, expected = _MARGIN_CHECKS[name]
-        if not check(value):
-            raise BadEntry(f"margin.{name} must be {expected}, got {value!r}")
+    _check_fields(margin, "margin", _MARGIN_CHECKS, sorted(_MARGIN_CHECKS))
     if margin["size"] != size:
         raise BadEntry(f"margin.size {margin['size']} is not the choice, batch_size {size}")
     return Margin(**margin)
