@@ -260,11 +260,6 @@ class MicroBatches:
             if hook is not None:
                 hook(self.trainer)
 
-    def shape(self, samples: int) -> str:
-        """The split of a batch of ``samples`` as people read it: micro-batch x micro-batches."""
-        return f"{micro_batch(samples, self.chunks)} x {self.chunks}"
-
-
 @contextmanager
 def _hook_replaced(module: LightningModule, name: str, fn: Callable[..., Any]) -> Iterator[None]:
     """A LightningModule hook replaced on the instance (Lightning looks hooks up on it), put back on exit."""
