@@ -260,6 +260,7 @@ class MicroBatches:
             if hook is not None:
                 hook(self.trainer)
 
+
 @contextmanager
 def _hook_replaced(module: LightningModule, name: str, fn: Callable[..., Any]) -> Iterator[None]:
     """A LightningModule hook replaced on the instance (Lightning looks hooks up on it), put back on exit."""
