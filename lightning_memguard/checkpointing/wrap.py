@@ -8,7 +8,7 @@ import contextlib
 import inspect
 import types
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -110,6 +110,59 @@ class RunOutput:
         return self.ref is not None and x is self.ref()
 
 
+def _flatten(value: Any, leaves: list[Any]) -> Any:
+    """``value``'s plain lists, tuples and dicts as a description, with every other value appended to ``leaves`` (its
+    index in the description)."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return (kind, [_flatten(v, leaves) for v in value])
+    if kind is dict:
+        return (dict, [(k, _flatten(v, leaves)) for k, v in value.items()])
+    leaves.append(value)
+    return len(leaves) - 1
+
+
+def _build(description: Any, leaves: Sequence[Any]) -> Any:
+    """The value :func:`_flatten` described, made anew around ``leaves`` (new lists, tuples and dicts)."""
+    if isinstance(description, int):
+        return leaves[description]
+    kind, items = description
+    if kind is dict:
+        return {k: _build(v, leaves) for k, v in items}
+    return kind(_build(v, leaves) for v in items)
+
+
+def _recomputable(
+    forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """What to hand ``torch.utils.checkpoint``: a function and its positional arguments, so that recomputation sees
+    the inputs the forward saw.
+
+    The checkpoint recomputes by calling the function again with the arguments it was given, and checks only the
+    tensors among them that are arguments themselves (their version: an input changed in place since is an error).
+    A tensor inside a list, tuple or dict (HRNet's branches, DenseNet's features, a Hugging Face layer's
+    ``position_embeddings``), or passed by keyword, is neither checked nor safe: the block or the code after it may
+    change the container (DenseNet appends to the list it passed; HRNet's stages replace its items), and the
+    recomputation would run on other inputs: wrong gradients, with no error. So every tensor, wherever it sits, is
+    passed as an argument of its own; the first call runs on the caller's own containers (a block that changes them
+    does so as it would without checkpointing), a recomputation on new containers built around the same tensors,
+    as they were when the block first ran. A block with one tensor argument (most) passes as it is."""
+    if not kwargs and all(type(a) not in (list, tuple, dict) for a in args):
+        return forward, args
+    leaves: list[Any] = []
+    description = _flatten((list(args), kwargs), leaves)
+    first = [True]
+
+    def function(*given: Any) -> Any:
+        if first[0]:
+            first[0] = False
+            return forward(*args, **kwargs)
+        again_args, again_kwargs = _build(description, given)
+        return forward(*again_args, **again_kwargs)
+
+    return function, tuple(leaves)
+
+
 class CheckpointedUnit(SwappedModule):
     """Mixin placed in front of a block's own class: its forward runs under ``torch.utils.checkpoint``.
 
@@ -129,25 +182,24 @@ class CheckpointedUnit(SwappedModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         run = self.__dict__.get("memguard_run", ())
-        compiling = _compiler.compiling()
         if not torch.is_grad_enabled():
-            out = self._memguard_forward(*args, **kwargs)
-        elif bns := (tracked_batchnorms([self, *run]) if self.memguard_bn_correct and not compiling else []):
-            # only where a BatchNorm keeps running statistics: a model without one (ConvNeXt, a transformer) is
-            # checkpointed exactly as its family's own switch does it, and pays nothing for BatchNorm-correctness
-            out = checkpoint(
-                self._memguard_forward,
-                *args,
-                use_reentrant=False,
-                context_fn=lambda: (contextlib.nullcontext(), _FrozenBatchNormStats(bns)),
-                **kwargs,
-            )
-        else:
-            # under compile: the compiler does not take a context_fn, and its backward recomputes without applying
-            # buffer updates again; the gradient into the block is one buffer, as in eager mode (gradient_realized)
-            if compiling and args:
+            return self._finish(self._memguard_forward(*args, **kwargs), run)
+        if _compiler.compiling():
+            # compiled, the checkpoint is a graph the compiler traces and its backward replays (not this Python
+            # code), without applying buffer updates again; it takes no context_fn. The gradient into the block is
+            # one buffer, as in eager mode (gradient_realized)
+            if args:
                 args = (_compiler.gradient_realized(args[0]), *args[1:])
-            out = checkpoint(self._memguard_forward, *args, use_reentrant=False, **kwargs)
+            return self._finish(checkpoint(self._memguard_forward, *args, use_reentrant=False, **kwargs), run)
+        function, leaves = _recomputable(self._memguard_forward, args, kwargs)
+        # only where a BatchNorm keeps running statistics: a model without one (ConvNeXt, a transformer) is
+        # checkpointed exactly as its family's own switch does it, and pays nothing for BatchNorm-correctness
+        if bns := tracked_batchnorms([self, *run]) if self.memguard_bn_correct else []:
+            frozen = lambda: (contextlib.nullcontext(), _FrozenBatchNormStats(bns))  # noqa: E731
+            return self._finish(checkpoint(function, *leaves, use_reentrant=False, context_fn=frozen), run)
+        return self._finish(checkpoint(function, *leaves, use_reentrant=False), run)
+
+    def _finish(self, out: Any, run: Sequence[nn.Module]) -> Any:
         if run:
             if not isinstance(out, torch.Tensor):
                 raise TypeError(

@@ -30,6 +30,7 @@ from lightning_memguard.checkpointing.families._base import (
 from lightning_memguard.checkpointing.families.huggingface import HuggingFace
 from lightning_memguard.checkpointing.families.structure import Units, check_units, select_blocks
 from lightning_memguard.checkpointing.families.timm_convnext import TimmConvNeXt
+from lightning_memguard.checkpointing.families.timm_declared import TimmDeclared
 from lightning_memguard.checkpointing.families.timm_efficientnet import TimmEfficientNet
 from lightning_memguard.checkpointing.families.timm_resnet import TimmResNet
 from lightning_memguard.checkpointing.families.timm_swin import TimmSwin
@@ -74,6 +75,7 @@ FAMILIES: tuple[Family, ...] = (
     TimmViT(),
     TimmSwin(),
     TimmEfficientNet(),
+    TimmDeclared(),  # after the timm families above: any other timm model, by its own declaration
     HuggingFace(),
 )
 """Every adapter, asked in this order (the first that claims a model, or answers for a block, is the one)."""

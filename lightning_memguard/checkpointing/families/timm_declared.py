@@ -1,0 +1,112 @@
+"""Any other timm model: its blocks as the model declares them (``group_matcher``).
+
+Every model timm ships says how its parameters group into a stem, blocks and a head: ``group_matcher(coarse=False)``
+maps parameter names to ordered groups, one per block, which timm uses for layer-wise learning-rate decay and which
+follows the same blocks its own ``set_grad_checkpointing`` walks. A block here is the module that holds one group's
+parameters (their longest common module path): RegNet's ``s1.b1``, DenseNet's dense layers, DLA's levels, HRNet's
+stages. Groups of the stem (the matcher's ``stem`` keys) are left out, as timm's own switch leaves the stem; so is a
+single leaf module (a final norm layer). A group whose module path holds other groups' blocks (a stage whose
+downsampling shares its first block's group, parameters left over in the model itself) gives the parts of it that
+hold its parameters instead; a container that is never called (an ``nn.ModuleList`` of branches) gives its
+composite elements. The families with an adapter of their own (ResNet, ConvNeXt, ViT, Swin, EfficientNet) are claimed
+before this one, and a model whose declaration names no block is found by structure."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from lightning_memguard.checkpointing.families._base import Family, Named, composite, elements, flagged, loaded
+
+
+def _stem_patterns(matcher: Any) -> list[re.Pattern[str]]:
+    """The regular expressions of a dict matcher's stem keys (``stem``, ``stem1``, ...)."""
+    if not isinstance(matcher, dict):
+        return []
+    patterns: list[re.Pattern[str]] = []
+    for key, value in matcher.items():
+        if not str(key).startswith("stem"):
+            continue
+        for entry in value if isinstance(value, list | tuple) else [value]:
+            text = entry[0] if isinstance(entry, tuple) else entry
+            if isinstance(text, str):
+                patterns.append(re.compile(text))
+    return patterns
+
+
+def _common_path(names: list[str]) -> str:
+    """The longest module path that every name lies in (``""`` for the model itself)."""
+    parts = [name.split(".") for name in names]
+    common: list[str] = []
+    for level in zip(*parts, strict=False):
+        if any(p != level[0] for p in level):
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def declared_blocks(model: nn.Module, group_modules: Callable[..., dict[Any, list[str]]]) -> list[Named]:
+    """The blocks of a timm model from its ``group_matcher``, in the order the model registers them (see the module's
+    docstring); ``group_modules`` is timm's grouping of module names by a matcher."""
+    matcher = model.group_matcher(coarse=False)  # type: ignore[operator]
+    stem = _stem_patterns(matcher)
+    groups = [
+        members
+        for members in group_modules(model, matcher).values()
+        if members and not (stem and all(any(p.match(m) for p in stem) for m in members))
+    ]
+    held = {_common_path(members) for members in groups}
+    modules = dict(model.named_modules())
+    paths: set[str] = set()
+
+    def place(path: str, members: list[str]) -> None:
+        """``members`` lie in ``path``: it is their block, unless other groups' blocks lie in it too (a stage whose
+        downsampling is grouped with its first block): then each part of it that holds members is placed."""
+        if path and not any(other.startswith(f"{path}.") for other in held):
+            block = modules.get(path)
+            if block is None or not composite(block):
+                return
+            if isinstance(block, nn.ModuleList | nn.ModuleDict):  # never called itself: its elements are
+                paths.update(name for name, _ in elements(path, block))
+            else:
+                paths.add(path)
+            return
+        depth = len(path.split(".")) if path else 0
+        parts: dict[str, list[str]] = {}
+        for member in members:
+            names = member.split(".")
+            if len(names) > depth:
+                parts.setdefault(".".join(names[: depth + 1]), []).append(member)
+        for part, inside in parts.items():
+            place(part, inside)
+
+    for members in groups:
+        place(_common_path(members), members)
+    outermost = {p for p in paths if not any(p.startswith(f"{q}.") for q in paths)}
+    return [(name, module) for name, module in model.named_modules() if name in outermost]
+
+
+class TimmDeclared(Family):
+    name = "timm (declared blocks)"
+
+    def claims(self, module: nn.Module) -> bool:
+        timm_models = loaded("timm.models")
+        return (
+            timm_models is not None
+            and type(module).__module__.startswith("timm.models.")
+            and callable(getattr(module, "group_matcher", None))
+            and hasattr(timm_models, "group_modules")
+        )
+
+    def blocks(self, module: nn.Module) -> list[Named]:
+        timm_models = loaded("timm.models")
+        try:
+            return declared_blocks(module, timm_models.group_modules)  # type: ignore[union-attr]
+        except (TypeError, ValueError, AttributeError, KeyError, re.error):  # a declaration not understood: structure
+            return []
+
+    def switched_on(self, module: nn.Module) -> bool:
+        return flagged(module, *module.modules())
