@@ -58,8 +58,22 @@ def declared_blocks(model: nn.Module, group_modules: Callable[..., dict[Any, lis
         for members in group_modules(model, matcher).values()
         if members and not (stem and all(any(p.match(m) for p in stem) for m in members))
     ]
-    held = {_common_path(members) for members in groups}
+    owner = {member: i for i, members in enumerate(groups) for member in members}
     modules = dict(model.named_modules())
+
+    def holder(i: int) -> str:
+        """The module path that holds group ``i``: its members' common path, climbing from a leaf (a block whose
+        only parameters are one convolution's) while no other group's parameters lie in the parent."""
+        path = _common_path(groups[i])
+        while path and not composite(modules[path]):
+            parent = path.rpartition(".")[0]
+            if any(owner[m] != i for m in owner if m.startswith(f"{parent}.")) or not parent:
+                break
+            path = parent
+        return path
+
+    paths_held = [holder(i) for i in range(len(groups))]
+    held = set(paths_held)
     paths: set[str] = set()
 
     def place(path: str, members: list[str]) -> None:
@@ -83,8 +97,8 @@ def declared_blocks(model: nn.Module, group_modules: Callable[..., dict[Any, lis
         for part, inside in parts.items():
             place(part, inside)
 
-    for members in groups:
-        place(_common_path(members), members)
+    for path, members in zip(paths_held, groups, strict=True):
+        place(path, members)
     outermost = {p for p in paths if not any(p.startswith(f"{q}.") for q in paths)}
     return [(name, module) for name, module in model.named_modules() if name in outermost]
 

@@ -1,0 +1,252 @@
+"""Blocks whose inputs and outputs are not one tensor train exactly as without checkpointing, and any timm model's
+blocks come from its own declaration (``group_matcher``).
+
+Each model here is small and of no known family, shaped after a real one: DenseNet's layers take the list of all
+earlier features, which the block around them appends to afterwards; HRNet's stages take a list of branches and
+replace its items; a Hugging Face layer takes tensors by keyword and in tuples; other blocks return several tensors
+that later blocks use apart, or views of one tensor."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_memguard.checkpointing import checkpoint_blocks
+from lightning_memguard.checkpointing.families.timm_declared import declared_blocks
+
+
+class DenseLayer(nn.Module):
+    """Takes every earlier feature map (a list) and returns a new one."""
+
+    def __init__(self, channels: int, count: int) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm2d(channels * count)
+        self.conv = nn.Conv2d(channels * count, channels, 3, padding=1)
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        return self.conv(torch.relu(self.norm(torch.cat(features, 1))))
+
+
+class DenseNetLike(nn.Module):
+    def __init__(self, channels: int = 4, layers: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.layers = nn.ModuleList(DenseLayer(channels, i + 1) for i in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [self.stem(x)]
+        for layer in self.layers:
+            features.append(layer(features))  # the list the layer was given grows after it ran
+        return torch.cat(features, 1).mean((2, 3)).sum(1)
+
+
+class Branches(nn.Module):
+    """Takes a list of branches and replaces its items in place, then fuses them."""
+
+    def __init__(self, channels: int = 4) -> None:
+        super().__init__()
+        self.branches = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels)) for _ in range(2)
+        )
+        self.fuse = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x: list[torch.Tensor]) -> list[torch.Tensor]:
+        for i, branch in enumerate(self.branches):
+            x[i] = torch.relu(branch(x[i]))
+        return [self.fuse(x[0] + x[1]), x[1]]
+
+
+class HRNetLike(nn.Module):
+    def __init__(self, channels: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.stages = nn.Sequential(Branches(channels), Branches(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stem(x)
+        out = self.stages([y, y * 2])
+        return (out[0] * out[1]).mean((1, 2, 3))
+
+
+class KeywordLayer(nn.Module):
+    """A transformer-style layer: tensors by keyword and in a tuple; returns a tuple whose parts are used apart."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.mix = nn.Linear(width, width)
+        self.gate = nn.Linear(width, width)
+
+    def forward(
+        self, hidden: torch.Tensor, *, position: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = position
+        mixed = torch.tanh(self.mix(hidden * cos + sin)) * mask
+        return hidden + mixed, self.gate(mixed)
+
+
+class KeywordModel(nn.Module):
+    def __init__(self, width: int = 8, layers: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, width)
+        self.layers = nn.ModuleList(KeywordLayer(width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.inp(x)
+        position = (torch.cos(hidden.detach()), torch.sin(hidden))
+        mask = (x[..., :1] > 0).float()
+        gates = []
+        for layer in self.layers:
+            hidden, gate = layer(hidden, position=position, mask=mask)
+            gates.append(gate)
+        return hidden.sum(-1) + torch.stack(gates).sum((0, -1))
+
+
+class ViewsBlock(nn.Module):
+    """Returns two views of one tensor; the next block takes both."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, 2 * width)
+
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(x, tuple):
+            x = x[0] * torch.sigmoid(x[1])
+        both = self.lin(x)
+        return both[..., : both.shape[-1] // 2], both[..., both.shape[-1] // 2 :]
+
+
+class ViewsModel(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ViewsBlock(width) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = x
+        for block in self.blocks:
+            y = block(y)
+        assert isinstance(y, tuple)
+        return (y[0] * y[1]).sum(-1)
+
+
+def _train_step(model: nn.Module, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    model(x).pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, {n: b.clone() for n, b in model.named_buffers()}
+
+
+CASES = {
+    "densenet_lists_grown_after": (DenseNetLike, lambda: torch.randn(2, 3, 8, 8), {DenseLayer}),
+    "hrnet_lists_changed_inside": (HRNetLike, lambda: torch.randn(2, 3, 8, 8), {Branches}),
+    "keywords_tuples_and_outputs_apart": (KeywordModel, lambda: torch.randn(3, 5, 4), {KeywordLayer}),
+    "views_of_one_tensor": (ViewsModel, lambda: torch.randn(3, 8), {ViewsBlock}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_blocks_taking_and_giving_structures_train_exactly_as_the_plain_model(case: str) -> None:
+    make, data, units = CASES[case]
+    torch.manual_seed(0)
+    plain = make()
+    ours = copy.deepcopy(plain)
+    plan = checkpoint_blocks(ours, units=units)
+    assert len(plan.blocks) >= 2
+    x = data()
+    grads, buffers = _train_step(plain, x.clone())
+    our_grads, our_buffers = _train_step(ours, x.clone())
+    assert set(our_grads) == set(grads)
+    for name, grad in grads.items():
+        assert torch.equal(our_grads[name], grad), name
+    for name, buffer in buffers.items():
+        assert torch.equal(our_buffers[name], buffer), name
+
+
+def test_a_block_changing_its_tensor_input_in_place_after_is_an_error_not_a_wrong_gradient() -> None:
+    """A tensor a checkpointed block took, changed in place afterwards (here inside a tuple), would be recomputed
+    from its new values: the backward refuses instead of computing other gradients."""
+
+    class Changes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(KeywordLayer(8) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            sin = torch.sin(x)
+            position = (torch.cos(x), sin)
+            mask = torch.ones_like(x)
+            h, _ = self.blocks[0](x, position=position, mask=mask)
+            sin.mul_(3.0)  # the block's input, changed after it ran
+            h, _ = self.blocks[1](h, position=(position[0], sin * 1), mask=mask)
+            return h.sum()
+
+    model = Changes()
+    checkpoint_blocks(model, units={KeywordLayer})
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(torch.randn(2, 8, requires_grad=True)).backward()
+
+
+class _Grouped(nn.Module):
+    """A model declaring its groups as timm does: a stem, stages whose downsampling shares the first block's group,
+    a list of branches, a final norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+        self.stages = nn.Sequential(
+            *(
+                nn.ModuleDict(
+                    {
+                        "downsample": nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)),
+                        "blocks": nn.Sequential(*(nn.Sequential(nn.Conv2d(4, 4, 3), nn.ReLU()) for _ in range(2))),
+                    }
+                )
+                for _ in range(2)
+            )
+        )
+        self.branches = nn.ModuleList(nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU()) for _ in range(2))
+        self.norm = nn.LayerNorm(4)
+
+    def group_matcher(self, coarse: bool = False) -> dict[str, object]:
+        return {
+            "stem": r"^stem",
+            "blocks": [
+                (r"^stages\.(\d+)\.downsample", (0,)),
+                (r"^stages\.(\d+)\.blocks\.(\d+)", None),
+                (r"^branches", (99,)),
+                (r"^norm", (99999,)),
+            ],
+        }
+
+
+def test_declared_groups_give_the_blocks_that_hold_them() -> None:
+    timm_models = pytest.importorskip("timm.models")
+    model = _Grouped()
+    names = [name for name, _ in declared_blocks(model, timm_models.group_modules)]
+    assert names == [
+        "stages.0.downsample",
+        "stages.0.blocks.0",
+        "stages.0.blocks.1",
+        "stages.1.downsample",
+        "stages.1.blocks.0",
+        "stages.1.blocks.1",
+        "branches.0",
+        "branches.1",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "first_blocks"),
+    [("regnetx_002", ["s1.b1", "s2.b1", "s3.b1"]), ("dla34", ["level0", "level1", "level2"])],
+)
+def test_timm_models_without_an_adapter_get_their_declared_blocks(name: str, first_blocks: list[str]) -> None:
+    timm = pytest.importorskip("timm")
+    from lightning_memguard.checkpointing.families import find_units
+
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=4)
+    assert [n for n, _ in find_units(model)][:3] == first_blocks
