@@ -185,12 +185,17 @@ def test_families_smoke_runs_every_row_of_a_language_model_and_writes_them(tmp_p
         torch.set_num_threads(threads)  # the smoke run takes one thread
     result = json.loads(out.read_text())
     rows = result["models"]["llama"]["rows"]
-    assert list(rows) == ["plain", "family_switch", "ours_every_block", "ours_budget_0.6", "ours_budget_0.4"]
+    assert list(rows) == [
+        "plain", "family_switch", "ours_every_block", "ours_at_switch_memory", "ours_budget_0.6", "ours_budget_0.4",
+    ]  # fmt: skip
     assert not [r["error"] for r in rows.values() if "error" in r]
     assert all("tokens_per_sec" in r and "saved_pct" in r for name, r in rows.items() if name != "plain")
     assert "summary" in rows["ours_budget_0.4"] and "met" in result["models"]["llama"]["goals"]
-    # the two rows a user compares are timed again, in turns, and keep the median of their passes
-    assert [len(rows[r]["step_ms_passes"]) for r in ("family_switch", "ours_every_block")] == [2, 2]
+    # the rows a user compares are timed again, in turns, and keep the median of their passes
+    compared = ("family_switch", "ours_every_block", "ours_at_switch_memory")
+    assert [len(rows[r]["step_ms_passes"]) for r in compared] == [2, 2, 2]
+    at_switch = result["models"]["llama"]["goals"]["at_switch_memory"]
+    assert at_switch["goal"] == 0.95 and at_switch["memory_vs_switch"] > 0
     assert "step_ms_passes" not in rows["ours_budget_0.6"]
     assert result["environment"]["torch"]
 
