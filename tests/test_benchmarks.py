@@ -1,6 +1,6 @@
 """The benchmark scripts' own logic: compile.py --merge keeps budgets measured over several device calls, and
 compile_peak.py reads what is alive at a step's peak from the allocator's events, families.py checks the
-issue's goals and runs every row."""
+issue's goals and runs every row, coverage.py writes a row per model with a summary and prints its table."""
 
 import importlib.util
 import json
@@ -230,3 +230,26 @@ def test_checkpoint_overhead_smoke_measures_every_row_and_profiles_the_switch_ag
     wrap = module.memguard_wrap
     assert wrap.checkpoint is torch.utils.checkpoint.checkpoint
     assert wrap.CheckpointedUnit.__dict__["forward"] is not module._minimal_forward
+
+
+def test_coverage_writes_a_row_per_model_with_a_summary_and_prints_its_table(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("timm")
+    pytest.importorskip("transformers")
+    module = _benchmark("coverage")
+    out = tmp_path / "coverage.json"
+    monkeypatch.setattr("sys.argv", ["coverage.py", "--fast", "--models", "test_resnet,gpt2", "--out", str(out)])
+    module.main()
+    result = json.loads(out.read_text())
+    assert [(r["library"], r["model"], r["covered"]) for r in result["rows"]] == [
+        ("timm", "test_resnet", True),
+        ("hf", "gpt2", True),
+    ]
+    assert result["summary"]["timm"] == {
+        "models": 1, "covered": 1, "with_switch": 1, "with_switch_covered": 1, "not_covered": {}
+    }  # fmt: skip
+    assert result["environment"]["timm"] and result["environment"]["transformers"]
+    capsys.readouterr()
+    monkeypatch.setattr("sys.argv", ["coverage.py", "--table", "--out", str(out)])
+    module.main()
+    table = capsys.readouterr().out
+    assert "### timm: 1 of 1 covered" in table and "| resnet | test_resnet | yes | " in table
