@@ -22,20 +22,31 @@ _STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def tracked_batchnorms(units: Sequence[nn.Module]) -> list[nn.modules.batchnorm._BatchNorm]:
-    """The BatchNorm layers in ``units`` that keep running statistics: what a recomputation must not update twice."""
-    return [
-        m
-        for unit in units
-        for m in unit.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-    ]
+    """The BatchNorm layers in ``units`` that keep running statistics: what a recomputation must not update twice.
+
+    Asked at every checkpointed forward, so it walks the modules' children directly (``nn.Module.modules()`` makes a
+    name for every module, which a block with dozens of layers pays for on every step)."""
+    found: list[nn.modules.batchnorm._BatchNorm] = []
+    seen: set[int] = set()
+    stack = list(reversed(units))
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+            found.append(module)
+        stack.extend(reversed([m for m in module._modules.values() if m is not None]))
+    return found
 
 
 class _FrozenBatchNormStats:
     """During recomputation, BatchNorm updates throw-away copies of its running statistics, not the real ones.
 
     Training-mode BatchNorm normalises with the batch's own statistics, so the recomputed output is the same; the
-    ops and saved tensors are the same too, which the non-reentrant checkpoint checks.
+    ops and saved tensors are the same too, which the non-reentrant checkpoint checks. The copies are put in and
+    taken out of each layer's ``_buffers`` directly: the same as assigning the buffer (``nn.Module.__setattr__``
+    would look for it among parameters and submodules first, a cost paid per layer per recomputed block).
     """
 
     def __init__(self, batchnorms: Sequence[nn.modules.batchnorm._BatchNorm]) -> None:
@@ -45,17 +56,19 @@ class _FrozenBatchNormStats:
     def __enter__(self) -> None:
         self._real = []
         for bn in self._bns:
-            real = [getattr(bn, name) for name in _STATS]
+            buffers = bn._buffers
+            real = [buffers.get(name) for name in _STATS]
             self._real.append(real)
             for name, buf in zip(_STATS, real, strict=True):
                 if buf is not None:
-                    setattr(bn, name, buf.clone())
+                    buffers[name] = buf.clone()
 
     def __exit__(self, *exc: object) -> None:
         for bn, real in zip(self._bns, self._real, strict=True):
+            buffers = bn._buffers
             for name, buf in zip(_STATS, real, strict=True):
                 if buf is not None:
-                    setattr(bn, name, buf)
+                    buffers[name] = buf
         self._real = []
 
 
