@@ -1,0 +1,323 @@
+"""Which modules hold a training step's memory: one forward and backward measured under saved-tensor hooks.
+
+Every tensor autograd saves for the backward pass is counted once (by its storage and device) and charged to the
+innermost module whose forward is running when it is saved: the modules' stack is kept by forward pre-hooks and
+forward hooks registered on every submodule for the measured step only, and removed in ``finally``. Parameters saved
+for the backward are weights, not activations, and are left out. At each module's forward end the running total is
+noted (on CUDA with ``torch.cuda.memory_allocated()``, a host counter that does not synchronise): the timeline of the
+step that the report draws.
+
+Nothing here runs during training that is not measured: the hooks exist only inside :class:`SavedTensorRecorder`.
+Torch only, no Lightning; the callback hands in the step to measure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memguard import _autograd
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[int, str]:
+    """A tensor's storage, as the allocator holds it: its address and device (views of one tensor share it)."""
+    return tensor.untyped_storage().data_ptr(), str(tensor.device)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages among ``tensors``, each counted once."""
+    seen: dict[tuple[int, str], int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            seen.setdefault(storage_key(t), t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+@dataclass
+class Forward:
+    """What one forward pass saved for its backward: bytes by module, and the events in the order saved.
+
+    Attributes:
+        saved: bytes charged to each module (the innermost running; ``""`` for code outside every module: the loss).
+        events: ``(module, bytes)`` per storage saved, in order.
+        marks: ``(module, events so far, allocated)`` at each module's forward end: the timeline's points.
+    """
+
+    saved: dict[str, int] = field(default_factory=dict)
+    events: list[tuple[str, int]] = field(default_factory=list)
+    marks: list[tuple[str, int, int | None]] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.saved.values())
+
+
+class SavedTensorRecorder:
+    """A context manager around forward passes (each ``with`` one :class:`Forward`): module hooks on every
+    submodule of ``model`` and saved-tensor hooks that hand each tensor on to the hooks already in force (the spill
+    emulator's, a checkpoint's), so recording changes nothing the step computes or keeps.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 2))
+        >>> recorder = SavedTensorRecorder(model)
+        >>> with recorder:
+        ...     model(torch.randn(8, 4)).sum().backward()
+        >>> sorted(recorder.largest().saved)  # the input saved by the first Linear, the ReLU's output
+        ['0', '1']
+    """
+
+    def __init__(self, model: nn.Module, names: dict[nn.Module, str] | None = None) -> None:
+        self.model = model
+        self.names = names if names is not None else {m: n for n, m in model.named_modules()}
+        self.forwards: list[Forward] = []
+        self._stack: list[str] = []
+        self._seen: set[tuple[int, str]] = set()
+        self._parameters: set[tuple[int, str]] = set()
+        self._handles: list[Any] = []
+        self._saved_hooks: Any = None
+        self._cuda = False
+
+    def __enter__(self) -> SavedTensorRecorder:
+        self._parameters = {storage_key(p) for p in self.model.parameters()}
+        self._seen = set()
+        self._stack = []
+        self._cuda = any(p.device.type == "cuda" for p in self.model.parameters()) and torch.cuda.is_available()
+        self.forwards.append(Forward())
+        try:
+            for module, name in self.names.items():
+                if module is self.model:
+                    continue
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
+                self._handles.append(module.register_forward_hook(self._post_hook(name), always_call=True))
+            outer = _autograd.saved_tensors_hooks_in_force()
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_pair(outer))
+            self._saved_hooks.__enter__()
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        if self._saved_hooks is not None:
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def largest(self) -> Forward:
+        """The forward pass that saved most (one per ``with``: a batch's largest micro-batch)."""
+        return max(self.forwards, key=lambda f: f.total, default=Forward())
+
+    # ------------------------------------------------------------------ hooks
+
+    def _pre_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if not _autograd.in_backward():  # a checkpoint's recomputation is not the forward
+                self._stack.append(name)
+
+        return hook
+
+    def _post_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if _autograd.in_backward():
+                return
+            if self._stack and self._stack[-1] == name:
+                self._stack.pop()
+            forward = self.forwards[-1]
+            allocated = torch.cuda.memory_allocated() if self._cuda else None
+            forward.marks.append((name, len(forward.events), allocated))
+
+        return hook
+
+    def _saved_pair(self, outer: Any) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+        outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+        def pack(tensor: torch.Tensor) -> Any:
+            self._count(tensor)
+            return outer_pack(tensor) if outer_pack is not None else tensor
+
+        def unpack(packed: Any) -> torch.Tensor:
+            return outer_unpack(packed) if outer_unpack is not None else packed
+
+        return pack, unpack
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        if _autograd.in_backward() or tensor.device.type == "meta":
+            return
+        key = storage_key(tensor)
+        if key in self._seen or key in self._parameters:
+            return
+        self._seen.add(key)
+        size = tensor.untyped_storage().nbytes()
+        module = self._stack[-1] if self._stack else ""
+        forward = self.forwards[-1]
+        forward.saved[module] = forward.saved.get(module, 0) + size
+        forward.events.append((module, size))
+
+
+@dataclass
+class StepMemory:
+    """A measured step's memory, in bytes.
+
+    Attributes:
+        weights: the model's parameters.
+        gradients: the parameters' gradients after the backward (or, where none were kept, the trainable ones').
+        optimizer: the tensors of the optimizers' state.
+        activations: what the forward saved for the backward (the largest micro-batch's, times ``scale``).
+        peak: the step's peak: measured on CUDA (``torch.cuda.max_memory_allocated``), else the sum of the parts.
+        peak_measured: whether ``peak`` was measured (CUDA) rather than summed.
+        forward: the largest forward pass's record.
+        classes: each module's class name.
+        blocks: the model's blocks as ``checkpoint_blocks`` finds them (empty where it finds none).
+        vocabularies: names of ``nn.Linear`` modules with at least 32k outputs (a vocabulary's logits).
+        scale: the activations measured on a part of the batch were multiplied by this (1: the whole batch).
+        samples: samples in the measured batch (or part), where known.
+        device: where the step ran.
+    """
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    peak: int
+    peak_measured: bool
+    forward: Forward
+    classes: dict[str, str]
+    blocks: list[str]
+    vocabularies: list[str]
+    scale: int = 1
+    samples: int | None = None
+    device: str = "cpu"
+
+
+OUTSIDE_LABEL = "(outside any module: the loss)"  # how reports name code outside every module
+VOCABULARY = 32_000  # a Linear with this many outputs or more computes a vocabulary's logits
+
+
+def model_facts(model: nn.Module) -> tuple[dict[str, str], list[str], list[str]]:
+    """Each module's class, the blocks ``checkpoint_blocks`` would find, and the vocabulary-sized Linear layers."""
+    from lightning_memguard.checkpointing.families import find_units
+
+    classes = {name: type(m).__name__ for name, m in model.named_modules()}
+    try:
+        blocks = [name for name, _ in find_units(model)]
+    except (ValueError, TypeError):
+        blocks = []
+    vocabularies = [
+        name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features >= VOCABULARY
+    ]
+    return classes, blocks, vocabularies
+
+
+def resting_bytes(model: nn.Module, optimizers: list[Any]) -> tuple[int, int, int]:
+    """Weights, gradients (or trainable parameters where no gradient is kept) and optimizer state, in bytes."""
+    parameters = list(model.parameters())
+    weights = storage_bytes(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    gradients = storage_bytes(grads) if grads else storage_bytes([p for p in parameters if p.requires_grad])
+    state: list[torch.Tensor] = []
+    for optimizer in optimizers:
+        for entry in getattr(optimizer, "state", {}).values():
+            if isinstance(entry, dict):
+                state.extend(v for v in entry.values() if isinstance(v, torch.Tensor))
+    return weights, gradients, storage_bytes(state)
+
+
+@contextlib.contextmanager
+def step_undone(model: nn.Module) -> Iterator[None]:
+    """A measured step leaves no trace: the gradients (the same tensors, put back), the buffers (BatchNorm's
+    statistics) and the random number generators (of the CPU and the model's CUDA devices) as they were."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    cuda = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"})
+    for p, _ in grads:
+        p.grad = None
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, kept in buffers:
+                b.copy_(kept)
+        for p, grad in grads:
+            p.grad = grad
+
+
+def measure_step(
+    model: nn.Module,
+    run: Callable[[], Any],
+    optimizers: list[Any] | None = None,
+    scale: int = 1,
+    samples: int | None = None,
+) -> StepMemory:
+    """One forward (``run()``, returning the loss or a dict with ``"loss"``) and its backward, measured, then undone
+    (:func:`step_undone`): the model's gradients, buffers and generators are as before.
+
+    On CUDA the allocator's peak is reset for the step (the caller resets or reads its own peak around it).
+    ``scale``: the batch measured is a ``1/scale`` part of the one that ran (after an out-of-memory error): the
+    activations are multiplied by it.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 2))
+        >>> memory = measure_step(model, lambda: model(torch.randn(8, 4)).sum())
+        >>> memory.activations == memory.forward.total, memory.peak == memory.weights * 2 + memory.activations
+        (True, True)
+        >>> all(p.grad is None for p in model.parameters())
+        True
+    """
+    optimizers = optimizers or []
+    classes, blocks, vocabularies = model_facts(model)
+    cuda = any(p.device.type == "cuda" for p in model.parameters()) and torch.cuda.is_available()
+    device = next((str(p.device) for p in model.parameters()), "cpu")
+    recorder = SavedTensorRecorder(model)
+    with step_undone(model):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        with recorder:
+            output = run()
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.backward()
+        del output, loss
+        weights, gradients, optimizer = resting_bytes(model, optimizers)
+        peak = torch.cuda.max_memory_allocated() if cuda else None
+    forward = recorder.largest()
+    return assemble(forward, weights, gradients, optimizer, peak, classes, blocks, vocabularies, scale, samples, device)
+
+
+def assemble(
+    forward: Forward,
+    weights: int,
+    gradients: int,
+    optimizer: int,
+    peak: int | None,
+    classes: dict[str, str],
+    blocks: list[str],
+    vocabularies: list[str],
+    scale: int = 1,
+    samples: int | None = None,
+    device: str = "cpu",
+) -> StepMemory:
+    """The figures of a step put together: activations scaled, the peak the measured one or the sum of the parts."""
+    if scale > 1:
+        forward = Forward(
+            {k: v * scale for k, v in forward.saved.items()},
+            [(m, b * scale) for m, b in forward.events],
+            [(m, n, a) for m, n, a in forward.marks],
+        )
+    activations = forward.total
+    parts = weights + gradients + optimizer + activations
+    measured = peak is not None and scale == 1
+    return StepMemory(
+        weights, gradients, optimizer, activations, peak if measured and peak is not None else parts,
+        measured, forward, classes, blocks, vocabularies, scale, samples, device,
+    )  # fmt: skip

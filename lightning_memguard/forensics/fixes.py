@@ -1,0 +1,111 @@
+"""The fix a memory report names, as rules on the measured figures: each rule a small function, pure (no torch).
+
+A rule looks at the step's split and its top modules and answers a sentence, or None where it does not apply. The
+report lists every rule that applies, in this order: checkpoint the blocks holding the activations; compute a large
+vocabulary's logits and loss in chunks; a lighter optimizer state or sharding; a smaller micro-batch (always).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+OPTIMIZER_SHARE = 1 / 3  # optimizer state above this share of the peak is the thing to shrink
+OUTSIDE = ""  # the name of code outside every module (the loss, functional code in training_step)
+
+
+def enclosing_blocks(modules: Sequence[str], blocks: Sequence[str]) -> list[str]:
+    """The blocks (in ``blocks``' order) that are, or hold, one of ``modules``.
+
+    Example:
+        >>> enclosing_blocks(["layer1.0.conv1", "fc", "layer2.1"], ["layer1.0", "layer1.1", "layer2.1"])
+        ['layer1.0', 'layer2.1']
+    """
+    return [b for b in blocks if any(m == b or m.startswith(b + ".") for m in modules)]
+
+
+def checkpoint_fix(top: Sequence[str], blocks: Sequence[str]) -> str | None:
+    """The top modules sit in blocks that ``checkpoint_blocks`` finds: checkpoint those.
+
+    Example:
+        >>> print(checkpoint_fix(["layer1.0.conv1"], ["layer1.0", "layer1.1"]))  # doctest: +NORMALIZE_WHITESPACE
+        checkpoint the blocks holding them (layer1.0): ActivationCheckpointing(units=["layer1.0"]), or every block
+        with ActivationCheckpointing()
+        >>> checkpoint_fix(["head"], ["layer1.0"]) is None
+        True
+    """
+    found = enclosing_blocks(top, blocks)
+    if not found:
+        return None
+    quoted = ", ".join(f'"{b}"' for b in found)
+    return (
+        f"checkpoint the blocks holding them ({', '.join(found)}): ActivationCheckpointing(units=[{quoted}]), or"
+        " every block with ActivationCheckpointing()"
+    )
+
+
+def vocabulary_fix(top: Sequence[str], vocabularies: Sequence[str]) -> str | None:
+    """A Linear of a vocabulary's size (32k outputs or more) whose logits, kept by the loss outside the modules or
+    by the layers after it, are among the largest: compute the logits and the loss in chunks.
+
+    Example:
+        >>> vocabulary_fix(["", "blocks.0.mlp"], ["lm_head"]).startswith("compute the logits of lm_head and the loss")
+        True
+        >>> vocabulary_fix(["blocks.0.mlp"], ["lm_head"]) is None, vocabulary_fix([""], []) is None
+        (True, True)
+    """
+    if not vocabularies or not any(m == OUTSIDE or m in vocabularies for m in top):
+        return None
+    return (
+        f"compute the logits of {', '.join(vocabularies)} and the loss in chunks of the sequence (a chunked"
+        " cross-entropy), so that a vocabulary's logits never exist for the whole batch at once"
+    )
+
+
+def optimizer_fix(optimizer: int, peak: int) -> str | None:
+    """Optimizer state above a third of the peak: a lighter state or sharding.
+
+    Example:
+        >>> optimizer_fix(40, 100) is not None, optimizer_fix(30, 100) is None
+        (True, True)
+    """
+    if peak <= 0 or optimizer <= peak * OPTIMIZER_SHARE:
+        return None
+    return (
+        f"the optimizer state holds {optimizer / peak:.0%} of the peak: a lighter state (8-bit Adam, SGD with"
+        " momentum) or sharding it over the GPUs (FSDPStrategy, ModelParallelStrategy)"
+    )
+
+
+def micro_batch_fix(advice: str | None = None) -> str:
+    """A smaller micro-batch, with MemGuard's own figures where a run gave them.
+
+    Example:
+        >>> micro_batch_fix().startswith("a smaller micro-batch")
+        True
+    """
+    fix = "a smaller micro-batch with gradient accumulation for the same effective batch (AccumulationTuner)"
+    return f"{fix}. {advice}" if advice else fix
+
+
+def fixes(
+    top: Sequence[str],
+    blocks: Sequence[str],
+    vocabularies: Sequence[str],
+    optimizer: int,
+    peak: int,
+    advice: str | None = None,
+) -> list[str]:
+    """Every fix that applies, the most targeted first; the smaller micro-batch always last.
+
+    Example:
+        >>> fixes(["layer1.0.conv1"], ["layer1.0"], [], 0, 100)[0].startswith("checkpoint the blocks")
+        True
+        >>> len(fixes(["fc"], [], [], 0, 100))
+        1
+    """
+    found = [
+        checkpoint_fix(top, blocks),
+        vocabulary_fix(top, vocabularies),
+        optimizer_fix(optimizer, peak),
+    ]
+    return [f for f in found if f is not None] + [micro_batch_fix(advice)]
