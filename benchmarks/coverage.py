@@ -42,6 +42,7 @@ import copy
 import gc
 import inspect
 import os
+import platform
 import random
 import signal
 import sys
@@ -66,6 +67,7 @@ from _common import environment, write_json  # noqa: E402
 from lightning_memguard.checkpointing import checkpoint_blocks  # noqa: E402
 from lightning_memguard.checkpointing.families import find_units  # noqa: E402
 
+MORE_THAN_SWITCH = 1.05  # ours over the switch's bytes kept: above this, listed
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "coverage.json")
 FAST = (  # one of each kind: (library, model)
     ("timm", "test_resnet"),  # a ResNet
@@ -82,7 +84,8 @@ BATCH = 2
 TOKENS = 16
 CLASSES = 10
 SECONDS = 60.0  # per model, building and all three passes
-LARGE = 50_000_000  # parameters: a timm model above this is built with 2 blocks where its constructor takes `depth`
+LARGE = 50_000_000  # parameters: a timm model above this is built with 2 blocks where its constructor takes `depth`;
+# a Hugging Face model whose tiny config fails is built with its own widths (only its layers cut) up to this
 
 
 class TimedOut(Exception):
@@ -311,58 +314,76 @@ def hf_choices() -> dict[str, str]:
     return dict(sorted(chosen.items()))
 
 
-def shrink(values: dict[str, Any]) -> dict[str, Any]:
-    """A config's values with every size small; nested configs (dicts) shrunk the same way."""
+def shrink(values: dict[str, Any], widths: bool = True) -> dict[str, Any]:
+    """A config's values with every size small (``widths=False``: only the number of layers, stages and experts);
+    nested configs (dicts) shrunk the same way."""
     out = dict(values)
     heads = None
     for key, value in values.items():
-        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
-            out[key] = shrink(value)
+        if key == "per_layer_config" and isinstance(value, dict):  # by layer index: the layers left
+            out[key] = {k: v for k, v in value.items() if str(k).isdigit() and int(k) < 2}
+        elif isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
+            out[key] = shrink(value, widths)
         elif isinstance(value, bool) or not isinstance(value, int | list | tuple):
             continue
         elif key in LAYERS and isinstance(value, int):
             out[key] = min(value, 2)
+        elif key in EXPERTS and isinstance(value, int):
+            out[key] = min(value, 4)
+        elif key in ("num_experts_per_tok", "top_k", "moe_topk") and isinstance(value, int):
+            out[key] = min(value, 2)
+        elif key in ("depths", "num_layers_per_block") and isinstance(value, list | tuple):
+            out[key] = [min(int(v), 1) for v in value]
+        elif key in ("out_features", "out_indices", "stage_names"):
+            out.pop(key)  # a backbone's stages: its defaults, for the stages left
+        elif not widths:
+            continue
         elif key in HIDDEN and isinstance(value, int):
             out[key] = min(value, 64)
         elif key in HEADS and isinstance(value, int):
             heads = out[key] = min(value, 4)
-        elif key in HEADS and isinstance(value, list | tuple):  # per stage (Swin): one head less per 4 channels
+        elif key in HEADS and isinstance(value, list | tuple):  # per stage (Swin)
             out[key] = [min(int(v), 2) for v in value]
         elif key in ("hidden_sizes", "embed_dims") and isinstance(value, list | tuple):
             out[key] = [min(int(v), 32 * 2**i) for i, v in enumerate(value)]
         elif key in INTERMEDIATE and isinstance(value, int):
             out[key] = min(value, 64)
-        elif key in EXPERTS and isinstance(value, int):
-            out[key] = min(value, 4)
-        elif key in ("num_experts_per_tok", "top_k", "moe_topk") and isinstance(value, int):
-            out[key] = min(value, 2)
         elif key in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim") and isinstance(value, int):
             out[key] = min(value, 16)
         elif key in ("kv_lora_rank", "q_lora_rank") and isinstance(value, int):
             out[key] = min(value, 32)
-        elif key in ("depths", "num_layers_per_block") and isinstance(value, list | tuple):
-            out[key] = [min(int(v), 1) for v in value]
-        elif key in ("out_features", "out_indices", "stage_names"):
-            out.pop(key)  # a backbone's stages: its defaults, for the stages left
     layers = next((values[k] for k in LAYERS if isinstance(values.get(k), int) and values[k] > 2), None)
     for key, value in values.items():  # one entry per layer (layer types, per-layer limits): the first two
         if layers and key in out and isinstance(value, list | tuple) and len(value) == layers:
             out[key] = list(value[:2])
+    if not widths:
+        return out
     heads = heads or 4
     if isinstance(values.get("num_key_value_heads"), int):
         original = values.get("num_attention_heads") or values["num_key_value_heads"]
         out["num_key_value_heads"] = heads if values["num_key_value_heads"] >= original else min(2, heads)
+    hidden = next((out[k] for k in HIDDEN if isinstance(out.get(k), int)), 64)
+    head_dim = max(hidden // heads, 8)
     if isinstance(values.get("head_dim"), int):
-        hidden = next((out[k] for k in HIDDEN if isinstance(out.get(k), int)), 64)
-        out["head_dim"] = max(hidden // heads, 8)
+        out["head_dim"] = head_dim
+    if isinstance(values.get("rotary_dim"), int):  # GPT-J, CodeGen: rotary embedding on part of each head
+        out["rotary_dim"] = min(values["rotary_dim"], head_dim)
+    for key in ("rope_parameters", "rope_scaling"):  # multimodal rotary sections: they sum to half a head
+        rope = values.get(key)
+        if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list | tuple) and rope["mrope_section"]:
+            sections, half = [int(v) for v in rope["mrope_section"]], head_dim // 2
+            scaled = [v * half // max(sum(sections), 1) for v in sections]
+            scaled[-1] += half - sum(scaled)
+            out[key] = {**rope, "mrope_section": scaled}
     return out
 
 
-def hf_config(model_type: str) -> Any:
+def hf_config(model_type: str, widths: bool = True) -> Any:
+    """The type's config with its sizes shrunk (:func:`shrink`), ``use_cache`` off."""
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    values = shrink(config_class().to_dict())
+    values = shrink(config_class().to_dict(), widths)
     for key in ("transformers_version", "architectures", "model_type", "_name_or_path"):
         values.pop(key, None)
     config = config_class(**values)
@@ -399,14 +420,33 @@ def hf_inputs(model: nn.Module, config: Any) -> dict[str, torch.Tensor]:
 
 
 def build_hf(model_type: str) -> tuple[nn.Module, dict[str, Any]]:
-    """The architecture's model from a tiny config (seed 0), and the inputs it runs on."""
+    """The architecture's model from a tiny config (seed 0), and the inputs it runs on. Where the tiny config cannot
+    be built or fed, one with only its layers cut to two, if that has at most ``LARGE`` parameters; the tiny
+    config's error where neither runs."""
+    error: Exception | None = None
+    for widths in (True, False):
+        try:
+            return _build_hf(model_type, widths)
+        except TimedOut:
+            raise
+        except Exception as e:
+            error = error or e
+    raise error  # type: ignore[misc]
+
+
+def _build_hf(model_type: str, widths: bool) -> tuple[nn.Module, dict[str, Any]]:
     import transformers
 
-    class_name = hf_choices()[model_type]
+    model_class = getattr(transformers, hf_choices()[model_type])
     try:
-        config = hf_config(model_type)
+        config = hf_config(model_type, widths)
+        if not widths:
+            with torch.device("meta"):
+                count = sum(p.numel() for p in model_class(config).parameters())
+            if count > LARGE:
+                raise RuntimeError(f"{count / 1e6:.0f}M parameters with its own widths")
         torch.manual_seed(0)
-        model = getattr(transformers, class_name)(config)
+        model = model_class(config)
     except Exception as e:
         raise RuntimeError(f"could not build from a tiny config: {first_line(e)}") from e
     every = hf_inputs(model, config)
@@ -557,15 +597,23 @@ def reason(row: dict[str, Any]) -> str | None:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per library: how many models were built and fed, covered, have a switch of their own (and of those, how many
+    are covered: the goal), every model not covered with its reason, and where ours keeps more than the switch."""
     out: dict[str, Any] = {}
     for library in ("timm", "hf"):
         mine = [r for r in rows if r["library"] == library]
-        switched = [r for r in mine if r.get("switch")]
+        built = [r for r in mine if "error" not in r]
+        switched = [r for r in built if r.get("switch")]
         out[library] = {
             "models": len(mine),
+            "built": len(built),
             "covered": sum(r["covered"] for r in mine),
             "with_switch": len(switched),
             "with_switch_covered": sum(r["covered"] for r in switched),
+            "with_switch_not_covered": {r["model"]: r["reason"] for r in switched if not r["covered"]},
+            "keeps_more_than_switch": {
+                r["model"]: r["ratio_vs_switch"] for r in built if (r.get("ratio_vs_switch") or 0) > MORE_THAN_SWITCH
+            },
             "not_covered": {r["model"]: r["reason"] for r in mine if not r["covered"]},
         }
     return out
@@ -587,30 +635,61 @@ def selection(only: str | None, models: list[str] | None, fast: bool) -> list[tu
     return chosen
 
 
+INTRO = """\
+# Which models are checkpointed, and train exactly as before
+
+[Back to the README](../README.md) · [measured](measured.md)
+
+One small model of every timm architecture family (each module of `timm.models` that registers models: its `test_`
+model, else its smallest) and of every Hugging Face architecture in transformers' auto mappings that builds from a
+tiny config (2 layers, hidden 64, 4 heads) without downloads, each with every block checkpointed
+(`checkpoint_blocks(model)`) and trained one step on the CPU beside the plain model, from the same seed, dropout and
+stochastic depth on. A model is **covered** when blocks are found, every gradient and buffer is bit-identical to the
+plain model's, the `state_dict` keys are unchanged, and it keeps fewer bytes for backward. "kept MB" is what the
+forward leaves alive for backward (every tensor it made, parameters and buffers aside), plain / ours / the family's
+own switch (timm's `set_grad_checkpointing(True)`, Hugging Face's `gradient_checkpointing_enable`); "switch" says
+whether the family has one (for timm: it runs and keeps less). The goal: every model with a switch covered. A model
+that this benchmark could not build or feed says why; it is a limit of the benchmark's generic configs and inputs,
+not of the library. `benchmarks/coverage.py` says how each figure is made; the rows are in
+`benchmarks/results/coverage.json`; the lines below are its `--table`.
+"""
+
+
 def table(result: dict[str, Any]) -> str:
-    """The markdown table of docs/coverage.md: one line per model, the uncovered first within each library."""
+    """docs/coverage.md: what the table is, the command, machine and date, each library's counts, and one line per
+    model, those not covered first."""
 
     def mb(n: int | None) -> str:
         return "" if n is None else f"{n / 2**20:.2f}"
 
-    lines = []
+    env = result["environment"]
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "timm", "transformers") if env.get(k))
+    lines = [
+        INTRO,
+        f"Made by `{result['command']}` on {env.get('machine', 'the CPU')}, {versions}, {env['date']}.",
+        "",
+    ]
     for library, title in (("timm", "timm"), ("hf", "Hugging Face transformers")):
         rows = [r for r in result["rows"] if r["library"] == library]
         if not rows:
             continue
         s = result["summary"][library]
+        more = ", ".join(f"{m} ({ratio})" for m, ratio in s["keeps_more_than_switch"].items()) or "none"
         lines += [
-            f"### {title}: {s['covered']} of {s['models']} covered; of the {s['with_switch']} with a switch of "
-            f"their own, {s['with_switch_covered']}",
+            f"## {title}",
+            "",
+            f"{s['models']} models, {s['built']} built and fed; {s['covered']} covered. Of the {s['with_switch']} "
+            f"with a switch of their own, {s['with_switch_covered']} covered. Ours keeps more than "
+            f"{MORE_THAN_SWITCH}x the switch's bytes on: {more}.",
             "",
             "| family | model | switch | blocks | same gradients | same buffers | kept MB plain / ours / switch "
-            "| ours / switch | covered or why not |",
+            "| ours / switch | covered, or why not |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
-        for r in sorted(rows, key=lambda r: (r["covered"], r.get("family") or "", r["model"])):
+        for r in sorted(rows, key=lambda r: ("error" in r, r["covered"], r.get("family") or "", r["model"])):
             kept = r.get("kept_bytes", {})
             figures = " / ".join(mb(kept.get(k)) for k in ("plain", "ours", "switch")) if kept else ""
-            status = "yes" if r["covered"] else (r["reason"] or "").replace("|", "/")
+            status = "yes" if r["covered"] else (r["reason"] or "").replace("|", "/").replace("`", "'")
             lines.append(
                 f"| {r.get('family', '')} | {r['model']} | {yes(r.get('switch'))} | {r.get('blocks', '')} "
                 f"| {yes(r.get('same_gradients'))} | {yes(r.get('same_buffers'))} | {figures} "
@@ -632,13 +711,13 @@ def main() -> None:
     parser.add_argument("--out", default=OUT)
     parser.add_argument("--seconds", type=float, default=SECONDS, help="the most one model may take")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as torch chooses)")
-    parser.add_argument("--table", action="store_true", help="print the markdown table from --out and stop")
+    parser.add_argument("--table", action="store_true", help="print docs/coverage.md from --out and stop")
     args = parser.parse_args()
     if args.table:
         import json
 
         with open(args.out, encoding="utf-8") as f:
-            print(table(json.load(f)))
+            print(table(json.load(f)), end="")
         return
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -653,6 +732,7 @@ def main() -> None:
         import transformers
 
         result["environment"].update(timm=timm.__version__, transformers=transformers.__version__)
+    result["environment"]["machine"] = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores"
     for i, (library, name) in enumerate(chosen):
         row = examine(library, name, args.seconds)
         result["rows"].append(row)
