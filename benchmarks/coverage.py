@@ -660,7 +660,7 @@ def table(result: dict[str, Any]) -> str:
     model, those not covered first."""
 
     def mb(n: int | None) -> str:
-        return "" if n is None else f"{n / 2**20:.2f}"
+        return "-" if n is None else f"{n / 2**20:.2f}"
 
     env = result["environment"]
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "timm", "transformers") if env.get(k))
