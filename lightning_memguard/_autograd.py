@@ -17,6 +17,9 @@ tensors, and the saved-tensor hooks in force, which torch offers no public way t
   again there is a checkpoint's recomputation, whose graph backward never runs through.
 - :func:`at_backward_end`: a call queued to run once the backward pass now running is done
   (``Variable._execution_engine.queue_callback``, as FSDP and DDP queue theirs), in the order queued.
+- :func:`record_memory_history`, :func:`dump_memory_snapshot`: the CUDA allocator's history, recorded and written
+  for PyTorch's memory viewer (``torch.cuda.memory._record_memory_history``, ``_dump_snapshot``): MemGuard's
+  ``record_memory=True`` and its reports' snapshot.
 
 A torch release that renames one of them breaks here and nowhere else; where a node's attribute or the hooks'
 reader is missing, the functions answer None (nothing saved, no hooks), so the rebuild keeps the tensor as autograd
@@ -78,3 +81,18 @@ def in_backward() -> bool:
 def at_backward_end(fn: Callable[[], None]) -> None:
     """Queue ``fn`` to run when the backward pass now running ends, after the callbacks queued before it."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+
+
+def record_memory_history(max_entries: int | None) -> None:
+    """Record the CUDA allocator's history (its latest ``max_entries`` events, with stack traces), or stop with
+    None (``torch.cuda.memory._record_memory_history``: private, the source of PyTorch's memory viewer)."""
+    if max_entries is None:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    else:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """Write the allocator's recorded history to ``path``, a pickle that https://pytorch.org/memory_viz opens
+    (``torch.cuda.memory._dump_snapshot``)."""
+    torch.cuda.memory._dump_snapshot(path)

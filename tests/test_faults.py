@@ -57,7 +57,9 @@ def full_disk(monkeypatch, trainer) -> None:
 
 
 def files_under(folder) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in pathlib.Path(folder).rglob("*") if p.is_file())
+    """The files under ``folder``, but the memory reports beside a spill checkpoint (tests/test_memguard_reports.py)."""
+    found = [p for p in pathlib.Path(folder).rglob("*") if p.is_file() and not p.name.startswith("memguard-report-")]
+    return sorted(str(p.relative_to(folder)) for p in found)
 
 
 # ---------------------------------------------------------------- the spill checkpoint

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch.distributed as dist
 from lightning.pytorch import Trainer
@@ -40,16 +41,20 @@ class SpillResponse:
         self._at_batch_end = False  # "stop" was agreed at a batch's start: act when that batch has trained
         self._warned = False  # the stop's warning was given
         self.cannot_adapt: str | None = None  # with on_spill="adapt": why the run could not go on adapted
+        self.report_note: str | None = None  # the memory report's path and verdict, once written
+        # measures now and returns the report's note, where none was written before the stop: set by MemGuard
+        self.before_act: Callable[[Trainer], str] | None = None
 
     @property
     def acts(self) -> bool:
         """Whether a spill stops the run (``"raise"`` or ``"stop"``), rather than only warning."""
         return self.on_spill != "warn"
 
-    def found(self, report: SpillReport, batch: int | None) -> None:
-        """A spill was found on this rank (once a fit): ``"warn"`` warns now; the others act at a batch start."""
+    def found(self, report: SpillReport, batch: int | None, note: str = "") -> None:
+        """A spill was found on this rank (once a fit): ``"warn"`` warns (with the memory report's ``note``); the
+        others act at a batch start."""
         if not self.acts:
-            rank_zero_warn(format_spill_message(report, batch), category=RuntimeWarning)
+            rank_zero_warn(format_spill_message(report, batch) + note, category=RuntimeWarning)
 
     def agreed(self, trainer: Trainer, spill: SpillReport | None, vote: StopVote | None, batch: int | None) -> None:
         """Every rank agreed at this batch's start. ``"raise"`` saves and raises now: the batch does not train, and the
@@ -83,6 +88,8 @@ class SpillResponse:
     ) -> None:
         """Every rank arrives here at the same step: save if there is progress to keep, then raise or stop.
         ``after_batch``: at the end of the batch during which the stop was agreed (it trained, and is saved)."""
+        if self.report_note is None and self.before_act is not None:
+            self.report_note = self.before_act(trainer)
         saved = self.checkpoint_path is not None or self.checkpoint_error is not None
         if not saved and self.spill_checkpoint is not False and trainer.global_step > 0:
             chosen = None if self.spill_checkpoint is True else self.spill_checkpoint
@@ -111,6 +118,8 @@ class SpillResponse:
             message += f"\nNo checkpoint was kept: {self.checkpoint_error}."
         if self.cannot_adapt is not None:
             message += f"\nMemGuard(on_spill='adapt') could not adapt: {self.cannot_adapt}."
+        if self.report_note:
+            message += self.report_note
         if self.on_spill == "raise":
             raise SysmemSpillError(message, spill, self.checkpoint_path)
         if not self._warned:

@@ -15,6 +15,7 @@ from lightning_memguard import _compiler
 from lightning_memguard.callbacks._agreement import StopVote
 from lightning_memguard.callbacks._batches import loader_parts, loader_paths, samples_in
 from lightning_memguard.callbacks._epoch_report import epoch_record, log_epoch
+from lightning_memguard.callbacks._memory_report import MemoryReports
 from lightning_memguard.callbacks._prevention import AllocatorCap, notice_platform, run_preflight
 from lightning_memguard.callbacks._spill_response import SpillResponse
 from lightning_memguard.core.capacity import judged_capacity
@@ -105,6 +106,18 @@ class MemGuard(Callback):
             string). On Windows MemGuard reads how much of this process's GPU memory the driver counts in system RAM
             (Task Manager's "Shared GPU memory", through pywin32); beyond what was there at fit start, what PyTorch
             pins (``pin_memory=True`` loaders) and this, it is a spill.
+        memory_report: on a spill, an out-of-memory error, allocator thrash (PyTorch's allocator retrying
+            allocations after freeing its cache, read with MemGuard's memory readings) and each adaptation, write a
+            report of which modules hold the step's memory beside the spill checkpoint
+            (``memguard-report-step=<N>-<why>.json`` and ``.html``; see :attr:`reports`), and name it in the message.
+            It costs nothing until then: one step is measured when the report is wanted (the batch in flight as it
+            trains, or the batch in hand redone and undone).
+        record_memory: record the CUDA allocator's history (``torch.cuda.memory._record_memory_history``, the
+            latest 100,000 events with their stack traces) from fit start to teardown, and write it with each report
+            as ``<stem>.pickle`` for PyTorch's memory viewer (https://pytorch.org/memory_viz). It costs every
+            allocation a stack trace: [LEAD: fill in the measured overhead from benchmarks/results/forensics.json]
+            of the step time on ResNet50; off by default. On a device other than CUDA it warns once and records
+            nothing.
 
     ``on_spill="adapt"``: instead of stopping, the run goes on in a configuration that fits, from the batch at which
     every rank agreed on the spill (the steps that spilled trained correctly, only slowly: they are kept), or, for
@@ -160,6 +173,8 @@ class MemGuard(Callback):
         offload: int | str = 0,
         adapt_batchnorm: bool = False,
         grow_every: int = 200,
+        memory_report: bool = True,
+        record_memory: bool = False,
     ) -> None:
         if not isinstance(spill_checkpoint, bool | str | os.PathLike) or not os.fspath(
             "." if isinstance(spill_checkpoint, bool) else spill_checkpoint
@@ -188,11 +203,17 @@ class MemGuard(Callback):
         check_bool("adapt_batchnorm", adapt_batchnorm)
         self.adapt_batchnorm = adapt_batchnorm
         self.grow_every = check_int("grow_every", grow_every, 1)
+        check_bool("memory_report", memory_report)
+        check_bool("record_memory", record_memory)
+        self.memory_report = memory_report
+        self.record_memory = record_memory
         self._user_probe = probe
         self._clock = clock
 
         # MemGuard is a shell over its parts: the timeline (steps, the detector, the spill; made at fit start), the
-        # epoch report, the response to a spill, and the guards before training (the cap, the notice, the preflight)
+        # epoch report, the response to a spill, the memory reports, and the guards before training (the cap, the
+        # notice, the preflight)
+        self._reports = MemoryReports(memory_report, record_memory, spill_checkpoint)
         self._response = self._new_response()
         self._cap = AllocatorCap(self.prevent_margin)
         self._adapter: RunAdapter | None = self._new_adapter()
@@ -225,6 +246,11 @@ class MemGuard(Callback):
         return list(self._adapter.adaptations) if self._adapter is not None else []
 
     @property
+    def reports(self) -> list[str]:
+        """The memory reports this fit wrote, in order: each one's JSON file (its page is beside it, ``.html``)."""
+        return list(self._reports.paths)
+
+    @property
     def spill(self) -> SpillReport | None:
         """The spill this fit found on this rank (None before one is found, and at the start of every fit)."""
         return self._timeline.spill if self._timeline is not None else None
@@ -255,6 +281,7 @@ class MemGuard(Callback):
         self._timeline = StepTimeline(detector=detector, read_every=self.read_every)
         self._compiles = _compiler.CompileWatch()
         self._vote = StopVote(trainer.strategy.root_device, trainer.world_size)
+        self._reports.start(trainer)
         # the first reading sets up NVML and Windows' counters (milliseconds): here, not inside a training step; what
         # Windows already counts in system RAM for this process is its baseline
         detector.set_baseline(probe.read())
@@ -269,14 +296,17 @@ class MemGuard(Callback):
         self._start_readings(trainer)
         if self._adapter is not None:  # after the tuners' trials: they train steps of their own
             self._adapter.start(trainer, pl_module)
+        self._reports.adaptations_seen = len(self.adaptations)  # a resumed run's earlier ones are reported
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start_readings(trainer)
+        self._reports.epoch_start()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         # every training step passes here: a clock read, the batch's size and the timeline's two appends; now and
         # then memory is read
         now = self._clock()
+        self._reports.batch_start(batch, batch_idx)  # a reference, for a report on this batch
         timeline = self._timeline
         if timeline is None:
             return
@@ -288,13 +318,20 @@ class MemGuard(Callback):
             stop = timeline.spill is not None and self._response.acts
             if vote.cast(stop) if vote.distributed else stop:
                 if not self._adapted(trainer, pl_module, batch):
+                    if self._response.on_spill == "stop" and self._reports.can_arm:  # measured as the batch trains
+                        self._reports.arm(trainer, pl_module, "spill", self._response_noted)
                     self._response.agreed(trainer, self.spill, vote, self._batch())  # "raise" now, "stop" at batch end
             elif self._adapter is not None:
                 self._grow(trainer)
+        if self._adapter is not None and len(self._adapter.adaptations) > self._reports.adaptations_seen:
+            self._reports.adaptations_seen = len(self._adapter.adaptations)
+            if self._reports.can_arm:  # the first step in the new configuration
+                self._reports.arm(trainer, pl_module, "adaptation", _adapted_step_said)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._reports.batch_end(trainer, pl_module, batch, batch_idx)  # a report armed on it: written, said
         self._response.batch_end(trainer, self.spill, self._vote, self._batch())
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -343,9 +380,11 @@ class MemGuard(Callback):
         self._cap.release(trainer.strategy.root_device)
         if self._adapter is not None:
             self._adapter.stop()
+        self._reports.stop()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._cap.explain(exception)
+        self._reports.out_of_memory(trainer, pl_module, exception)
 
     def state_dict(self) -> dict[str, Any]:
         timeline = self._timeline
@@ -379,9 +418,26 @@ class MemGuard(Callback):
 
     def _new_response(self) -> SpillResponse:
         # "adapt" stops as "stop" does where it cannot adapt
-        return SpillResponse(
+        response = SpillResponse(
             "stop" if self.on_spill == "adapt" else self.on_spill, self.spill_checkpoint, self.headroom
         )
+        response.before_act = self._report_now
+        return response
+
+    def _report_now(self, trainer: Trainer) -> str:
+        """A spill stops the run and no report was armed on a training batch: measure the batch in hand now."""
+        return self._reports.now(trainer, trainer.lightning_module, "spill")
+
+    def _response_noted(self, note: str) -> None:
+        self._response.report_note = note
+
+    def _report(self, trainer: Trainer, why: str, then: Callable[[str], None]) -> None:
+        """A report on the batch in flight as it trains, else on the batch in hand now; ``then(note)`` when
+        written (at once, with no note, where reports are off)."""
+        if self._reports.can_arm:
+            self._reports.arm(trainer, trainer.lightning_module, why, then)
+        else:
+            then(self._reports.now(trainer, trainer.lightning_module, why))
 
     def _new_adapter(self) -> RunAdapter | None:
         if self.on_spill != "adapt":
@@ -450,11 +506,17 @@ class MemGuard(Callback):
         reading = self._require_probe().read()
         if reading.allocated_now is not None:  # read between steps: what the next step starts from
             self._response.allocated_now = reading.allocated_now
+        if self._reports.retries_grew(reading.alloc_retries):
+            self._report(trainer, "thrash", lambda note: _thrash_said(reading, note))
         timeline = self._timeline
         if timeline is not None:
             report = timeline.judge(reading, trainer.global_step)
             if report is not None:  # once a fit: detection stops when a spill is recorded
-                self._response.found(report, self._batch())
+                batch, response = self._batch(), self._response
+                if response.acts:
+                    response.found(report, batch)
+                else:  # "warn": the warning names the report
+                    self._report(trainer, "spill", lambda note: response.found(report, batch, note))
         return reading
 
     def _batch(self) -> int | None:
@@ -474,3 +536,17 @@ class MemGuard(Callback):
         if self._probe is None:
             self._probe = self._user_probe if self._user_probe is not None else probe_for(torch.device("cpu"))
         return self._probe
+
+
+def _thrash_said(reading: MemoryReading, note: str) -> None:
+    rank_zero_warn(
+        f"MemGuard: PyTorch's CUDA allocator had to free its cache and retry allocations ({reading.alloc_retries} so"
+        " far): memory is at its limit and steps slow down (allocator thrash). A smaller micro-batch or activation"
+        " checkpointing leaves it room." + note,
+        category=RuntimeWarning,
+    )
+
+
+def _adapted_step_said(note: str) -> None:
+    if note:
+        rank_zero_info("MemGuard: the first step after adapting" + note)

@@ -22,6 +22,9 @@ class MemoryReading:
             this process on the device's adapter); None where it is not counted (every platform but Windows).
         pinned: host memory this process pinned on purpose (PyTorch's pinned allocator: ``pin_memory=True``
             loaders, pinned tensors), which that count includes; None where unknown.
+        alloc_retries: how many times PyTorch's CUDA allocator has freed its cache to retry an allocation that did
+            not fit, since the process started (``num_alloc_retries``): growing between readings, the allocator
+            thrashes; None where the probe cannot say.
     """
 
     peak_allocated: int
@@ -31,6 +34,7 @@ class MemoryReading:
     allocated_now: int | None = None
     shared: int | None = None
     pinned: int | None = None
+    alloc_retries: int | None = None
 
     @property
     def used(self) -> int:

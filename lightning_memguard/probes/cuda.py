@@ -77,6 +77,7 @@ class CudaProbe:
             allocated_now=int(allocated.get("current", 0)),
             shared=None if usage is None else usage.shared,
             pinned=None if usage is None else _pinned(),
+            alloc_retries=int(stats.get("num_alloc_retries", 0)),
         )
 
     def wddm_usage(self) -> WddmUsage | None:

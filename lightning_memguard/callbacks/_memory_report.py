@@ -1,0 +1,329 @@
+"""MemGuard's memory report: on a spill, an out-of-memory error, allocator thrash and each adaptation, which modules
+hold the step's memory, written beside the spill checkpoint.
+
+Nothing is measured while training goes well: no hook exists until a report is wanted. Then one step is measured:
+
+- *armed* on the batch in flight, where one is still coming and will train anyway (``"stop"``, ``"warn"``, thrash, an
+  adaptation): the LightningModule's ``training_step`` is wrapped for that one step (every forward it runs, each
+  micro-batch's under ``on_spill="adapt"``, is recorded), and the report is written when the batch has trained;
+- *redone* where no batch will train (``"raise"``, a spill settled at an epoch's end, an out-of-memory error): the
+  batch in hand (the epoch's last, kept for this), or after an out-of-memory error a part of it (halved until it
+  fits, the activations scaled back), runs forward and backward through ``training_step`` with logging off, and the
+  gradients, buffers and random generators are put back (:func:`~lightning_memguard.forensics.attribution.step_undone`).
+
+Every rank measures its own step; under several processes each writes its own report, its rank in the file name.
+A report that cannot be measured or written never hides what it reports on: the message then says why.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_memguard import _autograd
+from lightning_memguard.callbacks._batches import samples_in
+from lightning_memguard.callbacks._files import checkpoint_folder
+from lightning_memguard.forensics.attribution import (
+    SavedTensorRecorder,
+    StepMemory,
+    assemble,
+    measure_step,
+    model_facts,
+    resting_bytes,
+)
+from lightning_memguard.forensics.report import MemoryReport
+
+HISTORY_ENTRIES = 100_000  # allocator events kept by ``record_memory=True``: the latest, a ring
+
+
+class MemoryReports:
+    """The reports of one fit: when to measure, how, and where they go.
+
+    Args:
+        enabled: write reports (``MemGuard(memory_report=...)``).
+        record: record the CUDA allocator's history from fit start to teardown (``MemGuard(record_memory=...)``).
+        spill_checkpoint: the spill checkpoint's folder choice (``True``, a folder, or ``False``: Lightning's folder).
+    """
+
+    def __init__(self, enabled: bool, record: bool, spill_checkpoint: bool | str | os.PathLike[str]) -> None:
+        self.enabled = enabled
+        self.record = record
+        self.spill_checkpoint = spill_checkpoint
+        self.paths: list[str] = []  # each report's JSON file, in order
+        self.adaptations_seen = 0
+        self._recording = False
+        self._warned_record = False
+        self._in_flight: tuple[Any, int] | None = None  # the batch whose training step has not run yet
+        self._last: tuple[Any, int] | None = None  # the epoch's last batch, kept for a report at the epoch's end
+        self._armed: _Armed | None = None
+        self._thrash: int | None = None  # the allocator's retries at the last reading
+        self._thrash_said = False
+
+    # ------------------------------------------------------------------ fit
+
+    def start(self, trainer: Trainer) -> None:
+        """Fit start: forget the last fit's reports; record the allocator's history where asked."""
+        self.paths = []
+        self._in_flight = self._last = self._armed = None
+        self._thrash, self._thrash_said = None, False
+        if not self.record:
+            return
+        if trainer.strategy.root_device.type != "cuda":
+            if not self._warned_record:
+                self._warned_record = True
+                rank_zero_warn(
+                    "MemGuard(record_memory=True) records the CUDA allocator's history, and this Trainer runs on"
+                    f" {trainer.strategy.root_device.type!r}: nothing is recorded; the reports are measured as usual"
+                )
+            return
+        _autograd.record_memory_history(HISTORY_ENTRIES)
+        self._recording = True
+
+    def stop(self) -> None:
+        """Teardown: the step wrapper and the allocator's history recording removed."""
+        self._disarm()
+        self._in_flight = self._last = None
+        if self._recording:
+            self._recording = False
+            _autograd.record_memory_history(None)
+
+    # ------------------------------------------------------------------ batches
+
+    def batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.enabled:
+            self._in_flight = (batch, batch_idx)
+
+    def batch_end(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """The batch trained: an armed measurement is written and handed on; the epoch's last batch is kept (a spill
+        found at the epoch's end is measured on it), any other forgotten."""
+        self._in_flight = None
+        armed = self._armed
+        if armed is not None:
+            self._disarm()
+            note = self._armed_report(trainer, pl_module, armed)
+            for then in armed.then:
+                then(note)
+        if self.enabled:
+            last = batch_idx + 1 >= trainer.num_training_batches
+            self._last = (batch, batch_idx) if last else None
+
+    def epoch_start(self) -> None:
+        self._last = None
+
+    @property
+    def can_arm(self) -> bool:
+        """Whether a batch is in flight whose training step is still to run (MemGuard is in its batch start)."""
+        return self.enabled and self._in_flight is not None
+
+    # ------------------------------------------------------------------ the triggers
+
+    def arm(self, trainer: Trainer, pl_module: LightningModule, why: str, then: Callable[[str], None]) -> None:
+        """Measure the batch in flight as it trains; ``then(note)`` once the report is written (the note names it)."""
+        if self._armed is not None:
+            self._armed.then.append(then)
+            return
+        armed = _Armed(why, [then], trainer.global_step, pl_module)
+        self._armed = armed
+        armed.install()
+
+    def now(self, trainer: Trainer, pl_module: LightningModule, why: str) -> str:
+        """Measure at once, on the batch in flight or the epoch's last, by redoing its step; the note naming the
+        report (or why there is none)."""
+        if not self.enabled:
+            return ""
+        held = self._in_flight or self._last
+        if held is None:
+            return "\nNo memory report: no training batch was at hand to measure."
+        if not pl_module.automatic_optimization:
+            return "\nNo memory report: a model that optimizes manually cannot have a step redone without training."
+        batch, batch_idx = held
+        try:
+            memory = _redo(trainer, pl_module, batch, batch_idx)
+        except Exception as err:  # a report never hides the spill
+            return f"\nNo memory report: its measurement failed ({type(err).__name__}: {err})."
+        return self._write(trainer, memory, why)
+
+    def out_of_memory(self, trainer: Trainer, pl_module: LightningModule, error: BaseException) -> None:
+        """An out-of-memory error ended the run: what the failed step held freed, a part of its batch measured and
+        scaled; the error's message names the report."""
+        if not self.enabled or not isinstance(error, torch.OutOfMemoryError):
+            return
+        self._disarm()
+        held, self._in_flight = self._in_flight, None
+        if held is None or not pl_module.automatic_optimization:
+            return
+        batch, batch_idx = held
+        samples = samples_in(batch) or 1
+        note = "\nNo memory report: even one sample ran out of memory."
+        chunks = 2
+        while chunks <= samples:
+            _free_memory()
+            part = _part(batch, samples, chunks)
+            try:
+                memory = _redo(trainer, pl_module, part, batch_idx, scale=chunks)
+            except torch.OutOfMemoryError:
+                chunks *= 2
+                continue
+            except Exception as err:
+                note = f"\nNo memory report: its measurement failed ({type(err).__name__}: {err})."
+                break
+            memory.samples = samples
+            note = self._write(trainer, memory, "out_of_memory")
+            break
+        if error.args and isinstance(error.args[0], str):
+            error.args = (error.args[0] + "\n" + note.lstrip("\n"), *error.args[1:])
+
+    def retries_grew(self, retries: int | None) -> bool:
+        """Whether the allocator retried more allocations (freeing its cache to make room) since the last reading:
+        thrash. Said once a fit."""
+        if retries is None:
+            return False
+        before, self._thrash = self._thrash, retries
+        if before is None or retries <= before or self._thrash_said:
+            return False
+        self._thrash_said = True
+        return True
+
+    # ------------------------------------------------------------------ measuring and writing
+
+    def _armed_report(self, trainer: Trainer, pl_module: LightningModule, armed: _Armed) -> str:
+        try:
+            memory = armed.memory(trainer)
+        except Exception as err:  # a report never hides what it reports on
+            return f"\nNo memory report: its measurement failed ({type(err).__name__}: {err})."
+        return self._write(trainer, memory, armed.why, armed.step)
+
+    def _write(self, trainer: Trainer, memory: StepMemory, why: str, step: int | None = None) -> str:
+        step = trainer.global_step if step is None else step
+        chosen = None if isinstance(self.spill_checkpoint, bool) else self.spill_checkpoint
+        rank = f"-rank={trainer.global_rank}" if trainer.world_size > 1 else ""
+        stem = f"memguard-report-step={step}-{why}{rank}"
+        report = MemoryReport.from_step(memory, why, step)
+        snapshot = _autograd.dump_memory_snapshot if self._recording else None
+        try:
+            paths = report.write(checkpoint_folder(trainer, chosen), stem, snapshot)
+        except Exception as err:  # a full disk: the message still carries the verdict
+            return f"\nThe memory report could not be written ({type(err).__name__}: {err}):\n{report.verdict()}"
+        self.paths.append(paths[0])
+        lines = report.verdict().splitlines()
+        return f"\nMemory report: {paths[1]} (and .json)\n" + "\n".join(lines[:2] + lines[-1:])
+
+    def _disarm(self) -> None:
+        if self._armed is not None:
+            self._armed.remove()
+            self._armed = None
+
+
+class _Armed:
+    """The LightningModule's ``training_step`` wrapped on the instance for one step: each call is one recorded
+    forward pass (a micro-batch's under ``on_spill="adapt"``)."""
+
+    def __init__(self, why: str, then: list[Callable[[str], None]], step: int, pl_module: LightningModule) -> None:
+        self.why = why
+        self.then = then
+        self.step = step
+        self.module = pl_module
+        self.recorder = SavedTensorRecorder(pl_module)
+        self.peak_before: int | None = None
+        self.active = False
+        self.wrapper: Callable[..., Any] | None = None
+        self.cuda = pl_module.device.type == "cuda" and torch.cuda.is_available()
+        self._own = pl_module.__dict__.get("training_step")
+
+    def install(self) -> None:
+        module, recorder = self.module, self.recorder
+        step = module.training_step
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            if not self.active:  # removed, while another wrapper set after this one still calls it
+                return step(*args, **kwargs)
+            with recorder:
+                return step(*args, **kwargs)
+
+        self.wrapper = training_step
+        self.active = True
+        module.training_step = training_step  # type: ignore[method-assign]
+        if self.cuda:
+            self.peak_before = torch.cuda.max_memory_allocated()
+
+    def remove(self) -> None:
+        """Unwrapped: the instance's own ``training_step`` back, where no one wrapped it after this; else this
+        wrapper only calls through from now on."""
+        self.active = False
+        if self.module.__dict__.get("training_step") is not self.wrapper:
+            return
+        if self._own is not None:
+            self.module.training_step = self._own  # type: ignore[method-assign]
+        else:
+            del self.module.__dict__["training_step"]
+
+    def memory(self, trainer: Trainer) -> StepMemory:
+        """The step's figures: its largest forward, the resting parts now, the peak where the allocator moved it."""
+        module = self.module
+        classes, blocks, vocabularies = model_facts(module)
+        weights, gradients, optimizer = resting_bytes(module, list(trainer.optimizers))
+        forward = self.recorder.largest()
+        peak = None
+        if self.cuda and self.peak_before is not None:
+            after = torch.cuda.max_memory_allocated()
+            peak = after if after > self.peak_before else None  # else the step stayed below an earlier peak
+        memory = assemble(forward, weights, gradients, optimizer, peak, classes, blocks, vocabularies)
+        if peak is None:
+            allocated = [a for _, _, a in forward.marks if a is not None]
+            memory.peak = max([memory.peak, *allocated])
+        memory.device = str(module.device)
+        return memory
+
+
+def _redo(trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, scale: int = 1) -> StepMemory:
+    """The step of ``batch`` run again through ``training_step`` (logging off, the Trainer's precision), measured and
+    undone."""
+
+    def run() -> Any:
+        with trainer.precision_plugin.train_step_context():
+            return pl_module.training_step(batch, batch_idx)
+
+    with _logging_off(pl_module):
+        memory = measure_step(pl_module, run, list(trainer.optimizers), scale, samples_in(batch))
+    memory.device = str(pl_module.device)
+    return memory
+
+
+@contextmanager
+def _logging_off(pl_module: LightningModule) -> Iterator[None]:
+    """``self.log`` and ``self.log_dict`` do nothing inside: a redone step logs nothing twice. Set on the instance,
+    removed on exit."""
+    own = {name: pl_module.__dict__[name] for name in ("log", "log_dict") if name in pl_module.__dict__}
+
+    def nothing(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    pl_module.log = nothing  # type: ignore[method-assign]
+    pl_module.log_dict = nothing  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for name in ("log", "log_dict"):
+            if name in own:
+                setattr(pl_module, name, own[name])
+            else:
+                pl_module.__dict__.pop(name, None)
+
+
+def _part(batch: Any, samples: int, chunks: int) -> Any:
+    from lightning_memguard.tuning.adapter import split_batch
+
+    return split_batch(batch, samples, chunks)[0][0]
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

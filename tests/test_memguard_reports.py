@@ -1,0 +1,275 @@
+"""MemGuard's memory report, with real Trainers on the CPU: each trigger writes one, names it in its message, and
+changes nothing the run trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import warnings
+
+import pytest
+import torch
+from conftest import FakeProbe, StepClock, trainer_kwargs
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_memguard import MemGuard, SysmemSpillError, _autograd
+from lightning_memguard.probes import MemoryReading
+from lightning_memguard.testing import SysmemSpillEmulator
+
+GB = 10**9
+
+
+class Squares(torch.nn.Module):
+    """Widens its input and squares it: the module whose saved activations dwarf the others'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, 2048)
+
+    def forward(self, x):
+        return self.up(x) ** 2
+
+
+class HugeActivation(LightningModule):
+    def __init__(self, batch_size: int = 16, n: int = 128) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.stem = torch.nn.Linear(16, 8)
+        self.huge = Squares()
+        self.head = torch.nn.Linear(2048, 2)
+        self.drop = torch.nn.Dropout(0.1)  # a redone step must leave the random generators as they were
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 16, generator=gen)
+        self.y = torch.randint(0, 2, (n,), generator=gen)
+        self.oom_above: int | None = None  # a batch larger than this raises CUDA's out-of-memory error
+        self.oom_from_step = 0
+
+    def forward(self, x):
+        return self.head(self.huge(self.drop(torch.relu(self.stem(x)))))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.oom_above is not None and len(x) > self.oom_above and self.trainer.global_step >= self.oom_from_step:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size)
+
+
+class SpillAt(Callback):
+    """The fake card's peak passes its capacity from optimizer step ``step`` on."""
+
+    def __init__(self, probe: FakeProbe, step: int) -> None:
+        self.probe, self.step = probe, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.probe.peak = 17 * GB
+
+
+def _guard(probe, **kwargs) -> MemGuard:
+    defaults = dict(probe=probe, clock=StepClock(0.1), read_every=1, warmup_steps=0, reference_steps=1)
+    return MemGuard(**{**defaults, **kwargs})
+
+
+def _fit(tmp_path, guard, model=None, callbacks=(), **trainer_kw) -> tuple[Trainer, HugeActivation]:
+    torch.manual_seed(0)
+    model = HugeActivation() if model is None else model
+    trainer = Trainer(**trainer_kwargs(tmp_path, callbacks=[*callbacks, guard], **trainer_kw))
+    trainer.fit(model)
+    return trainer, model
+
+
+def _report(path) -> dict:
+    return json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+
+
+def _checks_the_top_module(report: dict, why: str) -> None:
+    assert report["why"] == why
+    assert report["top"][0]["name"] == "huge" and report["top"][0]["class"] == "Squares"
+    assert sum(report["split"].values()) == report["peak"]
+
+
+def test_a_stopped_spill_writes_a_report_beside_the_checkpoint_and_names_it(tmp_path, fake_probe):
+    guard = _guard(fake_probe, on_spill="stop")
+    with pytest.warns(RuntimeWarning, match=r"(?s)Memory report: .*memguard-report-step=3-spill\.html") as caught:
+        trainer, _ = _fit(tmp_path, guard, callbacks=[SpillAt(fake_probe, 3)])
+    assert trainer.global_step == 4  # the batch in flight trained, measured as it did
+    assert len(guard.reports) == 1 and os.path.dirname(guard.reports[0]) == os.path.dirname(guard.checkpoint_path)
+    report = _report(guard.reports[0])
+    _checks_the_top_module(report, "spill")
+    assert report["samples"] is None and report["step"] == 3
+    message = str(next(w.message for w in caught if "Memory report" in str(w.message)))
+    assert "Largest saved activations: huge (Squares)" in message and "Fix:" in message
+    assert sorted(os.listdir(os.path.dirname(guard.reports[0]))) == [
+        "memguard-report-step=3-spill.html", "memguard-report-step=3-spill.json", "memguard-spill-step=4.ckpt",
+    ]  # fmt: skip
+
+
+def test_a_raised_spill_measures_the_batch_in_hand_and_its_error_names_the_report(tmp_path, fake_probe):
+    guard = _guard(fake_probe, on_spill="raise")
+    with pytest.raises(SysmemSpillError, match=r"(?s)Memory report: .*step=3-spill\.html.*huge \(Squares\)"):
+        _fit(tmp_path, guard, callbacks=[SpillAt(fake_probe, 3)])
+    report = _report(guard.reports[0])
+    _checks_the_top_module(report, "spill")
+    assert report["samples"] == 16  # the batch in hand, redone
+
+
+def test_a_spill_in_an_epochs_last_step_is_measured_on_that_epochs_last_batch(tmp_path, fake_probe):
+    class AtTheEnd(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 7:
+                fake_probe.peak = 17 * GB
+
+    guard = _guard(fake_probe, on_spill="raise", read_every=100)
+    with pytest.raises(SysmemSpillError, match="Memory report: "):
+        _fit(tmp_path, guard, callbacks=[AtTheEnd()])
+    _checks_the_top_module(_report(guard.reports[0]), "spill")
+
+
+def _weights(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_warned_spill_names_the_report_and_the_run_trains_as_without_it(tmp_path, fake_probe):
+    with pytest.warns(RuntimeWarning, match=r"(?s)GPU memory is spilling.*Memory report: "):
+        _, reported = _fit(tmp_path / "a", _guard(fake_probe, on_spill="warn"), callbacks=[SpillAt(fake_probe, 3)])
+    fake_probe.peak = GB
+    with pytest.warns(RuntimeWarning, match="GPU memory is spilling") as caught:
+        guard = _guard(fake_probe, on_spill="warn", memory_report=False)
+        _, plain = _fit(tmp_path / "b", guard, callbacks=[SpillAt(fake_probe, 3)])
+    assert not any("Memory report" in str(w.message) for w in caught) and guard.reports == []
+    assert all(torch.equal(a, b) for a, b in zip(_weights(reported), _weights(plain), strict=True))
+
+
+def test_a_report_redone_at_an_epochs_end_changes_no_weight(tmp_path, fake_probe):
+    """The redone measurement (a warned spill at an epoch's end) puts gradients, buffers and generators back."""
+
+    class AtTheEnd(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.current_epoch == 0 and batch_idx == 7:
+                fake_probe.peak = 17 * GB
+
+    runs = []
+    for report in (True, False):
+        fake_probe.peak = GB
+        guard = _guard(fake_probe, on_spill="warn", read_every=100, memory_report=report)
+        with pytest.warns(RuntimeWarning, match="GPU memory is spilling"):
+            runs.append(_fit(tmp_path / str(report), guard, callbacks=[AtTheEnd()])[1])
+        assert len(guard.reports) == report
+    assert all(torch.equal(a, b) for a, b in zip(_weights(runs[0]), _weights(runs[1]), strict=True))
+
+
+def test_an_out_of_memory_error_is_measured_on_a_part_of_its_batch_and_scaled(tmp_path, fake_probe):
+    model = HugeActivation()
+    model.oom_above, model.oom_from_step = 4, 2  # the batch of 16 no longer fits from step 2; 4 samples do
+    guard = _guard(fake_probe)
+    with pytest.raises(torch.OutOfMemoryError, match=r"(?s)injected.*Memory report: .*step=2-out_of_memory"):
+        _fit(tmp_path, guard, model=model)
+    report = _report(guard.reports[0])
+    _checks_the_top_module(report, "out_of_memory")
+    assert report["scale"] == 4 and "1/4 of the batch" in report["note"] and report["samples"] == 16
+    assert report["top"][0]["bytes"] == 16 * 2048 * 4  # the batch's 16 samples, measured on 4 and scaled
+
+
+def test_each_adaptation_writes_the_report_of_its_first_step(tmp_path):
+    emulator = SysmemSpillEmulator(capacity=7 * 10**5, sleep=lambda s: None)
+
+    class Taken(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 3:
+                emulator.other_processes = 3 * 10**5
+
+    guard = MemGuard(
+        on_spill="adapt", probe=emulator.probe, clock=StepClock(), read_every=1, warmup_steps=1, reference_steps=1,
+        spill_checkpoint=tmp_path / "reports",
+    )  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="MemGuard adapted"):
+        _fit(tmp_path, guard, callbacks=[emulator, Taken()], max_epochs=1)
+    assert guard.adaptations and len(guard.reports) == len(guard.adaptations)
+    report = _report(guard.reports[0])
+    _checks_the_top_module(report, "adaptation")
+    assert report["step"] == guard.adaptations[0].step
+    assert os.path.dirname(guard.reports[0]) == str(tmp_path / "reports")
+    micro = 16 // guard.adaptations[0].after
+    assert report["top"][0]["bytes"] == micro * 2048 * 4  # the largest micro-batch's, as the step ran split
+
+
+class RetryingProbe(FakeProbe):
+    """A card whose allocator starts retrying allocations at a given read."""
+
+    def __init__(self, from_read: int) -> None:
+        super().__init__()
+        self.from_read = from_read
+
+    def read(self) -> MemoryReading:
+        reading = super().read()
+        retries = max(0, self.reads - self.from_read)
+        return MemoryReading(reading.peak_allocated, reading.peak_reserved, reading.capacity, alloc_retries=retries)
+
+
+def test_allocator_thrash_warns_once_with_a_report(tmp_path):
+    guard = _guard(RetryingProbe(from_read=5))
+    with pytest.warns(RuntimeWarning, match=r"(?s)allocator thrash.*Memory report: .*-thrash\.html") as caught:
+        _fit(tmp_path, guard, max_epochs=1)
+    assert sum("allocator thrash" in str(w.message) for w in caught) == 1
+    _checks_the_top_module(_report(guard.reports[0]), "thrash")
+
+
+def test_without_a_trigger_no_hook_is_installed_and_no_report_written(tmp_path, fake_probe):
+    class NoHooks(Callback):
+        def __init__(self):
+            self.steps = 0
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            assert "training_step" not in pl_module.__dict__
+            assert all(not m._forward_hooks and not m._forward_pre_hooks for m in pl_module.modules())
+            self.steps += 1
+
+    class Forward(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            assert _autograd.saved_tensors_hooks_in_force() is None
+
+    check = NoHooks()
+    guard = _guard(fake_probe)
+    _fit(tmp_path, guard, callbacks=[check, Forward()])
+    assert check.steps == 16 and guard.reports == []
+
+
+def test_a_report_armed_on_a_step_leaves_no_hook_after_it(tmp_path, fake_probe):
+    model_seen = []
+
+    class After(Callback):
+        def on_train_end(self, trainer, pl_module):
+            model_seen.append("training_step" in pl_module.__dict__)
+            model_seen.append(any(m._forward_hooks or m._forward_pre_hooks for m in pl_module.modules()))
+
+    with pytest.warns(RuntimeWarning, match="Memory report"):
+        _fit(tmp_path, _guard(fake_probe, on_spill="warn"), callbacks=[SpillAt(fake_probe, 2), After()])
+    assert model_seen == [False, False]
+
+
+def test_record_memory_on_the_cpu_warns_once_and_records_nothing(tmp_path, fake_probe):
+    guard = _guard(fake_probe, record_memory=True)
+    with pytest.warns(UserWarning, match=r"record_memory=True\) records the CUDA allocator's history"):
+        _fit(tmp_path, guard)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _fit(tmp_path, guard)  # the same instance, a second fit: no second warning
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"memory_report": "yes"}, "`memory_report` must be a bool"), ({"record_memory": 1}, "`record_memory`")],
+)
+def test_the_report_flags_are_bools(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        MemGuard(**kwargs)
