@@ -38,6 +38,9 @@ _DEFAULTED = {"model": "--model", "image_size": "--image-size", "batch_sizes": "
               "trial_steps": "--steps"}  # fmt: skip
 
 
+REPORT_HELP = "folder for a memory report per configuration tried (which modules hold the memory: JSON and a page)"
+
+
 def _on_both(field: str, unit: str = "") -> str:
     return f"default: {getattr(CUDA_DEFAULTS, field)}{unit} on CUDA, {getattr(CPU_DEFAULTS, field)}{unit} on the CPU"
 
@@ -120,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _compile_args(sweep)
     sweep.add_argument("--out", default="memguard-sweep", help="folder for sweep.csv and sweep.png")
+    sweep.add_argument("--report", default=None, metavar="DIR", help=REPORT_HELP)
 
     plan = sub.add_parser("plan", help="measure micro-batch x accumulation for an effective batch; print the choice")
     _model_args(plan)
@@ -133,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"timed optimizer steps per micro-batch ({_on_both('trial_steps')})",
     )
     _compile_args(plan)
+    plan.add_argument("--report", default=None, metavar="DIR", help=REPORT_HELP)
     return parser
 
 
@@ -313,6 +318,19 @@ def _writable(folder: str) -> str:
     return folder
 
 
+def _report_folder(folder: str | None, backend: str | None) -> str | None:
+    """``--report DIR``: a folder that can be written, not beside ``--compile`` (a module's hooks would compile the
+    graph again)."""
+    if folder is None:
+        return None
+    if backend is not None:
+        raise UsageError(
+            "--report measures each module's memory through hooks that a compiled graph does not run; leave out"
+            " --compile for the report"
+        )
+    return _writable(folder)
+
+
 def _capacity(text: str | None) -> int | None:
     if text is None:
         return None
@@ -380,6 +398,7 @@ def _sweep(args: argparse.Namespace) -> int:
     precision = _precision(args.precision, args.device)
     backend = _compile_backend(args.compile, args.compile_backend, args.device)
     out = _writable(args.out)
+    report = _report_folder(args.report, backend)
     model = _check_model_input(
         source, args.image_size, given_size, args.channels_last, cuda, sizes[0], "--batch-sizes 1"
     )
@@ -397,7 +416,7 @@ def _sweep(args: argparse.Namespace) -> int:
     print(_settings_line("sweep", cuda, precision, what, filled), file=sys.stderr, flush=True)
     cfg = SweepConfig(args.model, sizes, model.image_size or 0, precision, args.channels_last, args.checkpoint,
                       args.accumulate, args.steps, warmup, capacity, args.device, backend, model.num_classes,
-                      source)  # fmt: skip
+                      source, report)  # fmt: skip
     rows, capacity_gb = [], 0.0
     with run_folders() as root, tqdm(sizes, desc="memguard sweep", unit="batch size", file=sys.stderr) as bar:
         for batch in bar:
@@ -432,6 +451,7 @@ def _plan(args: argparse.Namespace) -> int:
     capacity = _capacity(args.emulate_capacity)
     precision = _precision(args.precision, args.device)
     backend = _compile_backend(args.compile, args.compile_backend, args.device)
+    report = _report_folder(args.report, backend)
     from lightning_memguard.tuning.search import accumulation_candidates
 
     smallest = accumulation_candidates(args.effective_batch, args.min_micro_batch)[0][0]
@@ -445,7 +465,8 @@ def _plan(args: argparse.Namespace) -> int:
     from lightning_memguard.plan import PlanConfig, run_plan
 
     cfg = PlanConfig(source, model.num_classes, model.image_size, args.effective_batch, args.min_micro_batch,
-                     args.channels_last, precision, cuda, backend, capacity, warmup, args.trial_steps)  # fmt: skip
+                     args.channels_last, precision, cuda, backend, capacity, warmup, args.trial_steps,
+                     report)  # fmt: skip
     return run_plan(cfg, smallest)
 
 

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_memguard.callbacks import AccumulationTuner
+from lightning_memguard.callbacks._memory_report import report_sizes
 from lightning_memguard.sweep import ModelSource, run_folders, training_module
 from lightning_memguard.testing import SysmemSpillEmulator
 from lightning_memguard.tuning.search import TrialResult
@@ -35,6 +36,7 @@ class PlanConfig:
     capacity: int | None  # an emulated card's, or None: the device's
     warmup: int  # untimed optimizer steps per micro-batch
     steps: int  # timed optimizer steps per micro-batch
+    report: str | None = None  # a folder for a memory report per micro-batch tried (None: none)
 
 
 class _Measured(Exception):
@@ -42,7 +44,18 @@ class _Measured(Exception):
 
 
 class _StopBeforeTraining(Callback):
-    def on_train_batch_start(self, *args: object) -> None:
+    """The search is done when training starts: with ``report``, each micro-batch tried is measured first, on the
+    first batch at that size, in the configuration chosen (checkpointed where the plan checkpoints)."""
+
+    def __init__(self, tuner: AccumulationTuner, report: str | None) -> None:
+        self.tuner, self.report = tuner, report
+        self.reports: list[str] = []
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.report is not None:
+            sizes = sorted({r.size for r in self.tuner.results})
+            note = "with activation checkpointing" if self.tuner.checkpointing else ""
+            self.reports = report_sizes(trainer, pl_module, batch, sizes, self.report, note)
         raise _Measured
 
 
@@ -73,7 +86,8 @@ def run_plan(cfg: PlanConfig, smallest: int) -> int:
     progress.tuner = tuner
     module = training_module(cfg.source, cfg.num_classes, cfg.image_size or 0, cfg.effective_batch, 64,
                              cfg.channels_last)  # fmt: skip
-    callbacks: list[Callback] = [c for c in (emu, progress, tuner, _StopBeforeTraining()) if c is not None]
+    stop = _StopBeforeTraining(tuner, cfg.report)
+    callbacks: list[Callback] = [c for c in (emu, progress, tuner, stop) if c is not None]
     try:
         with run_folders("plan") as root:
             trainer = Trainer(
@@ -109,6 +123,8 @@ def run_plan(cfg: PlanConfig, smallest: int) -> int:
     lines = f"Trainer(accumulate_grad_batches={tuner.accumulate_grad_batches}, callbacks=[MemGuard()"
     lines += ", ActivationCheckpointing()])" if tuner.checkpointing else "])"
     print(f"  {lines}")
+    if stop.reports:
+        print(f"memory reports: {', '.join(stop.reports)} (and .html beside each)")
     return 0
 
 

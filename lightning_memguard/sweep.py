@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_memguard import _compiler
 from lightning_memguard.callbacks import MemGuard
+from lightning_memguard.callbacks._memory_report import StepReport
 from lightning_memguard.core.files import written_atomically
 from lightning_memguard.core.report import SweepRow
 from lightning_memguard.testing import ImageClassifier, StepTimer, SysmemSpillEmulator
@@ -176,6 +177,7 @@ class SweepConfig:
     compile: str | None = None  # a torch.compile backend ("inductor", "aot_eager", ...); None: eager
     num_classes: int = 1000  # the classes the network scores (a torchvision or timm model: 1000)
     source: ModelSource | None = None  # what `model` names, resolved already (None: resolved from `model`)
+    report: str | None = None  # a folder for a memory report per batch size (None: none)
 
 
 MAX_COMPILE_STEPS = 20  # a compiled run that keeps compiling is timed on what it has after this many more steps
@@ -242,10 +244,15 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
         _compiler.forget_compiled()  # this size's own graph, compiled (and timed) here
         model = torch.compile(model, backend=cfg.compile, dynamic=False)  # type: ignore[assignment]
     emu = SysmemSpillEmulator(capacity=cfg.emulate_capacity) if cfg.emulate_capacity else None
-    guard = MemGuard(probe=emu.probe if emu is not None else None, on_spill="warn", warmup_steps=1, reference_steps=2)
+    guard = MemGuard(
+        probe=emu.probe if emu is not None else None, on_spill="warn", warmup_steps=1, reference_steps=2,
+        memory_report=False,
+    )  # fmt: skip
     timer = StepTimer(skip=0 if compiled else cfg.warmup)
     warmup = _TimeStepsThatRan(cfg.warmup, cfg.steps, cfg.accumulate) if compiled else None
     callbacks: list[Callback] = [c for c in (emu, guard, timer, warmup) if c is not None]
+    if cfg.report is not None:  # measured on the first step, a warm-up step (untimed where there is one)
+        callbacks.append(StepReport(cfg.report, f"memguard-report-batch={batch}"))
     trainer = Trainer(
         accelerator="cuda" if cuda else "cpu", devices=1, precision=cfg.precision,  # type: ignore[arg-type]
         max_steps=steps, max_epochs=-1 if source.lightning else 1, accumulate_grad_batches=cfg.accumulate,

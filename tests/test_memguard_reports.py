@@ -273,3 +273,44 @@ def test_record_memory_on_the_cpu_warns_once_and_records_nothing(tmp_path, fake_
 def test_the_report_flags_are_bools(kwargs, match):
     with pytest.raises(TypeError, match=match):
         MemGuard(**kwargs)
+
+
+# ---------------------------------------------------------------- memguard sweep / plan --report
+
+TINY = ["--model", "resnet18", "--image-size", "32", "--device", "cpu"]
+
+
+def test_sweep_writes_a_report_per_batch_size(tmp_path, capsys):
+    from lightning_memguard.cli import main
+
+    reports = tmp_path / "reports"
+    argv = ["sweep", *TINY, "--batch-sizes", "2,4", "--steps", "1", "--out", str(tmp_path), "--report", str(reports)]
+    assert main(argv) == 0
+    assert sorted(os.listdir(reports)) == [
+        "memguard-report-batch=2.html", "memguard-report-batch=2.json",
+        "memguard-report-batch=4.html", "memguard-report-batch=4.json",
+    ]  # fmt: skip
+    small, large = (_report(reports / f"memguard-report-batch={b}.json") for b in (2, 4))
+    assert small["why"] == "plan" and small["samples"] == 2 and large["samples"] == 4
+    assert large["split"]["activations"] == pytest.approx(2 * small["split"]["activations"], rel=0.05)
+    assert small["split"]["weights"] == large["split"]["weights"] > 0
+    assert small["fixes"][0].startswith("checkpoint the blocks holding them")  # a ResNet's blocks, found
+
+
+def test_plan_writes_a_report_per_micro_batch_tried(tmp_path, capsys):
+    from lightning_memguard.cli import main
+
+    reports = tmp_path / "reports"
+    assert main(["plan", *TINY, "--effective-batch", "8", "--min-micro-batch", "4", "--report", str(reports)]) == 0
+    written = sorted(n for n in os.listdir(reports) if n.endswith(".json"))
+    assert written and all(n.startswith("memguard-report-micro-batch=") for n in written)
+    assert "memory reports: " in capsys.readouterr().out
+    first = _report(reports / written[0])
+    assert first["why"] == "plan" and first["samples"] == int(written[0].split("=")[1].split(".")[0])
+
+
+def test_report_is_refused_beside_compile(tmp_path, capsys):
+    from lightning_memguard.cli import main
+
+    code = main(["plan", *TINY, "--effective-batch", "8", "--compile", "--report", str(tmp_path)])
+    assert code != 0 and "leave out --compile for the report" in capsys.readouterr().err

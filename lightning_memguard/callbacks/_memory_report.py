@@ -24,8 +24,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_memguard import _autograd
 from lightning_memguard.callbacks._batches import samples_in
@@ -39,6 +40,7 @@ from lightning_memguard.forensics.attribution import (
     resting_bytes,
 )
 from lightning_memguard.forensics.report import MemoryReport
+from lightning_memguard.tuning.adapter import split_batch
 
 HISTORY_ENTRIES = 100_000  # allocator events kept by ``record_memory=True``: the latest, a ring
 
@@ -318,9 +320,84 @@ def _logging_off(pl_module: LightningModule) -> Iterator[None]:
 
 
 def _part(batch: Any, samples: int, chunks: int) -> Any:
-    from lightning_memguard.tuning.adapter import split_batch
-
     return split_batch(batch, samples, chunks)[0][0]
+
+
+def resized(batch: Any, samples: int, size: int) -> Any:
+    """``batch`` with ``size`` samples: its first ``size``, or its samples repeated (every tensor holding ``samples``
+    rows; the others as they are). A batch of another size that costs the memory a real one would.
+
+    Example:
+        >>> x, y = torch.arange(6).reshape(3, 2), torch.arange(3)
+        >>> [tuple(t.shape) for t in resized((x, y), 3, 7)], resized((x, y), 3, 2)[1].tolist()
+        ([(7, 2), (7,)], [0, 1])
+    """
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] != samples:
+            return t
+        repeats = -(-size // samples)
+        return t.repeat(repeats, *([1] * (t.dim() - 1)))[:size] if repeats > 1 else t[:size]
+
+    return apply_to_collection(batch, torch.Tensor, cut)
+
+
+class StepReport(Callback):
+    """``memguard sweep --report``: the run's training batch ``at`` measured as it trains (one of the sweep's untimed
+    warm-up steps), its report (``why="plan"``) written to ``folder`` as ``<stem>.json`` and ``.html``."""
+
+    def __init__(self, folder: str, stem: str, at: int = 0) -> None:
+        self.folder, self.stem, self.at = folder, stem, at
+        self.paths: list[str] = []
+        self._armed: _Armed | None = None
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.at and not self.paths and self._armed is None:
+            self._armed = _Armed("plan", [], trainer.global_step, pl_module)
+            if self._armed.cuda:
+                torch.cuda.reset_peak_memory_stats()
+            self._armed.install()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        armed, self._armed = self._armed, None
+        if armed is None:
+            return
+        armed.remove()
+        memory = armed.memory(trainer)
+        memory.samples = samples_in(batch)
+        self.paths = MemoryReport.from_step(memory, "plan").write(self.folder, self.stem)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._armed is not None:
+            self._armed.remove()
+            self._armed = None
+
+
+def report_sizes(
+    trainer: Trainer, pl_module: LightningModule, batch: Any, sizes: list[int], folder: str, note: str = ""
+) -> list[str]:
+    """``memguard plan --report``: for each micro-batch size, the batch in hand at that size (cut or repeated) redone
+    and undone, measured (on a part, scaled, where it runs out of memory) and its report written as
+    ``memguard-report-micro-batch=<size>``. Returns the JSON files written."""
+    samples = samples_in(batch) or 1
+    written = []
+    for size in sizes:
+        chunks, memory = 1, None
+        while memory is None and chunks <= size:
+            _free_memory()
+            part = resized(batch, samples, max(1, size // chunks))
+            try:
+                memory = _redo(trainer, pl_module, part, 0, scale=chunks)
+            except torch.OutOfMemoryError:
+                chunks *= 2
+        if memory is None:
+            continue
+        memory.samples = size
+        report = MemoryReport.from_step(memory, "plan", note=note)
+        written.append(report.write(folder, f"memguard-report-micro-batch={size}")[0])
+    return written
 
 
 def _free_memory() -> None:

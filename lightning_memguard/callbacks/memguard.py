@@ -111,7 +111,8 @@ class MemGuard(Callback):
             report of which modules hold the step's memory beside the spill checkpoint
             (``memguard-report-step=<N>-<why>.json`` and ``.html``; see :attr:`reports`), and name it in the message.
             It costs nothing until then: one step is measured when the report is wanted (the batch in flight as it
-            trains, or the batch in hand redone and undone).
+            trains, or the batch in hand redone and undone: ``training_step`` runs once more, with ``self.log`` off;
+            what it does beyond the model, a counter of its own, happens again).
         record_memory: record the CUDA allocator's history (``torch.cuda.memory._record_memory_history``, the
             latest 100,000 events with their stack traces) from fit start to teardown, and write it with each report
             as ``<stem>.pickle`` for PyTorch's memory viewer (https://pytorch.org/memory_viz). It costs every

@@ -84,8 +84,9 @@ class MemoryReport:
         ]
         names = [t["name"] for t in top]
         found = rules.fixes(names, memory.blocks, memory.vocabularies, memory.optimizer, peak, advice)
-        if memory.scale > 1 and not note:
-            note = f"measured on 1/{memory.scale} of the batch, activations scaled x{memory.scale}"
+        if memory.scale > 1:
+            scaled = f"measured on 1/{memory.scale} of the batch, activations scaled x{memory.scale}"
+            note = f"{note}; {scaled}" if note else scaled
         return cls(
             why, step, memory.device, peak, memory.peak_measured, split, top, found, _timeline(memory, names),
             memory.samples, memory.scale, note,
