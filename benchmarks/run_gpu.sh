@@ -4,7 +4,8 @@
 # (all when none is named), or one of: deepspeed (the callbacks under DeepSpeedStrategy, 1-2 minutes; DeepSpeed is not
 # a dependency: where it is missing it is installed from the wheels in DS_WHEELS, made on a machine with internet by
 # `bash benchmarks/deepspeed_wheels.sh DIR`), sharded (ours against FSDP's own checkpointing switch, 2-4 minutes), adapt (MemGuard(on_spill="adapt") with memory taken and
-# freed mid-run, about 3 minutes), zoo compile_frontier compile_rerun compile_tuner compile_budgets compile_peak (each 3-8
+# freed mid-run, about 3 minutes), forensics (the memory report's cost: plain, MemGuard without and with reports, and
+# recording the allocator's history, in turns, about 4 minutes), zoo compile_frontier compile_rerun compile_tuner compile_budgets compile_peak (each 3-8
 # minutes), families (timm and Hugging Face against their own switches; FAMILY_MODELS=a,b picks a part: split the six
 # models over several calls, each within 9 minutes), checkpoint_overhead (timm's switch against ours and the ablations
 # between them, profiled; CKPT_MODEL=resnet50 or vit_small_patch16_224 for another model than convnext_tiny; 3-4 minutes).
@@ -53,6 +54,7 @@ want checkpoint_overhead && TAIL=200 run timeout 420 python3 benchmarks/checkpoi
     --model "${CKPT_MODEL:-convnext_tiny}" --profile --out "$out/checkpoint_overhead.json"
 want sharded && TAIL=4 run timeout 420 python3 benchmarks/sharded.py --out "$out/sharded.json"
 want adapt && TAIL=4 run timeout 420 python3 benchmarks/adapt.py --out "$out/adapt.json"
+want forensics && TAIL=12 run timeout 420 python3 benchmarks/forensics.py --out "$out/forensics.json"
 want compile_peak && TAIL=80 run timeout 555 python3 benchmarks/compile_peak.py --out "$out/compile_peak.json"
 if want sweeps; then
 TAIL=9 run timeout 90 python3 -m lightning_memguard.cli sweep --model resnet50 --batch-sizes 32,64,128,256,512 \

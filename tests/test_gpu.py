@@ -485,3 +485,25 @@ def test_adapt_redoes_a_step_that_ran_out_of_memory_under_prevent(tmp_path):
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+def test_an_emulated_spill_writes_a_report_naming_the_large_module_and_the_snapshot(tmp_path):
+    """CPU twin: test_memguard_reports.py::test_an_emulated_spill_names_the_module_the_test_made_large."""
+    import json
+    import os
+
+    from test_memguard_reports import wide_network
+
+    model = ImageClassifier("wide", image_size=224, batch_size=32, steps_per_epoch=8, net=wide_network(256))
+    emu = SysmemSpillEmulator(capacity="1GB")  # the wide block keeps 32 x 256 x 224 x 224 bf16: 0.82 GB, and more
+    guard = MemGuard(probe=emu.probe, on_spill="stop", warmup_steps=1, record_memory=True)
+    with pytest.warns(RuntimeWarning, match="Memory report: "):
+        _trainer(tmp_path, [emu, guard], max_epochs=1).fit(model)
+    (path,) = guard.reports
+    with open(path, encoding="utf-8") as f:
+        report = json.load(f)
+    assert report["top"][0]["name"] == "net.1" and report["top"][0]["class"] == "WideBlock"
+    assert report["peak_measured"] and report["device"].startswith("cuda")
+    assert sum(report["split"].values()) == report["peak"]
+    snapshot = path.replace(".json", ".pickle")
+    assert report["snapshot"] == os.path.basename(snapshot) and os.path.getsize(snapshot) > 1000

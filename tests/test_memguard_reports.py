@@ -314,3 +314,67 @@ def test_report_is_refused_beside_compile(tmp_path, capsys):
 
     code = main(["plan", *TINY, "--effective-batch", "8", "--compile", "--report", str(tmp_path)])
     assert code != 0 and "leave out --compile for the report" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the emulated card (CPU twin of tests/test_gpu.py)
+
+
+class WideBlock(torch.nn.Module):
+    """A convolution to many channels and its ReLU: the module a test makes large."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(8, channels, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+def wide_network(channels: int, classes: int = 10) -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), WideBlock(channels), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        torch.nn.Linear(channels, classes),
+    )  # fmt: skip
+
+
+def test_an_emulated_spill_names_the_module_the_test_made_large(tmp_path):
+    from lightning_memguard.testing import ImageClassifier
+
+    torch.manual_seed(0)
+    model = ImageClassifier("wide", image_size=32, batch_size=8, steps_per_epoch=6, net=wide_network(64))
+    emulator = SysmemSpillEmulator(capacity="1MB", sleep=lambda s: None)  # the wide block alone saves 2 MB
+    guard = MemGuard(probe=emulator.probe, on_spill="stop", warmup_steps=1, clock=StepClock())
+    with pytest.warns(RuntimeWarning, match=r"(?s)Memory report: .*net\.1 \(WideBlock\)"):
+        Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[emulator, guard])).fit(model)
+    report = _report(guard.reports[0])
+    assert report["top"][0]["name"] == "net.1" and report["top"][0]["share"] > 0.5
+    assert report["top"][0]["bytes"] == 8 * 64 * 32 * 32 * 4  # the ReLU's output, kept for its backward
+    assert emulator.total_spilled_bytes > 0  # the recorder handed the saved tensors on to the emulator
+
+
+def test_the_forensics_benchmark_smoke_run_writes_its_ratios(tmp_path, monkeypatch):
+    import importlib.util
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "forensics.py"
+    spec = importlib.util.spec_from_file_location("forensics_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "forensics.json"
+    monkeypatch.setattr("sys.argv", ["forensics.py", "--smoke", "--out", str(out)])
+    module.main()
+    result = json.loads(out.read_text(encoding="utf-8"))
+    assert set(result["summary"]["vs_plain"]) == {"memguard_without_report", "memguard", "memguard_recording"}
+    assert result["summary"]["report_vs_no_report"] > 0 and result["report"]["measure_ms"] > 0
+    assert result["report"]["top"][0]
+
+
+def test_a_measured_steps_reset_of_the_cuda_peak_is_carried_into_memguards_next_readings():
+    from lightning_memguard.callbacks._memory_report import MemoryReports
+
+    reports = MemoryReports(True, False, True)
+    reports._counts_cuda = True  # MemGuard's probe reads the allocator's counters (a CudaProbe)
+    reports._carry((17 * GB, 18 * GB))  # the peaks before the measured step reset them
+    reading = reports.with_carried(MemoryReading(3 * GB, 4 * GB, 16 * GB))
+    assert (reading.peak_allocated, reading.peak_reserved) == (17 * GB, 18 * GB)
+    reports._counts_cuda = False  # another probe (the emulator's, a user's) keeps its own figures
+    assert reports.with_carried(MemoryReading(3 * GB, 4 * GB, 16 * GB)).peak_allocated == 3 * GB

@@ -17,6 +17,7 @@ A report that cannot be measured or written never hides what it reports on: the 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 from collections.abc import Callable, Iterator
@@ -40,6 +41,7 @@ from lightning_memguard.forensics.attribution import (
     resting_bytes,
 )
 from lightning_memguard.forensics.report import MemoryReport
+from lightning_memguard.probes.cuda import CudaProbe
 from lightning_memguard.tuning.adapter import split_batch
 
 HISTORY_ENTRIES = 100_000  # allocator events kept by ``record_memory=True``: the latest, a ring
@@ -67,11 +69,18 @@ class MemoryReports:
         self._armed: _Armed | None = None
         self._thrash: int | None = None  # the allocator's retries at the last reading
         self._thrash_said = False
+        # the allocator's peaks (allocated, reserved) before an armed step reset them on CUDA: MemGuard's readings,
+        # which read the same counters, take them into account until MemGuard resets the peak itself
+        self.carried: tuple[int, int] | None = None
+        self._counts_cuda = False
 
     # ------------------------------------------------------------------ fit
 
-    def start(self, trainer: Trainer) -> None:
-        """Fit start: forget the last fit's reports; record the allocator's history where asked."""
+    def start(self, trainer: Trainer, probe: Any) -> None:
+        """Fit start: forget the last fit's reports; record the allocator's history where asked. ``probe``:
+        MemGuard's; where it reads PyTorch's CUDA counters, a measured step's reset of them is carried over."""
+        self._counts_cuda = isinstance(probe, CudaProbe)
+        self.carried = None
         self.paths = []
         self._in_flight = self._last = self._armed = None
         self._thrash, self._thrash_said = None, False
@@ -134,6 +143,31 @@ class MemoryReports:
         armed = _Armed(why, [then], trainer.global_step, pl_module)
         self._armed = armed
         armed.install()
+        if armed.prior is not None:
+            self._carry(armed.prior)
+
+    def _carry(self, prior: tuple[int, int] | None = None) -> None:
+        """The allocator's peaks before a measured step resets them on CUDA (``prior``, else read now), kept for
+        MemGuard's readings."""
+        if prior is None:
+            if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+                return
+            prior = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+        previous = self.carried or (0, 0)
+        self.carried = (max(previous[0], prior[0]), max(previous[1], prior[1]))
+
+    def with_carried(self, reading: Any) -> Any:
+        """``reading`` (a ``MemoryReading``) with the peaks an armed step's reset took from the allocator's counters.
+
+        Only a reading of those counters (MemGuard's CUDA probe) is changed: another probe's figures are its own."""
+        carried = self.carried
+        if carried is None or not self._counts_cuda:
+            return reading
+        return dataclasses.replace(
+            reading,
+            peak_allocated=max(reading.peak_allocated, carried[0]),
+            peak_reserved=max(reading.peak_reserved, carried[1]),
+        )
 
     def now(self, trainer: Trainer, pl_module: LightningModule, why: str) -> str:
         """Measure at once, on the batch in flight or the epoch's last, by redoing its step; the note naming the
@@ -146,6 +180,7 @@ class MemoryReports:
         if not pl_module.automatic_optimization:
             return "\nNo memory report: a model that optimizes manually cannot have a step redone without training."
         batch, batch_idx = held
+        self._carry()
         try:
             memory = _redo(trainer, pl_module, batch, batch_idx)
         except Exception as err:  # a report never hides the spill
@@ -233,7 +268,7 @@ class _Armed:
         self.step = step
         self.module = pl_module
         self.recorder = SavedTensorRecorder(pl_module)
-        self.peak_before: int | None = None
+        self.prior: tuple[int, int] | None = None  # the allocator's peaks before this step reset them (CUDA)
         self.active = False
         self.wrapper: Callable[..., Any] | None = None
         self.cuda = pl_module.device.type == "cuda" and torch.cuda.is_available()
@@ -252,8 +287,9 @@ class _Armed:
         self.wrapper = training_step
         self.active = True
         module.training_step = training_step  # type: ignore[method-assign]
-        if self.cuda:
-            self.peak_before = torch.cuda.max_memory_allocated()
+        if self.cuda:  # the step's own peak: reset here, what came before kept in `prior`
+            self.prior = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+            torch.cuda.reset_peak_memory_stats()
 
     def remove(self) -> None:
         """Unwrapped: the instance's own ``training_step`` back, where no one wrapped it after this; else this
@@ -272,14 +308,8 @@ class _Armed:
         classes, blocks, vocabularies = model_facts(module)
         weights, gradients, optimizer = resting_bytes(module, list(trainer.optimizers))
         forward = self.recorder.largest()
-        peak = None
-        if self.cuda and self.peak_before is not None:
-            after = torch.cuda.max_memory_allocated()
-            peak = after if after > self.peak_before else None  # else the step stayed below an earlier peak
+        peak = torch.cuda.max_memory_allocated() if self.prior is not None else None
         memory = assemble(forward, weights, gradients, optimizer, peak, classes, blocks, vocabularies)
-        if peak is None:
-            allocated = [a for _, _, a in forward.marks if a is not None]
-            memory.peak = max([memory.peak, *allocated])
         memory.device = str(module.device)
         return memory
 
@@ -354,8 +384,6 @@ class StepReport(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx == self.at and not self.paths and self._armed is None:
             self._armed = _Armed("plan", [], trainer.global_step, pl_module)
-            if self._armed.cuda:
-                torch.cuda.reset_peak_memory_stats()
             self._armed.install()
 
     def on_train_batch_end(

@@ -282,7 +282,7 @@ class MemGuard(Callback):
         self._timeline = StepTimeline(detector=detector, read_every=self.read_every)
         self._compiles = _compiler.CompileWatch()
         self._vote = StopVote(trainer.strategy.root_device, trainer.world_size)
-        self._reports.start(trainer)
+        self._reports.start(trainer, probe)
         # the first reading sets up NVML and Windows' counters (milliseconds): here, not inside a training step; what
         # Windows already counts in system RAM for this process is its baseline
         detector.set_baseline(probe.read())
@@ -340,7 +340,7 @@ class MemGuard(Callback):
         if self._adapter is not None and self._adapter.installed:
             # adapting judges validation by its own peak: the training steps' are read first, then forgotten
             self._read_and_judge(trainer)
-            self._require_probe().reset_peak()
+            self._reset_peak()
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         adapter, timeline = self._adapter, self._timeline
@@ -350,7 +350,7 @@ class MemGuard(Callback):
         capacity = timeline.detector.capacity
         if trainer.strategy.reduce_boolean_decision(reading.used > capacity, all=False):
             adapter.after_validation_spill(trainer, reading, capacity)
-        self._require_probe().reset_peak()  # the next training steps are judged by their own peak
+        self._reset_peak()  # the next training steps are judged by their own peak
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self._close_step_early()
@@ -472,7 +472,7 @@ class MemGuard(Callback):
             return
         reading = self._read_and_judge(trainer)
         # the next check reads the steps after this one only: a peak from before memory freed would hold it back
-        self._require_probe().reset_peak()
+        self._reset_peak()
         if adapter.maybe_grow(trainer, reading, timeline.detector.capacity, self._batch() or 1):
             self._watch_again(trainer)
 
@@ -486,14 +486,14 @@ class MemGuard(Callback):
         timeline.spill = None
         self._response = self._new_response()
         self._vote = StopVote(trainer.strategy.root_device, trainer.world_size)
-        self._require_probe().reset_peak()
+        self._reset_peak()
 
     def _start_readings(self, trainer: Trainer) -> None:
         """Readings start afresh: the probe's peak, the epoch's steps, where each loader's batch sits in a batch."""
         self._loader_paths = loader_paths(trainer.train_dataloader)
         if self._timeline is not None:
             self._timeline.start_epoch()
-        self._require_probe().reset_peak()
+        self._reset_peak()
 
     def _close_step_early(self) -> None:
         """Validation, a checkpoint or the epoch's end comes before the next batch: the open step is timed up to now
@@ -502,9 +502,13 @@ class MemGuard(Callback):
         if timeline is not None and timeline.step_open:
             timeline.interrupt(self._clock())
 
+    def _reset_peak(self) -> None:
+        self._require_probe().reset_peak()
+        self._reports.carried = None  # a report's step reset the allocator's peak: what came before is forgotten now
+
     def _read_and_judge(self, trainer: Trainer) -> MemoryReading:
         """Read memory and, while watching for a spill, let the detector judge the latest steps by it."""
-        reading = self._require_probe().read()
+        reading = self._reports.with_carried(self._require_probe().read())
         if reading.allocated_now is not None:  # read between steps: what the next step starts from
             self._response.allocated_now = reading.allocated_now
         if self._reports.retries_grew(reading.alloc_retries):
