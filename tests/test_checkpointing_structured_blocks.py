@@ -250,3 +250,26 @@ def test_timm_models_without_an_adapter_get_their_declared_blocks(name: str, fir
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, num_classes=4)
     assert [n for n, _ in find_units(model)][:3] == first_blocks
+
+
+def test_a_hugging_face_wrapper_of_a_timm_model_checkpoints_the_timm_blocks_inside_it() -> None:
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("timm")
+    if not hasattr(transformers, "TimmWrapperForImageClassification"):
+        pytest.skip("this transformers has no TimmWrapper")
+    torch.manual_seed(0)
+    config = transformers.TimmWrapperConfig(architecture="regnetx_002", num_labels=3)
+    plain = transformers.TimmWrapperForImageClassification(config)
+    ours = copy.deepcopy(plain)
+    plan = checkpoint_blocks(ours)
+    assert plan.blocks[:2] == ["timm_model.s1.b1", "timm_model.s2.b1"]
+    x = torch.randn(2, 3, 32, 32)
+
+    def step(model: nn.Module) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model.train()
+        model(pixel_values=x).logits.pow(2).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    grads, our_grads = step(plain), step(ours)
+    assert grads.keys() == our_grads.keys() and all(torch.equal(grads[k], our_grads[k]) for k in grads)

@@ -104,7 +104,7 @@ def claimed(model: nn.Module) -> list[tuple[str, nn.Module, Family]]:
 
 
 def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def blocks(model: nn.Module, found: list[tuple[str, nn.Module, Family]] | None = None) -> list[Named] | None:
@@ -119,7 +119,11 @@ def blocks(model: nn.Module, found: list[tuple[str, nn.Module, Family]] | None =
         reason = family.refusal(module)
         if reason is not None:
             raise ValueError(reason)
-        named += [(_join(prefix, name), block) for name, block in family.blocks(module)]
+        own = family.blocks(module)
+        if not own:  # a wrapper of another family's model (Hugging Face's TimmWrapperModel): the models inside it
+            inside = [(_join(name, n), m, f) for name, child in module.named_children() for n, m, f in claimed(child)]
+            own = (blocks(module, inside) or []) if inside else []
+        named += [(_join(prefix, name), block) for name, block in own]
     return named or None
 
 
