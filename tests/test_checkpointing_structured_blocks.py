@@ -273,3 +273,21 @@ def test_a_hugging_face_wrapper_of_a_timm_model_checkpoints_the_timm_blocks_insi
 
     grads, our_grads = step(plain), step(ours)
     assert grads.keys() == our_grads.keys() and all(torch.equal(grads[k], our_grads[k]) for k in grads)
+
+
+def test_a_vision_language_model_keeps_no_more_than_its_own_switch() -> None:
+    """Llava's language model reads ``use_cache`` from its own configuration where Llava passes none: checkpointed
+    without telling it, its layers built a key/value cache that the checkpoints held until backward (1.9x the
+    switch's bytes). Every model inside that takes ``use_cache`` gets ``False`` while it trains checkpointed."""
+    pytest.importorskip("transformers")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "coverage.py"
+    spec = importlib.util.spec_from_file_location("benchmark_coverage_vl", path)
+    assert spec is not None and spec.loader is not None
+    coverage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(coverage)
+    row = coverage.examine("hf", "llava", seconds=0)
+    assert row["covered"], row["reason"]
+    assert row["kept_bytes"]["ours"] <= row["kept_bytes"]["switch"]

@@ -6,8 +6,9 @@ in ``_no_split_modules`` that repeat. A block is never a part of a module named 
 declares ``supports_gradient_checkpointing = False`` is refused. While it trains with blocks checkpointed, its base
 model (the one that runs the layers) is called with ``use_cache=False``, as Hugging Face's own switch does: a layer that
 builds or updates the key/value cache would otherwise do it again when recomputed, and the cache keeps every layer's
-keys and values alive through the step. In evaluation and without gradients calls are left as they are (generation keeps
-its cache); the configuration is never changed."""
+keys and values alive through the step. So is every model inside it that takes ``use_cache`` (the language model of a
+vision-language model reads its own configuration where its parent passes nothing). In evaluation and without
+gradients calls are left as they are (generation keeps its cache); the configuration is never changed."""
 
 from __future__ import annotations
 
@@ -78,10 +79,14 @@ class HuggingFace(Family):
         return found
 
     def while_checkpointed(self, module: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
+        # the base model, and every model inside it that names use_cache (a vision-language model's language
+        # model reads its own configuration's use_cache where its parent passes none, as Llava's does)
+        modeling = loaded("transformers.modeling_utils")
         base = getattr(module, "base_model", module)
-        if isinstance(base, nn.Module) and _takes(base, "use_cache"):
-            return [(base, {"use_cache": False})]
-        return []
+        models = [base] if isinstance(base, nn.Module) else []
+        if modeling is not None:
+            models += [m for m in module.modules() if isinstance(m, modeling.PreTrainedModel) and m is not base]
+        return [(m, {"use_cache": False}) for m in models if _takes(m, "use_cache")]
 
     def checkpointed_by_family(self, module: nn.Module) -> bool:
         layer = _layer_class()
