@@ -79,7 +79,12 @@ class MemoryReport:
         split = {**parts, "rest": max(0, peak - sum(parts.values()))}
         largest = sorted(memory.forward.saved.items(), key=lambda kv: -kv[1])[:TOP]
         top: list[dict[str, Any]] = [
-            {"name": name, "class": memory.classes.get(name, ""), "bytes": size, "share": size / peak if peak else 0.0}
+            {
+                "name": name,
+                "class": memory.classes.get(name, "") if name else "",  # "": code outside every module
+                "bytes": size,
+                "share": size / peak if peak else 0.0,
+            }
             for name, size in largest
         ]
         names = [t["name"] for t in top]
@@ -121,10 +126,7 @@ class MemoryReport:
         measured = "" if self.peak_measured else " (the sum of the parts)"
         lines = [f"Memory {at}({self.why}): peak {size(self.peak)}{measured} = {shares}"]
         if self.top:
-            modules = ", ".join(
-                f"{t['name'] or OUTSIDE_LABEL} ({t['class'] or 'code'}) {size(t['bytes'])} ({t['share']:.0%})"
-                for t in self.top
-            )
+            modules = ", ".join(f"{_named(t)} {size(t['bytes'])} ({t['share']:.0%})" for t in self.top)
             lines.append(f"Largest saved activations: {modules}")
         if self.note:
             lines.append(f"({self.note})")
@@ -222,6 +224,13 @@ class MemoryReport:
             f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img">'
             f"{''.join(shapes)}{axis}{''.join(legend)}</svg>"
         )
+
+
+def _named(top: dict[str, Any]) -> str:
+    """A top module as the verdict names it: its name and class, or the words for code outside every module."""
+    if not top["name"]:
+        return OUTSIDE_LABEL
+    return f"{top['name']} ({top['class']})" if top["class"] else top["name"]
 
 
 def _ordered(paths: list[str]) -> list[str]:
