@@ -9,6 +9,7 @@ that later blocks use apart, or views of one tensor."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -291,3 +292,47 @@ def test_a_vision_language_model_keeps_no_more_than_its_own_switch() -> None:
     row = coverage.examine("hf", "llava", seconds=0)
     assert row["covered"], row["reason"]
     assert row["kept_bytes"]["ours"] <= row["kept_bytes"]["switch"]
+
+
+class _Pair(nn.Module):
+    """A cheap block whose output is large beside what it saves: a budget joins such blocks into runs."""
+
+    def __init__(self, lists: bool) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(64))
+        self.lists = lists
+
+    def forward(self, x: Any) -> Any:
+        if self.lists:
+            a, b = x
+            return [torch.tanh(a * self.w) + b, b]
+        return torch.tanh(x * self.w) + x
+
+
+class _PairChain(nn.Module):
+    def __init__(self, lists: bool) -> None:
+        super().__init__()
+        self.lists = lists
+        self.blocks = nn.Sequential(*(_Pair(lists) for _ in range(6)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.blocks([x, x * 1] if self.lists else x)
+        return (y[0] if self.lists else y).sum()
+
+
+def test_a_budget_joins_blocks_into_runs_only_where_they_pass_one_tensor() -> None:
+    """The same chain joined into runs where its blocks pass a tensor is checkpointed block by block where they pass
+    lists (a run hands on one tensor), and trains as the plain model does, rather than failing in the plan."""
+    runs = {}
+    for lists in (False, True):
+        torch.manual_seed(0)
+        plain = _PairChain(lists)
+        ours = copy.deepcopy(plain)
+        x = torch.randn(512, 64)
+        plan = checkpoint_blocks(ours, units={_Pair}, memory_budget=0.3, example_input=x, loss_fn=lambda out: out)
+        runs[lists] = plan.runs
+        for model in (plain, ours):
+            model(x).backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), ours.parameters(), strict=True))
+    assert any(len(run) > 1 for run in runs[False])
+    assert all(len(run) == 1 for run in runs[True])

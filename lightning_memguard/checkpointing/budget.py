@@ -29,6 +29,9 @@ class BlockProfile:
         forward_ms: its forward time (paid again in backward when it is checkpointed).
         recomputed_bytes: activations its recomputation brings back at once, where that differs from
             ``saved_bytes`` (a block that keeps less than a plain one while it is not checkpointed).
+        one_tensor: its output is one tensor. A run hands each member's output to the next inside one checkpoint
+            and keeps its last output by a weak reference, so only links that give one tensor are joined (HRNet's
+            stages, which pass lists, are checkpointed one by one).
     """
 
     name: str
@@ -37,6 +40,7 @@ class BlockProfile:
     output_bytes: int
     forward_ms: float
     recomputed_bytes: int | None = None
+    one_tensor: bool = True
 
     @property
     def recomputed(self) -> int:
@@ -77,6 +81,10 @@ def best_runs(
         [[0, 1]]
         >>> best_runs({0, 1, 2}, [a, b, c], 1000, [True, True])  # one run of all would bring everything back
         [[0, 1], [2]]
+        >>> listing = BlockProfile("a", saved_bytes=100, input_bytes=10, output_bytes=20, forward_ms=1.0,
+        ...                        one_tensor=False)  # gives a list: never joined
+        >>> best_runs({0, 1}, [listing, b, c], 1000, [True, True])
+        [[0], [1]]
     """
     runs = [[i] for i in sorted(chosen)]
     peak = predict_peak(baseline, profiles, runs, gradients)
@@ -85,6 +93,8 @@ def best_runs(
         for k in range(len(runs) - 1):
             left, right = runs[k], runs[k + 1]
             if right[0] != left[-1] + 1 or not joinable[left[-1]]:
+                continue
+            if not (profiles[left[-1]].one_tensor and profiles[right[0]].one_tensor):
                 continue
             trial = [*runs[:k], left + right, *runs[k + 2 :]]
             trial_peak = predict_peak(baseline, profiles, trial, gradients)

@@ -254,6 +254,7 @@ class StepMeter:
         saved: dict[str, dict[tuple[int, int], int]] = {link.name: {} for link in links}
         inputs: dict[str, set[tuple[int, int]]] = {link.name: set() for link in links}
         outputs: dict[str, set[tuple[int, int]]] = {link.name: set() for link in links}
+        one_tensor: dict[str, bool] = {}
         starts: dict[str, Any] = {}
         seen: set[tuple[int, int]] = set()
         current: list[str] = []
@@ -284,6 +285,7 @@ class StepMeter:
             def hook(module: nn.Module, args: Any, output: Any) -> None:
                 starts[name] = (starts[name], clock())
                 outputs[name] = {_storage_key(t) for t in tensors(output)}
+                one_tensor[name] = isinstance(output, torch.Tensor)
                 current.pop()
 
             return hook
@@ -312,6 +314,7 @@ class StepMeter:
                     input_bytes=sum(own.get(k, 0) for k in inputs[link.name]),
                     output_bytes=sum(own.get(k, 0) for k in outputs[link.name]),
                     forward_ms=ms,
+                    one_tensor=one_tensor.get(link.name, True),
                 )
             )
         return profiles
