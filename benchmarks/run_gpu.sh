@@ -6,8 +6,8 @@
 # `bash benchmarks/deepspeed_wheels.sh DIR`), sharded (ours against FSDP's own checkpointing switch, 2-4 minutes), adapt (MemGuard(on_spill="adapt") with memory taken and
 # freed mid-run, about 3 minutes), forensics (the memory report's cost: plain, MemGuard without and with reports, and
 # recording the allocator's history, in turns, about 4 minutes), zoo compile_frontier compile_rerun compile_tuner compile_budgets compile_peak (each 3-8
-# minutes), families (timm and Hugging Face against their own switches; FAMILY_MODELS=a,b picks a part: split the six
-# models over several calls, each within 9 minutes), checkpoint_overhead (timm's switch against ours and the ablations
+# minutes), families (timm and Hugging Face against their own switches; FAMILY_MODELS=a,b picks a part: the twelve
+# models take two calls, the vision ones by default, then FAMILY_MODELS=gpt2,llama,bert,t5,whisper; each within 9 minutes), checkpoint_overhead (timm's switch against ours and the ablations
 # between them, profiled; CKPT_MODEL=resnet50 or vit_small_patch16_224 for another model than convnext_tiny; 3-4 minutes).
 # Results and plots land in OUT_DIR; copy them to benchmarks/results/ and docs/,
 # then update the README's "Measured" section.
@@ -49,7 +49,8 @@ want compile_tuner && TAIL=10 run timeout 540 python3 benchmarks/compile.py --pa
 want compile_budgets && TAIL=8 run timeout 540 python3 benchmarks/compile.py --part budgets --budgets "${BUDGETS:-0.65,0.6,0.56,0.5,0.4,0.35}" --out "$out/compile_budgets.json"
 want compile_rerun && TAIL=8 run timeout 420 python3 benchmarks/compile.py --part frontier --rows "${ROWS:-compile_every_block,compile_every_block_one_graph}" --out "$out/compile_rerun.json"
 want families && TAIL=80 run timeout 540 python3 benchmarks/families.py \
-    --models ${FAMILY_MODELS:-resnet50,tv_resnet50,convnext_tiny,vit_small,efficientnet_b0,gpt2,llama} --out "$out/families.json"
+    --models ${FAMILY_MODELS:-resnet50,convnext_tiny,vit_small,efficientnet_b0,swin_tiny,regnety_032,densenet121} \
+    --out "$out/families.json"
 want checkpoint_overhead && TAIL=200 run timeout 420 python3 benchmarks/checkpoint_overhead.py \
     --model "${CKPT_MODEL:-convnext_tiny}" --profile --out "$out/checkpoint_overhead.json"
 want sharded && TAIL=4 run timeout 420 python3 benchmarks/sharded.py --out "$out/sharded.json"
