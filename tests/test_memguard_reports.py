@@ -378,3 +378,23 @@ def test_a_measured_steps_reset_of_the_cuda_peak_is_carried_into_memguards_next_
     assert (reading.peak_allocated, reading.peak_reserved) == (17 * GB, 18 * GB)
     reports._counts_cuda = False  # another probe (the emulator's, a user's) keeps its own figures
     assert reports.with_carried(MemoryReading(3 * GB, 4 * GB, 16 * GB)).peak_allocated == 3 * GB
+
+
+def test_a_compiled_model_is_reported_without_modules_and_compiles_at_most_one_graph_more(tmp_path, fake_probe):
+    graphs = []
+    for report in (True, False):
+        torch._dynamo.reset()
+        fake_probe.peak = GB
+        guard = _guard(fake_probe, on_spill="stop", memory_report=report)
+        model = torch.compile(HugeActivation(), backend="aot_eager")
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        with pytest.warns(RuntimeWarning, match="MemGuard stopped"):
+            _fit(tmp_path / str(report), guard, model=model, callbacks=[SpillAt(fake_probe, 3)], max_epochs=1)
+        graphs.append(counters["stats"]["unique_graphs"])
+        if report:
+            measured = _report(guard.reports[0])
+    torch._dynamo.reset()
+    assert measured["top"] == [] and "runs compiled" in measured["note"]
+    assert measured["split"]["activations"] > 16 * 2048 * 4  # the graph's saved tensors, counted
+    assert graphs[0] <= graphs[1] + 1  # the measured step's saved-tensor hooks: at most one graph more

@@ -29,7 +29,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_memguard import _autograd
+from lightning_memguard import _autograd, _compiler
 from lightning_memguard.callbacks._batches import samples_in
 from lightning_memguard.callbacks._files import checkpoint_folder
 from lightning_memguard.forensics.attribution import (
@@ -267,7 +267,8 @@ class _Armed:
         self.then = then
         self.step = step
         self.module = pl_module
-        self.recorder = SavedTensorRecorder(pl_module)
+        self.compiled = _compiler.is_compiled(pl_module)
+        self.recorder = SavedTensorRecorder(pl_module, modules=not self.compiled)
         self.prior: tuple[int, int] | None = None  # the allocator's peaks before this step reset them (CUDA)
         self.active = False
         self.wrapper: Callable[..., Any] | None = None
@@ -311,6 +312,7 @@ class _Armed:
         peak = torch.cuda.max_memory_allocated() if self.prior is not None else None
         memory = assemble(forward, weights, gradients, optimizer, peak, classes, blocks, vocabularies)
         memory.device = str(module.device)
+        memory.compiled = self.compiled
         return memory
 
 
@@ -323,7 +325,8 @@ def _redo(trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: i
             return pl_module.training_step(batch, batch_idx)
 
     with _logging_off(pl_module):
-        memory = measure_step(pl_module, run, list(trainer.optimizers), scale, samples_in(batch))
+        compiled = _compiler.is_compiled(pl_module)
+        memory = measure_step(pl_module, run, list(trainer.optimizers), scale, samples_in(batch), compiled)
     memory.device = str(pl_module.device)
     return memory
 

@@ -71,8 +71,9 @@ class SavedTensorRecorder:
         ['0', '1']
     """
 
-    def __init__(self, model: nn.Module, names: dict[nn.Module, str] | None = None) -> None:
+    def __init__(self, model: nn.Module, names: dict[nn.Module, str] | None = None, modules: bool = True) -> None:
         self.model = model
+        self.modules = modules  # False: no module hooks (a compiled graph runs them as it is traced, not as it runs)
         self.names = names if names is not None else {m: n for n, m in model.named_modules()}
         self.forwards: list[Forward] = []
         self._stack: list[str] = []
@@ -89,7 +90,7 @@ class SavedTensorRecorder:
         self._cuda = any(p.device.type == "cuda" for p in self.model.parameters()) and torch.cuda.is_available()
         self.forwards.append(Forward())
         try:
-            for module, name in self.names.items():
+            for module, name in self.names.items() if self.modules else ():
                 if module is self.model:
                     continue
                 self._handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
@@ -182,6 +183,7 @@ class StepMemory:
         scale: the activations measured on a part of the batch were multiplied by this (1: the whole batch).
         samples: samples in the measured batch (or part), where known.
         device: where the step ran.
+        compiled: the model ran compiled: its graph saves its tensors as one, and modules are not told apart.
     """
 
     weights: int
@@ -197,6 +199,7 @@ class StepMemory:
     scale: int = 1
     samples: int | None = None
     device: str = "cpu"
+    compiled: bool = False
 
 
 OUTSIDE_LABEL = "(outside any module: the loss)"  # how reports name code outside every module
@@ -258,6 +261,7 @@ def measure_step(
     optimizers: list[Any] | None = None,
     scale: int = 1,
     samples: int | None = None,
+    compiled: bool = False,
 ) -> StepMemory:
     """One forward (``run()``, returning the loss or a dict with ``"loss"``) and its backward, measured, then undone
     (:func:`step_undone`): the model's gradients, buffers and generators are as before.
@@ -278,7 +282,7 @@ def measure_step(
     classes, blocks, vocabularies = model_facts(model)
     cuda = any(p.device.type == "cuda" for p in model.parameters()) and torch.cuda.is_available()
     device = next((str(p.device) for p in model.parameters()), "cpu")
-    recorder = SavedTensorRecorder(model)
+    recorder = SavedTensorRecorder(model, modules=not compiled)
     with step_undone(model):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -291,7 +295,11 @@ def measure_step(
         weights, gradients, optimizer = resting_bytes(model, optimizers)
         peak = torch.cuda.max_memory_allocated() if cuda else None
     forward = recorder.largest()
-    return assemble(forward, weights, gradients, optimizer, peak, classes, blocks, vocabularies, scale, samples, device)
+    memory = assemble(
+        forward, weights, gradients, optimizer, peak, classes, blocks, vocabularies, scale, samples, device
+    )
+    memory.compiled = compiled
+    return memory
 
 
 def assemble(

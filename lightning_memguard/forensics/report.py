@@ -77,7 +77,13 @@ class MemoryReport:
             "activations": memory.activations,
         }
         split = {**parts, "rest": max(0, peak - sum(parts.values()))}
-        largest = sorted(memory.forward.saved.items(), key=lambda kv: -kv[1])[:TOP]
+        largest = [] if memory.compiled else sorted(memory.forward.saved.items(), key=lambda kv: -kv[1])[:TOP]
+        if memory.compiled:
+            compiled = (
+                "the model runs compiled: its graph saves its tensors as one, so modules are not told apart (measure"
+                " it once without torch.compile, or with `memguard sweep --report`)"
+            )
+            note = f"{note}; {compiled}" if note else compiled
         top: list[dict[str, Any]] = [
             {
                 "name": name,
