@@ -67,6 +67,7 @@ def run(out: str, scenario: str) -> None:
     result["global_step"] = trainer.global_step
     result["should_stop"] = trainer.should_stop
     result["epochs"] = [r.to_dict() for r in guard.epochs]
+    result["reports"] = [os.path.basename(p) for p in guard.reports]
     metric = trainer.callback_metrics.get("memguard/samples_per_sec")
     result["logged_samples_per_sec"] = None if metric is None else float(metric)
     with open(os.path.join(out, f"{scenario}-rank{rank}.json"), "w", encoding="utf-8") as f:

@@ -28,6 +28,9 @@ def test_stop_shows_the_spilling_ranks_numbers_and_the_table_sums_the_ranks(ddp_
         # 40 + 20 samples/s: the table's figure is the logged key's, on every rank
         assert epoch["samples_per_sec"] == pytest.approx(60.0) == results[rank]["logged_samples_per_sec"]
         assert epoch["step_ms"] == pytest.approx(200.0) and epoch["peak_allocated_gb"] == pytest.approx(17.0)
+        # each rank measured its own step, written with its rank in the name
+        (report,) = results[rank]["reports"]
+        assert report.startswith("memguard-report-step=") and report.endswith(f"-spill-rank={rank}.json")
 
 
 @pytest.mark.slow
@@ -38,3 +41,7 @@ def test_a_spill_in_the_last_step_of_the_last_epoch_raises_on_every_rank(ddp_lau
     assert results[1]["message"].startswith("GPU memory is spilling into system RAM at training step 16")
     assert "(rank 1)" in results[0]["message"] and "peak 17.00 GB against 16.00 GB" in results[0]["message"]
     assert [e["samples_per_sec"] for e in results[0]["epochs"]] == [pytest.approx(60.0)] * 2
+    # the spill settled at the last epoch's end: each rank redid its last batch, its report named in its error
+    assert [results[r]["reports"] for r in (0, 1)] == [["memguard-report-step=16-spill-rank=0.json"],
+                                                      ["memguard-report-step=16-spill-rank=1.json"]]  # fmt: skip
+    assert "Memory report: " in results[0]["message"] and "Memory report: " in results[1]["message"]

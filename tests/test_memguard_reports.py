@@ -398,3 +398,15 @@ def test_a_compiled_model_is_reported_without_modules_and_compiles_at_most_one_g
     assert measured["top"] == [] and "runs compiled" in measured["note"]
     assert measured["split"]["activations"] > 16 * 2048 * 4  # the graph's saved tensors, counted
     assert graphs[0] <= graphs[1] + 1  # the measured step's saved-tensor hooks: at most one graph more
+
+
+def test_memguard_pickles_before_and_after_a_fit_that_wrote_a_report(tmp_path, fake_probe):
+    """ddp_spawn pickles the callbacks: nothing of the reports may stand in the way."""
+    import pickle
+
+    guard = _guard(fake_probe, on_spill="warn", record_memory=True)
+    pickle.loads(pickle.dumps(guard))
+    with pytest.warns(RuntimeWarning, match="Memory report"):
+        _fit(tmp_path, guard, callbacks=[SpillAt(fake_probe, 2)], max_epochs=1)
+    again = pickle.loads(pickle.dumps(guard))
+    assert again.reports == guard.reports and len(guard.reports) == 1
