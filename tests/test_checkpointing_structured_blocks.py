@@ -336,3 +336,40 @@ def test_a_budget_joins_blocks_into_runs_only_where_they_pass_one_tensor() -> No
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), ours.parameters(), strict=True))
     assert any(len(run) > 1 for run in runs[False])
     assert all(len(run) == 1 for run in runs[True])
+
+
+class _Dense(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class _CalledDirectly(nn.Module):
+    """A model calling some of its blocks' ``forward`` directly, as HRNet's head does (``down.forward(y)``): module
+    hooks do not see those calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Dense() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block.forward(x) if i % 2 else block(x)
+        return x.sum()
+
+
+def test_a_budget_plans_a_model_calling_its_blocks_forward_directly() -> None:
+    """A block whose forward is called directly cannot be measured; the budget is still planned (it counts on
+    nothing from that block), and the model trains as the plain one does."""
+    torch.manual_seed(0)
+    plain = _CalledDirectly()
+    ours = copy.deepcopy(plain)
+    x = torch.randn(64, 32)
+    plan = checkpoint_blocks(ours, units={_Dense}, memory_budget=0.8, example_input=x, loss_fn=lambda out: out)
+    assert plan.candidates == 4
+    for model in (plain, ours):
+        model(x).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), ours.parameters(), strict=True))
