@@ -365,6 +365,7 @@ def test_the_forensics_benchmark_smoke_run_writes_its_ratios(tmp_path, monkeypat
     result = json.loads(out.read_text(encoding="utf-8"))
     assert set(result["summary"]["vs_plain"]) == {"memguard_without_report", "memguard", "memguard_recording"}
     assert result["summary"]["report_vs_no_report"] > 0 and result["report"]["measure_ms"] > 0
+    assert 0 < result["summary"]["report_hooks_us_per_step"] < 1000
     assert result["report"]["top"][0]
 
 

@@ -116,7 +116,7 @@ class MemGuard(Callback):
         record_memory: record the CUDA allocator's history (``torch.cuda.memory._record_memory_history``, the
             latest 100,000 events with their stack traces) from fit start to teardown, and write it with each report
             as ``<stem>.pickle`` for PyTorch's memory viewer (https://pytorch.org/memory_viz). It costs every
-            allocation a stack trace: 0.7 % of the step time of ResNet50 at batch 256 on an H200
+            allocation a stack trace: 0.9 % of the step time of ResNet50 at batch 256 on an H200
             (``benchmarks/forensics.py``); off by default. On a device other than CUDA it warns once and records
             nothing.
 
