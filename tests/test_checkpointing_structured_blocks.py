@@ -9,7 +9,8 @@ that later blocks use apart, or views of one tensor."""
 from __future__ import annotations
 
 import copy
-from typing import Any
+from collections import OrderedDict
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -187,6 +188,46 @@ def test_a_block_changing_its_tensor_input_in_place_after_is_an_error_not_a_wron
 
     model = Changes()
     checkpoint_blocks(model, units={KeywordLayer})
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(torch.randn(2, 8, requires_grad=True)).backward()
+
+
+class _Position(NamedTuple):
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class _TakesStructures(nn.Module):
+    """Reads its tensor from a named tuple or an ``OrderedDict`` and saves only what it computes from it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, given: _Position | OrderedDict[str, torch.Tensor]) -> torch.Tensor:
+        sin = given.sin if isinstance(given, _Position) else given["sin"]
+        return self.lin(sin + 1)
+
+
+@pytest.mark.parametrize("kind", [_Position, OrderedDict])
+def test_a_tensor_in_a_named_tuple_or_ordered_dict_changed_in_place_after_is_an_error(kind: type) -> None:
+    """The plain model computes its gradients from what the block saved; a recomputation would read the changed
+    tensor (other gradients, no error), so the backward refuses, as for a tensor in a list."""
+
+    class Changes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = _TakesStructures()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            sin = torch.sin(x)
+            given = _Position(torch.cos(x), sin) if kind is _Position else OrderedDict(cos=torch.cos(x), sin=sin)
+            out = self.block(given)
+            sin.mul_(3.0)  # the block's input, changed after it ran
+            return out.sum()
+
+    model = Changes()
+    checkpoint_blocks(model, units={_TakesStructures})
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         model(torch.randn(2, 8, requires_grad=True)).backward()
 

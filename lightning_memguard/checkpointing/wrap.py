@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from lightning_memguard import _compiler
@@ -123,26 +124,7 @@ class RunOutput:
         return self.ref is not None and x is self.ref()
 
 
-def _flatten(value: Any, leaves: list[Any]) -> Any:
-    """``value``'s plain lists, tuples and dicts as a description, with every other value appended to ``leaves`` (its
-    index in the description)."""
-    kind = type(value)
-    if kind is list or kind is tuple:
-        return (kind, [_flatten(v, leaves) for v in value])
-    if kind is dict:
-        return (dict, [(k, _flatten(v, leaves)) for k, v in value.items()])
-    leaves.append(value)
-    return len(leaves) - 1
-
-
-def _build(description: Any, leaves: Sequence[Any]) -> Any:
-    """The value :func:`_flatten` described, made anew around ``leaves`` (new lists, tuples and dicts)."""
-    if isinstance(description, int):
-        return leaves[description]
-    kind, items = description
-    if kind is dict:
-        return {k: _build(v, leaves) for k, v in items}
-    return kind(_build(v, leaves) for v in items)
+_PLAIN = (int, float, bool, str)
 
 
 def _recomputable(
@@ -153,24 +135,25 @@ def _recomputable(
 
     The checkpoint recomputes by calling the function again with the arguments it was given, and checks only the
     tensors among them that are arguments themselves (their version: an input changed in place since is an error).
-    A tensor inside a list, tuple or dict (HRNet's branches, DenseNet's features, a Hugging Face layer's
-    ``position_embeddings``), or passed by keyword, is neither checked nor safe: the block or the code after it may
-    change the container (DenseNet appends to the list it passed; HRNet's stages replace its items), and the
-    recomputation would run on other inputs: wrong gradients, with no error. So every tensor, wherever it sits, is
-    passed as an argument of its own; the first call runs on the caller's own containers (a block that changes them
-    does so as it would without checkpointing), a recomputation on new containers built around the same tensors,
-    as they were when the block first ran. A block with one tensor argument (most) passes as it is."""
-    if not kwargs and all(type(a) not in (list, tuple, dict) for a in args):
+    A tensor inside a list, tuple, dict, named tuple or ``OrderedDict`` (HRNet's branches, DenseNet's features, a
+    Hugging Face layer's ``position_embeddings``), or passed by keyword, is neither checked nor safe: the block or
+    the code after it may change the container (DenseNet appends to the list it passed; HRNet's stages replace its
+    items) or the tensor, and the recomputation would run on other inputs: wrong gradients, with no error. So every
+    tensor, wherever it sits in a container PyTorch's pytree knows (those, and any type registered with it, such as
+    Hugging Face's ``ModelOutput``), is passed as an argument of its own; the first call runs on the caller's own
+    containers (a block that changes them does so as it would without checkpointing), a recomputation on new
+    containers built around the same tensors, as they were when the block first ran. Any other object is passed as
+    it is. A block with tensor arguments only (most) passes as it is."""
+    if not kwargs and all(isinstance(a, torch.Tensor) or a is None or type(a) in _PLAIN for a in args):
         return forward, args
-    leaves: list[Any] = []
-    description = _flatten((list(args), kwargs), leaves)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
     first = [True]
 
     def function(*given: Any) -> Any:
         if first[0]:
             first[0] = False
             return forward(*args, **kwargs)
-        again_args, again_kwargs = _build(description, given)
+        again_args, again_kwargs = pytree.tree_unflatten(list(given), spec)
         return forward(*again_args, **again_kwargs)
 
     return function, tuple(leaves)
