@@ -411,3 +411,16 @@ def test_memguard_pickles_before_and_after_a_fit_that_wrote_a_report(tmp_path, f
         _fit(tmp_path, guard, callbacks=[SpillAt(fake_probe, 2)], max_epochs=1)
     again = pickle.loads(pickle.dumps(guard))
     assert again.reports == guard.reports and len(guard.reports) == 1
+
+
+def test_an_out_of_memory_error_on_an_uneven_batch_is_scaled_by_the_samples_measured(tmp_path, fake_probe):
+    model = HugeActivation(batch_size=10, n=40)
+    model.oom_above = 3  # 5 samples still fail, 2 (a quarter of 10, rounded) fit: scaled by 10 / 2
+    with pytest.raises(torch.OutOfMemoryError, match="Memory report: "):
+        _fit(tmp_path, _guard(fake_probe), model=model)
+    report = _report(_guard_reports(tmp_path)[0])
+    assert report["scale"] == 5 and report["top"][0]["bytes"] == 10 * 2048 * 4
+
+
+def _guard_reports(folder) -> list[pathlib.Path]:
+    return sorted(pathlib.Path(folder).rglob("memguard-report-*.json"))

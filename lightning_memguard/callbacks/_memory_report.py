@@ -199,14 +199,16 @@ class MemoryReports:
         batch, batch_idx = held
         samples = samples_in(batch) or 1
         note = "\nNo memory report: even one sample ran out of memory."
+        if samples < 2:
+            note = "\nNo memory report: a batch of one sample has no smaller part to measure."
         chunks = 2
         while chunks <= samples:
             _free_memory()
             part = _part(batch, samples, chunks)
             try:
-                memory = _redo(trainer, pl_module, part, batch_idx, scale=chunks)
+                memory = _redo(trainer, pl_module, part, batch_idx, scale=samples / (samples_in(part) or 1))
             except torch.OutOfMemoryError:
-                chunks *= 2
+                chunks = samples + 1 if chunks == samples else min(chunks * 2, samples)  # down to one sample
                 continue
             except Exception as err:
                 note = f"\nNo memory report: its measurement failed ({type(err).__name__}: {err})."
@@ -316,7 +318,7 @@ class _Armed:
         return memory
 
 
-def _redo(trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, scale: int = 1) -> StepMemory:
+def _redo(trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, scale: float = 1) -> StepMemory:
     """The step of ``batch`` run again through ``training_step`` (logging off, the Trainer's precision), measured and
     undone."""
 
@@ -420,7 +422,7 @@ def report_sizes(
             _free_memory()
             part = resized(batch, samples, max(1, size // chunks))
             try:
-                memory = _redo(trainer, pl_module, part, 0, scale=chunks)
+                memory = _redo(trainer, pl_module, part, 0, scale=size / max(1, size // chunks))
             except torch.OutOfMemoryError:
                 chunks *= 2
         if memory is None:

@@ -196,7 +196,7 @@ class StepMemory:
     classes: dict[str, str]
     blocks: list[str]
     vocabularies: list[str]
-    scale: int = 1
+    scale: float = 1
     samples: int | None = None
     device: str = "cpu"
     compiled: bool = False
@@ -259,7 +259,7 @@ def measure_step(
     model: nn.Module,
     run: Callable[[], Any],
     optimizers: list[Any] | None = None,
-    scale: int = 1,
+    scale: float = 1,
     samples: int | None = None,
     compiled: bool = False,
 ) -> StepMemory:
@@ -311,15 +311,15 @@ def assemble(
     classes: dict[str, str],
     blocks: list[str],
     vocabularies: list[str],
-    scale: int = 1,
+    scale: float = 1,
     samples: int | None = None,
     device: str = "cpu",
 ) -> StepMemory:
     """The figures of a step put together: activations scaled, the peak the measured one or the sum of the parts."""
     if scale > 1:
         forward = Forward(
-            {k: v * scale for k, v in forward.saved.items()},
-            [(m, b * scale) for m, b in forward.events],
+            {k: round(v * scale) for k, v in forward.saved.items()},
+            [(m, round(b * scale)) for m, b in forward.events],
             [(m, n, a) for m, n, a in forward.marks],
         )
     activations = forward.total

@@ -58,7 +58,7 @@ class MemoryReport:
     fixes: list[str]
     timeline: list[dict[str, Any]] = field(default_factory=list)
     samples: int | None = None
-    scale: int = 1
+    scale: float = 1
     note: str = ""
     snapshot: str | None = None
 
@@ -96,7 +96,7 @@ class MemoryReport:
         names = [t["name"] for t in top]
         found = rules.fixes(names, memory.blocks, memory.vocabularies, memory.optimizer, peak, advice)
         if memory.scale > 1:
-            scaled = f"measured on 1/{memory.scale} of the batch, activations scaled x{memory.scale}"
+            scaled = f"measured on 1/{memory.scale:.3g} of the batch, activations scaled x{memory.scale:.3g}"
             note = f"{note}; {scaled}" if note else scaled
         return cls(
             why, step, memory.device, peak, memory.peak_measured, split, top, found, _timeline(memory, names),
