@@ -424,3 +424,12 @@ def test_an_out_of_memory_error_on_an_uneven_batch_is_scaled_by_the_samples_meas
 
 def _guard_reports(folder) -> list[pathlib.Path]:
     return sorted(pathlib.Path(folder).rglob("memguard-report-*.json"))
+
+
+def test_fast_dev_run_spilling_from_its_first_step_is_reported(tmp_path, fake_probe):
+    fake_probe.peak = 17 * GB
+    guard = _guard(fake_probe, on_spill="raise")
+    # found at the one batch's start, acted on at the epoch's end: measured on that epoch's last (its only) batch
+    with pytest.raises(SysmemSpillError, match=r"Memory report: .*step=1-spill\.html"):
+        _fit(tmp_path, guard, fast_dev_run=True)
+    _checks_the_top_module(_report(guard.reports[0]), "spill")
