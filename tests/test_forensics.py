@@ -175,6 +175,40 @@ def test_a_language_model_is_told_to_chunk_its_loss():
     assert "(outside any module: the loss)" in report.verdict()
 
 
+def test_the_fix_for_the_largest_share_comes_first_not_the_blocks_holding_a_few_percent():
+    """A language model with blocks and a vocabulary-sized head: the loss's logits hold most of the peak, so the
+    chunked loss is the first fix and the verdict's; checkpointing the blocks (a few percent) comes after it."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    class WithBlocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(100, 8)
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+            self.lm_head = nn.Linear(8, 32_000, bias=False)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return nn.functional.cross_entropy(self.lm_head(x).flatten(0, 1), tokens.flatten())
+
+    model = WithBlocks()
+    tokens = torch.randint(0, 100, (2, 16))
+    report = MemoryReport.from_step(measure_step(model, lambda: model(tokens)), "spill")
+    assert report.top[0]["name"] == "" and report.top[0]["share"] > 0.5
+    assert "chunks" in report.fixes[0]
+    assert any(f.startswith("checkpoint the blocks") for f in report.fixes[1:-1])
+    assert "Fix: compute the logits of lm_head" in report.verdict()
+
+
 def test_a_resnet_is_told_which_blocks_to_checkpoint():
     import torchvision
 

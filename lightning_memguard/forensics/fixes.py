@@ -1,8 +1,9 @@
 """The fix a memory report names, as rules on the measured figures: each rule a small function, pure (no torch).
 
 A rule looks at the step's split and its top modules and answers a sentence, or None where it does not apply. The
-report lists every rule that applies, in this order: checkpoint the blocks holding the activations; compute a large
-vocabulary's logits and loss in chunks; a lighter optimizer state or sharding; a smaller micro-batch (always).
+report lists every rule that applies, the one whose target holds most of the peak first: checkpoint the blocks
+holding the activations; compute a large vocabulary's logits and loss in chunks; a lighter optimizer state or
+sharding; then a smaller micro-batch (always, last).
 """
 
 from __future__ import annotations
@@ -94,18 +95,27 @@ def fixes(
     optimizer: int,
     peak: int,
     advice: str | None = None,
+    shares: Sequence[float] | None = None,
 ) -> list[str]:
-    """Every fix that applies, the most targeted first; the smaller micro-batch always last.
+    """Every fix that applies, the one whose target holds the largest share of the peak first (``shares``: each top
+    module's share, in ``top``'s order; without them, in the rules' order); the smaller micro-batch always last.
 
     Example:
         >>> fixes(["layer1.0.conv1"], ["layer1.0"], [], 0, 100)[0].startswith("checkpoint the blocks")
         True
         >>> len(fixes(["fc"], [], [], 0, 100))
         1
+        >>> first = fixes(["", "h.0.mlp"], ["h.0"], ["lm_head"], 0, 100, shares=[0.6, 0.02])[0]
+        >>> first.startswith("compute the logits")  # the loss's 60 % before a block's 2 %
+        True
     """
+    weight = dict(zip(top, shares, strict=True)) if shares is not None else {}
+    in_blocks = sum(weight.get(m, 0.0) for m in top if enclosing_blocks([m], blocks))
+    at_vocabulary = sum(weight.get(m, 0.0) for m in top if m == OUTSIDE or m in vocabularies)
     found = [
-        checkpoint_fix(top, blocks),
-        vocabulary_fix(top, vocabularies),
-        optimizer_fix(optimizer, peak),
+        (in_blocks, checkpoint_fix(top, blocks)),
+        (at_vocabulary, vocabulary_fix(top, vocabularies)),
+        (optimizer / peak if peak > 0 else 0.0, optimizer_fix(optimizer, peak)),
     ]
-    return [f for f in found if f is not None] + [micro_batch_fix(advice)]
+    ranked = sorted((f for f in found if f[1] is not None), key=lambda f: -f[0]) if shares is not None else found
+    return [f for _, f in ranked if f is not None] + [micro_batch_fix(advice)]

@@ -94,7 +94,8 @@ class MemoryReport:
             for name, size in largest
         ]
         names = [t["name"] for t in top]
-        found = rules.fixes(names, memory.blocks, memory.vocabularies, memory.optimizer, peak, advice)
+        shares = [t["share"] for t in top]
+        found = rules.fixes(names, memory.blocks, memory.vocabularies, memory.optimizer, peak, advice, shares)
         if memory.scale > 1:
             scaled = f"measured on 1/{memory.scale:.3g} of the batch, activations scaled x{memory.scale:.3g}"
             note = f"{note}; {scaled}" if note else scaled
