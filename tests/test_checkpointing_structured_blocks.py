@@ -414,3 +414,29 @@ def test_a_budget_plans_a_model_calling_its_blocks_forward_directly() -> None:
     for model in (plain, ours):
         model(x).backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), ours.parameters(), strict=True))
+
+
+class _Reused(nn.Module):
+    """A chain whose first block is used again after it, outside its ``nn.Sequential`` (weights shared)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(_Pair(False) for _ in range(6)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.blocks(x)
+        return (y + self.blocks[0](y[:4]).sum()).sum()
+
+
+def test_a_budget_begins_no_run_at_a_block_used_again_elsewhere() -> None:
+    """A run's first block runs the rest of its run whenever it is called: called again on its own, it would give
+    the run's output. Such a block is checkpointed alone, and the model computes what the plain one does."""
+    torch.manual_seed(0)
+    plain = _Reused()
+    x = torch.randn(512, 64)
+    for budget in (0.3, 0.4):
+        ours = copy.deepcopy(plain)
+        plan = checkpoint_blocks(ours, units={_Pair}, memory_budget=budget, example_input=x, loss_fn=lambda out: out)
+        assert ["blocks.0"] in plan.runs
+        assert any(len(run) > 1 for run in plan.runs)
+        assert torch.equal(ours(x), plain(x))

@@ -32,6 +32,8 @@ class BlockProfile:
         one_tensor: its output is one tensor. A run hands each member's output to the next inside one checkpoint
             and keeps its last output by a weak reference, so only links that give one tensor are joined (HRNet's
             stages, which pass lists, are checkpointed one by one).
+        calls: how many times its forward ran in the step. A run's first link runs the others after it on every
+            call, so one called again outside its ``nn.Sequential`` (a block used twice) begins no run.
     """
 
     name: str
@@ -41,6 +43,7 @@ class BlockProfile:
     forward_ms: float
     recomputed_bytes: int | None = None
     one_tensor: bool = True
+    calls: int = 1
 
     @property
     def recomputed(self) -> int:
@@ -94,7 +97,7 @@ def best_runs(
             left, right = runs[k], runs[k + 1]
             if right[0] != left[-1] + 1 or not joinable[left[-1]]:
                 continue
-            if not (profiles[left[-1]].one_tensor and profiles[right[0]].one_tensor):
+            if not (profiles[left[-1]].one_tensor and profiles[right[0]].one_tensor) or profiles[left[0]].calls > 1:
                 continue
             trial = [*runs[:k], left + right, *runs[k + 2 :]]
             trial_peak = predict_peak(baseline, profiles, trial, gradients)

@@ -255,6 +255,7 @@ class StepMeter:
         inputs: dict[str, set[tuple[int, int]]] = {link.name: set() for link in links}
         outputs: dict[str, set[tuple[int, int]]] = {link.name: set() for link in links}
         one_tensor: dict[str, bool] = {}
+        calls: dict[str, int] = {}
         starts: dict[str, Any] = {}
         seen: set[tuple[int, int]] = set()
         current: list[str] = []
@@ -276,6 +277,7 @@ class StepMeter:
         def pre(name: str) -> Callable[..., None]:
             def hook(module: nn.Module, args: Any) -> None:
                 current.append(name)
+                calls[name] = calls.get(name, 0) + 1
                 inputs[name] = {_storage_key(t) for t in tensors(args)}
                 starts[name] = clock()
 
@@ -320,6 +322,7 @@ class StepMeter:
                     output_bytes=sum(own.get(k, 0) for k in outputs[link.name]),
                     forward_ms=ms,
                     one_tensor=one_tensor.get(link.name, True),
+                    calls=calls.get(link.name, 1),
                 )
             )
         return profiles
