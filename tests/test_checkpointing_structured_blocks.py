@@ -440,3 +440,34 @@ def test_a_budget_begins_no_run_at_a_block_used_again_elsewhere() -> None:
         assert ["blocks.0"] in plan.runs
         assert any(len(run) > 1 for run in plan.runs)
         assert torch.equal(ours(x), plain(x))
+
+
+def test_a_hugging_face_wrapper_of_a_timm_model_without_timm_s_switch_checkpoints_it_too() -> None:
+    """TimmWrapperModel declares ``supports_gradient_checkpointing = False`` where timm's own switch is missing (DLA,
+    HRNet); the timm model inside is checkpointed by its declared blocks, as it is unwrapped, and trains exactly."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("timm")
+    if not hasattr(transformers, "TimmWrapperForImageClassification"):
+        pytest.skip("this transformers has no TimmWrapper")
+    torch.manual_seed(0)
+    plain = transformers.TimmWrapperForImageClassification(
+        transformers.TimmWrapperConfig(architecture="dla34", num_labels=3)
+    )
+    assert plain.supports_gradient_checkpointing is False
+    ours = copy.deepcopy(plain)
+    plan = checkpoint_blocks(ours)
+    assert plan.blocks[:2] == ["timm_model.level0", "timm_model.level1"]
+    x = torch.randn(2, 3, 32, 32)
+    grads, buffers = _train_step(_Logits(plain), x)
+    our_grads, our_buffers = _train_step(_Logits(ours), x)
+    assert grads.keys() == our_grads.keys() and all(torch.equal(grads[k], our_grads[k]) for k in grads)
+    assert all(torch.equal(buffers[k], our_buffers[k]) for k in buffers)
+
+
+class _Logits(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=x).logits

@@ -112,17 +112,21 @@ def blocks(model: nn.Module, found: list[tuple[str, nn.Module, Family]] | None =
     adapter claims a part of it or the ones that do name no blocks: structure decides then.
 
     Raises:
-        ValueError: a claimed model refuses checkpointing by block (:meth:`Family.refusal`), quoting why.
+        ValueError: a claimed model refuses checkpointing by block (:meth:`Family.refusal`), quoting why, unless
+            it names no blocks and wraps models of other families, whose adapters answer for them.
     """
     named: list[Named] = []
     for prefix, module, family in claimed(model) if found is None else found:
         reason = family.refusal(module)
-        if reason is not None:
-            raise ValueError(reason)
         own = family.blocks(module)
-        if not own:  # a wrapper of another family's model (Hugging Face's TimmWrapperModel): the models inside it
-            inside = [(_join(name, n), m, f) for name, child in module.named_children() for n, m, f in claimed(child)]
-            own = (blocks(module, inside) or []) if inside else []
+        children = [] if own else list(module.named_children())
+        inside = [(_join(name, n), m, f) for name, child in children for n, m, f in claimed(child)]
+        if reason is not None and not inside:
+            raise ValueError(reason)
+        if inside:  # a wrapper of another family's model (Hugging Face's TimmWrapperModel): the models inside it,
+            # whose own adapters answer (the wrapper's refusal speaks of the switch it lends: TimmWrapperModel
+            # declares none where timm's own switch is missing, as HRNet's and DLA's are)
+            own = blocks(module, inside) or []
         named += [(_join(prefix, name), block) for name, block in own]
     return named or None
 
