@@ -44,6 +44,7 @@ import inspect
 import os
 import platform
 import random
+import re
 import signal
 import sys
 import time
@@ -482,6 +483,7 @@ def first_line(error: BaseException | None) -> str:
         return "unknown error"
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     text = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", text)  # an object's address: the same text every run
     return f"{type(error).__name__}: {text}"[:300]
 
 
@@ -521,11 +523,15 @@ def _examine(row: dict[str, Any], library: str, name: str) -> None:
     keys = list(model.state_dict())
     try:
         row["blocks"] = len(find_units(copy.deepcopy(model)))
+    except TimedOut:
+        raise
     except Exception as e:
         row["blocks"] = None
         row["blocks_error"] = first_line(e)
     try:
         row["checkpointed"] = len(checkpoint_blocks(ours).blocks)
+    except TimedOut:
+        raise
     except Exception as e:
         row["checkpointed"] = None
         row["checkpoint_error"] = first_line(e)
@@ -539,6 +545,8 @@ def _examine(row: dict[str, Any], library: str, name: str) -> None:
             row["gradient_difference"] = grads
         if not bufs["same"]:
             row["buffer_difference"] = bufs
+    except TimedOut:
+        raise
     except Exception as e:
         row["same_gradients"] = row["same_buffers"] = None
         row["train_error"] = first_line(e)
@@ -546,6 +554,8 @@ def _examine(row: dict[str, Any], library: str, name: str) -> None:
         switch_on(switched)
         row["kept_bytes"]["switch"] = step(switched, inputs)
         row["switch"] = row["kept_bytes"]["switch"] < row["kept_bytes"]["plain"] if library == "timm" else True
+    except TimedOut:
+        raise
     except Exception as e:
         row["switch"] = False
         row["switch_error"] = first_line(e)
@@ -651,7 +661,7 @@ own switch (timm's `set_grad_checkpointing(True)`, Hugging Face's `gradient_chec
 whether the family has one (for timm: it runs and keeps less). The goal: every model with a switch covered. A model
 that this benchmark could not build or feed says why; it is a limit of the benchmark's generic configs and inputs,
 not of the library. `benchmarks/coverage.py` says how each figure is made; the rows are in
-`benchmarks/results/coverage.json`; the lines below are its `--table`.
+`benchmarks/results/coverage.json`; `python benchmarks/coverage.py --table` prints this page from them.
 """
 
 
