@@ -471,3 +471,25 @@ class _Logits(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(pixel_values=x).logits
+
+
+def test_a_model_declaring_whole_classes_it_does_not_hold_is_found_by_structure() -> None:
+    """A wrapper's ``_no_split_modules`` may name classes of another model than the one it holds (Gemma3n's vision
+    tower: a timm encoder with no declaration of its own inside a Hugging Face wrapper): the blocks are then its
+    repeating modules, not none."""
+
+    class Wrapper(nn.Module):
+        _no_split_modules = ["LayerOfAnotherModel"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(KeywordLayer(8) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            ones = torch.ones_like(x)
+            for layer in self.layers:
+                x, _ = layer(x, position=(ones, x * 0), mask=ones)
+            return x.sum()
+
+    plan = checkpoint_blocks(Wrapper())
+    assert plan.blocks == ["layers.0", "layers.1", "layers.2"]

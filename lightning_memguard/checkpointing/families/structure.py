@@ -146,10 +146,10 @@ def select_blocks(model: nn.Module, units: Any, known: Callable[[], list[Named] 
     if units == "auto":
         found = known() or []
     if units == "auto" and not found:
-        declared = _declared(model)
-        if declared:
+        declared = _declared(model) or set()
+        if any(n and _base_class(m).__name__ in declared for n, m in model.named_modules()):
             units = lambda name, module: _base_class(module).__name__ in declared  # noqa: E731
-        else:
+        else:  # nothing declared, or declared classes the model does not hold (a wrapper's, for another model)
             found = _repeating(model)
     if not found and units != "auto":
         skip_prefixes: list[str] = []
