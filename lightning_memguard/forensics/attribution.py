@@ -20,13 +20,21 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_memguard import _autograd
 
 
+def held(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage this process holds: a sharded tensor's local shard (a DTensor under FSDP2 or
+    ``ModelParallelStrategy`` has no storage of its own), else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def storage_key(tensor: torch.Tensor) -> tuple[int, str]:
     """A tensor's storage, as the allocator holds it: its address and device (views of one tensor share it)."""
-    return tensor.untyped_storage().data_ptr(), str(tensor.device)
+    local = held(tensor)
+    return local.untyped_storage().data_ptr(), str(local.device)
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -34,7 +42,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: dict[tuple[int, str], int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            seen.setdefault(storage_key(t), t.untyped_storage().nbytes())
+            seen.setdefault(storage_key(t), held(t).untyped_storage().nbytes())
     return sum(seen.values())
 
 
@@ -158,7 +166,7 @@ class SavedTensorRecorder:
         if key in self._seen or key in self._parameters:
             return
         self._seen.add(key)
-        size = tensor.untyped_storage().nbytes()
+        size = held(tensor).untyped_storage().nbytes()
         module = self._stack[-1] if self._stack else ""
         forward = self.forwards[-1]
         forward.saved[module] = forward.saved.get(module, 0) + size
