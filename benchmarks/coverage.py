@@ -553,7 +553,9 @@ def _examine(row: dict[str, Any], library: str, name: str) -> None:
     try:
         switch_on(switched)
         row["kept_bytes"]["switch"] = step(switched, inputs)
-        row["switch"] = row["kept_bytes"]["switch"] < row["kept_bytes"]["plain"] if library == "timm" else True
+        # a switch that keeps as much as the plain model checkpoints nothing (a Hugging Face model declaring
+        # support whose layers are not GradientCheckpointingLayers): the family cannot checkpoint it itself
+        row["switch"] = row["kept_bytes"]["switch"] < row["kept_bytes"]["plain"]
     except TimedOut:
         raise
     except Exception as e:
@@ -658,10 +660,11 @@ stochastic depth on. A model is **covered** when blocks are found, every gradien
 plain model's, the `state_dict` keys are unchanged, and it keeps fewer bytes for backward. "kept MB" is what the
 forward leaves alive for backward (every tensor it made, parameters and buffers aside), plain / ours / the family's
 own switch (timm's `set_grad_checkpointing(True)`, Hugging Face's `gradient_checkpointing_enable`); "switch" says
-whether the family has one (for timm: it runs and keeps less). The goal: every model with a switch covered. A model
-that this benchmark could not build or feed says why; it is a limit of the benchmark's generic configs and inputs,
-not of the library. `benchmarks/coverage.py` says how each figure is made; the rows are in
-`benchmarks/results/coverage.json`; `python benchmarks/coverage.py --table` prints this page from them.
+whether the family has one that checkpoints something (it runs and keeps less than the plain model). The goal: every
+model with a switch covered. A model that this benchmark could not build or feed says why; it is a limit of the
+benchmark's generic configs and inputs, not of the library. `benchmarks/coverage.py` says how each figure is made;
+the rows are in `benchmarks/results/coverage.json`; `python benchmarks/coverage.py --table` prints this page from
+them.
 """
 
 
