@@ -493,3 +493,16 @@ def test_a_model_declaring_whole_classes_it_does_not_hold_is_found_by_structure(
 
     plan = checkpoint_blocks(Wrapper())
     assert plan.blocks == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_a_hybrid_vits_convolutional_stem_is_checkpointed_where_timms_switch_does_it() -> None:
+    """VitaMin's patch embedding is a convolutional network with a switch of its own (its ``MbConvStages``
+    checkpoints its stages under timm's ``set_grad_checkpointing``): its stages are blocks too (without them ours kept
+    5.7x the switch's bytes)."""
+    timm = pytest.importorskip("timm")
+    from lightning_memguard.checkpointing.families import find_units
+
+    model = timm.create_model("vitamin_small_224", pretrained=False, num_classes=4)
+    names = [name for name, _ in find_units(model)]
+    assert names[:2] == ["patch_embed.backbone.stages.0", "patch_embed.backbone.stages.1"]
+    assert names[2:] == [f"blocks.{i}" for i in range(len(model.blocks))]

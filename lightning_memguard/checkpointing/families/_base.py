@@ -175,3 +175,25 @@ def staged_blocks(module: nn.Module, stages: str) -> list[Named]:
         for name, stage in container.named_children()
         for block in elements(f"{stages}.{name}.blocks", stage.blocks)
     ]
+
+
+def switched_parts(model: nn.Module, blocks: list[Named]) -> list[Named]:
+    """``blocks`` with the parts of ``model`` that timm's own switch checkpoints and they do not hold: a module inside
+    the model with a switch of its own (a ``grad_checkpointing`` attribute) that checkpoints its ``stages`` or
+    ``blocks`` (a hybrid ViT's convolutional stem, as VitaMin's ``MbConvStages``): their elements, in the order the
+    model registers them."""
+    names = {name for name, _ in blocks}
+    inside = tuple(f"{name}." for name in names)
+    extra: set[str] = set()
+    for name, module in model.named_modules():
+        if not name or name in names or name.startswith(inside) or "grad_checkpointing" not in vars(module):
+            continue
+        for part in ("stages", "blocks"):
+            container = getattr(module, part, None)
+            if isinstance(container, nn.Sequential | nn.ModuleList):
+                extra.update(n for n, _ in elements(f"{name}.{part}", container))
+                break
+    if not extra:
+        return blocks
+    chosen = names | extra
+    return [(name, module) for name, module in model.named_modules() if name in chosen]

@@ -19,7 +19,15 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memguard.checkpointing.families._base import Family, Named, composite, elements, flagged, loaded
+from lightning_memguard.checkpointing.families._base import (
+    Family,
+    Named,
+    composite,
+    elements,
+    flagged,
+    loaded,
+    switched_parts,
+)
 
 
 def _stem_patterns(matcher: Any) -> list[re.Pattern[str]]:
@@ -118,7 +126,7 @@ class TimmDeclared(Family):
     def blocks(self, module: nn.Module) -> list[Named]:
         timm_models = loaded("timm.models")
         try:
-            return declared_blocks(module, timm_models.group_modules)  # type: ignore[union-attr]
+            return switched_parts(module, declared_blocks(module, timm_models.group_modules))  # type: ignore[union-attr]
         except (TypeError, ValueError, AttributeError, KeyError, re.error):  # a declaration not understood: structure
             return []
 

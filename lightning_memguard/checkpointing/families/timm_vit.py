@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memguard.checkpointing.families._base import Family, Named, elements, flagged, loaded
+from lightning_memguard.checkpointing.families._base import Family, Named, elements, flagged, loaded, switched_parts
 
 
 class TimmViT(Family):
@@ -21,7 +21,7 @@ class TimmViT(Family):
 
     def blocks(self, module: nn.Module) -> list[Named]:
         blocks: Any = module.blocks  # an nn.Sequential (ViT) or nn.ModuleList (EVA)
-        return elements("blocks", blocks)
+        return switched_parts(module, elements("blocks", blocks))
 
     def switched_on(self, module: nn.Module) -> bool:
         return flagged(module)
