@@ -17,6 +17,10 @@ tensors, and the saved-tensor hooks in force, which torch offers no public way t
   again there is a checkpoint's recomputation, whose graph backward never runs through.
 - :func:`at_backward_end`: a call queued to run once the backward pass now running is done
   (``Variable._execution_engine.queue_callback``, as FSDP and DDP queue theirs), in the order queued.
+- :func:`flatten`, :func:`unflatten`: a structure of containers (lists, tuples, dicts, named tuples, ``OrderedDict``,
+  any type registered with PyTorch's pytree, such as Hugging Face's ``ModelOutput``) as its leaves and a description,
+  and made anew around leaves (``torch.utils._pytree``): a checkpointed block's arguments, every tensor among them an
+  argument of the checkpoint.
 - :func:`record_memory_history`, :func:`dump_memory_snapshot`: the CUDA allocator's history, recorded and written
   for PyTorch's memory viewer (``torch.cuda.memory._record_memory_history``, ``_dump_snapshot``): MemGuard's
   ``record_memory=True`` and its reports' snapshot.
@@ -32,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils import _pytree
 
 _CHECKPOINT_MODULE = "torch.utils.checkpoint"
 
@@ -96,3 +101,13 @@ def dump_memory_snapshot(path: str) -> None:
     """Write the allocator's recorded history to ``path``, a pickle that https://pytorch.org/memory_viz opens
     (``torch.cuda.memory._dump_snapshot``)."""
     torch.cuda.memory._dump_snapshot(path)
+
+
+def flatten(structure: Any) -> tuple[list[Any], Any]:
+    """``structure``'s leaves, in order, and what rebuilds it around them (:func:`unflatten`)."""
+    return _pytree.tree_flatten(structure)
+
+
+def unflatten(leaves: list[Any], description: Any) -> Any:
+    """The structure :func:`flatten` described, made anew around ``leaves`` (new containers)."""
+    return _pytree.tree_unflatten(leaves, description)

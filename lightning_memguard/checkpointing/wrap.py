@@ -14,10 +14,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from lightning_memguard import _compiler
+from lightning_memguard import _autograd, _compiler
 
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -146,14 +145,14 @@ def _recomputable(
     it is. A block with tensor arguments only (most) passes as it is."""
     if not kwargs and all(isinstance(a, torch.Tensor) or a is None or type(a) in _PLAIN for a in args):
         return forward, args
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+    leaves, spec = _autograd.flatten((args, kwargs))
     first = [True]
 
     def function(*given: Any) -> Any:
         if first[0]:
             first[0] = False
             return forward(*args, **kwargs)
-        again_args, again_kwargs = pytree.tree_unflatten(list(given), spec)
+        again_args, again_kwargs = _autograd.unflatten(list(given), spec)
         return forward(*again_args, **again_kwargs)
 
     return function, tuple(leaves)
