@@ -18,7 +18,6 @@ A report that cannot be measured or written never hides what it reports on: the 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,7 +41,7 @@ from lightning_memguard.forensics.attribution import (
 )
 from lightning_memguard.forensics.report import MemoryReport
 from lightning_memguard.probes.cuda import CudaProbe
-from lightning_memguard.tuning.adapter import split_batch
+from lightning_memguard.tuning.adapter import free_memory, split_batch
 
 HISTORY_ENTRIES = 100_000  # allocator events kept by ``record_memory=True``: the latest, a ring
 
@@ -203,7 +202,7 @@ class MemoryReports:
             note = "\nNo memory report: a batch of one sample has no smaller part to measure."
         chunks = 2
         while chunks <= samples:
-            _free_memory()
+            free_memory()
             part = _part(batch, samples, chunks)
             try:
                 memory = _redo(trainer, pl_module, part, batch_idx, scale=samples / (samples_in(part) or 1))
@@ -419,7 +418,7 @@ def report_sizes(
     for size in sizes:
         chunks, memory = 1, None
         while memory is None and chunks <= size:
-            _free_memory()
+            free_memory()
             part = resized(batch, samples, max(1, size // chunks))
             try:
                 memory = _redo(trainer, pl_module, part, 0, scale=size / max(1, size // chunks))
@@ -431,9 +430,3 @@ def report_sizes(
         report = MemoryReport.from_step(memory, "plan", note=note)
         written.append(report.write(folder, f"memguard-report-micro-batch={size}")[0])
     return written
-
-
-def _free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

@@ -181,7 +181,7 @@ class MicroBatches:
                     _explain(err, why_not or self.why_not or "no lever is left")
                     raise
                 del err
-                _free_memory()
+                free_memory()
                 self.chunks = finer  # the step is redone from zeroed gradients, in `finer` micro-batches
 
     def _why_not_redone(self, first: bool, accumulate: int) -> str | None:
@@ -290,7 +290,8 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
     return found
 
 
-def _free_memory() -> None:
+def free_memory() -> None:
+    """Let go of what a failed step held: Python's cycles collected, the CUDA allocator's cache emptied."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -410,7 +411,7 @@ class RunAdapter:
                 example, _ = inputs_from_batch(part, pl_module.forward)
                 return checkpoint_blocks(pl_module, memory_budget=int(room), example_input=example).summary()
             except (ValueError, TypeError, RuntimeError):  # RuntimeError: out of memory too
-                _free_memory()  # planned on nothing usable (say a batch of indices the model maps): every block
+                free_memory()  # planned on nothing usable (say a batch of indices the model maps): every block
         return checkpoint_blocks(pl_module).summary()
 
     def _lever(
