@@ -367,7 +367,7 @@ def test_blocks_are_given_back_while_the_measured_peak_still_fits(monkeypatch):
     import lightning_memguard.checkpointing.plan_eager as plan_mod
 
     # the most cautious planner possible: it picks every block
-    def every_link(profiles, baseline, budget, joinable, gradients):
+    def every_link(profiles, baseline, budget, joinable, gradients, parts=()):
         return set(range(len(profiles))), [], baseline
 
     monkeypatch.setattr(plan_mod, "choose_blocks", every_link)
@@ -459,7 +459,9 @@ def test_a_tight_budget_joins_blocks_into_runs(monkeypatch):
 
     profile = StepMeter.profile  # every link as fast as the next: joining is about memory, not this CPU's timings
     monkeypatch.setattr(
-        StepMeter, "profile", lambda self, links: [replace(p, forward_ms=1.0) for p in profile(self, links)]
+        StepMeter,
+        "profile",
+        lambda self, links, parts=(): [replace(p, forward_ms=1.0) for p in profile(self, links, parts)],
     )
     x = torch.randn(8, 3, 64, 64)
     model = torchvision.models.resnet18(num_classes=10)

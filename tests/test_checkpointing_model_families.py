@@ -348,7 +348,7 @@ def test_a_budget_on_a_hugging_face_decoder_stays_bit_identical():
     expected = _step(copy.deepcopy(plain), x, **case.plain)
     ours = copy.deepcopy(plain)
     plan = checkpoint_blocks(ours, memory_budget=0.9, example_input=x)
-    assert plan.blocks and plan.held, plan.summary()
+    assert (plan.blocks or plan.parts) and plan.held, plan.summary()
     _same(expected, _step(ours, x))
 
 

@@ -16,6 +16,17 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class Part:
+    """A finer link: a module inside link ``link`` (a transformer layer's attention or MLP), measured like a link.
+    Checkpointed in a link left unchecked, it frees its own activations but its input and output, for its own
+    forward again in backward; inside a checkpointed link (nested), the link's recomputation holds that much less at
+    once, for the part's forward a third time."""
+
+    link: int
+    profile: BlockProfile
+
+
+@dataclass(frozen=True)
 class BlockProfile:
     """One link of the chain, measured on a real batch.
 
@@ -72,9 +83,11 @@ def best_runs(
     baseline: int,
     joinable: Sequence[bool],
     gradients: bool = True,
+    parts: Sequence[Part] = (),
 ) -> list[list[int]]:
-    """Where to cut the chosen links into runs. Joining two runs frees the tensor between them but brings back more
-    at once when they are recomputed; runs are joined, the best join first, while that lowers the predicted peak.
+    """Where to cut the chosen links into runs (``parts``: the finer links checkpointed with them). Joining two runs
+    frees the tensor between them but brings back more at once when they are recomputed; runs are joined, the best
+    join first, while that lowers the predicted peak.
 
     Example:
         >>> a = BlockProfile("a", saved_bytes=100, input_bytes=10, output_bytes=20, forward_ms=1.0)
@@ -90,7 +103,7 @@ def best_runs(
         [[0], [1]]
     """
     runs = [[i] for i in sorted(chosen)]
-    peak = predict_peak(baseline, profiles, runs, gradients)
+    peak = predict_peak(baseline, profiles, runs, gradients, parts)
     while True:
         best: tuple[int, list[list[int]]] | None = None
         for k in range(len(runs) - 1):
@@ -100,7 +113,7 @@ def best_runs(
             if not (profiles[left[-1]].one_tensor and profiles[right[0]].one_tensor) or profiles[left[0]].calls > 1:
                 continue
             trial = [*runs[:k], left + right, *runs[k + 2 :]]
-            trial_peak = predict_peak(baseline, profiles, trial, gradients)
+            trial_peak = predict_peak(baseline, profiles, trial, gradients, parts)
             if trial_peak < peak and (best is None or trial_peak < best[0]):
                 best = (trial_peak, trial)
         if best is None:
@@ -109,12 +122,21 @@ def best_runs(
 
 
 def predict_peak(
-    baseline: int, profiles: Sequence[BlockProfile], runs: Sequence[Sequence[int]], gradients: bool = True
+    baseline: int,
+    profiles: Sequence[BlockProfile],
+    runs: Sequence[Sequence[int]],
+    gradients: bool = True,
+    parts: Sequence[Part] = (),
 ) -> int:
     """Peak of a step with ``runs`` checkpointed: the larger of the end of the forward pass (what the runs free is
     gone) and each run's recomputation in backward (the run's own activations are back, the links after it are
     already freed, and with ``gradients``, gradients as large as the run's output flow through it: about twice that
     is held; leave them out where the baseline counts saved activations only, as on the CPU).
+
+    ``parts`` are the finer links checkpointed too (:class:`Part`): in a link left unchecked, a part frees what it
+    saves but its input and output, and brings it back when it is recomputed (the link's own bytes before it still
+    held); in a checkpointed link, the link's recomputation brings back that much less, and the part's own
+    recomputation brings it back on top of the rest.
 
     Example:
         >>> a = BlockProfile("a", saved_bytes=100, input_bytes=10, output_bytes=20, forward_ms=1.0)
@@ -130,22 +152,46 @@ def predict_peak(
         ...                     recomputed_bytes=400)  # keeps 300 unchecked, brings back 400 when recomputed
         >>> predict_peak(900, [a, b, lean], [[2]])
         1000
+        >>> attn = Part(2, BlockProfile("c.attn", saved_bytes=160, input_bytes=10, output_bytes=0, forward_ms=0.5))
+        >>> mlp = Part(2, BlockProfile("c.mlp", saved_bytes=170, input_bytes=10, output_bytes=0, forward_ms=0.5))
+        >>> predict_peak(1000, [a, b, c], [], parts=[mlp])  # c keeps 240, and gets 160 back while all else is held
+        1000
+        >>> predict_peak(1000, [a, b, c], [[0, 1], [2]])  # c checkpointed: its recomputation brings back all 400
+        830
+        >>> predict_peak(1000, [a, b, c], [[0, 1], [2]], parts=[attn, mlp])  # nested: 90, then 160 at most on top
+        680
     """
     total = sum(p.saved_bytes for p in profiles)
     other = baseline - total  # weights, gradients, the head's activations
     kept = [p.saved_bytes for p in profiles]
+    recomputed = [p.recomputed for p in profiles]
+    run_of = {i: run for run in runs for i in run}
+    for part in parts:
+        if part.link in run_of:
+            recomputed[part.link] = max(0, recomputed[part.link] - part.profile.saving)
+        else:
+            kept[part.link] = max(0, kept[part.link] - part.profile.saving)
     for run in runs:
         for i in run:
             kept[i] = 0
         kept[run[0]] += profiles[run[0]].input_bytes
         kept[run[-1]] += profiles[run[-1]].output_bytes
     peak = other + sum(kept)
+
+    def grad(last: int) -> int:
+        """The gradient flowing out of link ``last``; at the chain's end it is part of the baseline's own peak."""
+        return max(profiles[last].output_bytes, profiles[last + 1].input_bytes) if last + 1 < len(profiles) else 0
+
     for run in runs:
-        last = run[-1]
-        # the gradient of the run's output; at the chain's end it is part of the baseline's own peak already
-        grad = max(profiles[last].output_bytes, profiles[last + 1].input_bytes) if last + 1 < len(profiles) else 0
-        live = other + sum(kept[: run[0]]) + sum(profiles[i].recomputed for i in run) + 2 * grad * gradients
+        live = other + sum(kept[: run[0]]) + sum(recomputed[i] for i in run) + 2 * grad(run[-1]) * gradients
         peak = max(peak, live)
+    for part in parts:  # a part's recomputation, on top of its link's (nested) or of what its link keeps
+        within = run_of.get(part.link)
+        if within:
+            held, last = sum(kept[: within[0]]) + sum(recomputed[i] for i in within), within[-1]
+        else:
+            held, last = sum(kept[: part.link + 1]), part.link
+        peak = max(peak, other + held + part.profile.saving + 2 * grad(last) * gradients)
     return peak
 
 
@@ -160,11 +206,17 @@ def choose_blocks(
     budget: int,
     joinable: Sequence[bool] | None = None,
     gradients: bool = True,
+    parts: Sequence[Part] = (),
 ) -> tuple[set[int], list[list[int]], int]:
     """The cheapest set of links, greedily by :func:`value`, whose predicted peak, cut into runs by
     :func:`best_runs`, fits ``budget``.
 
-    Returns the chosen link indices, their runs and the predicted peak. If no set fits, every link is chosen.
+    With ``parts`` (finer links, :class:`Part`), index ``len(profiles) + k`` is ``parts[k]``: first links and parts
+    of links left unchecked are chosen, most valuable first (a link chosen takes its parts' place); where even every
+    link does not fit, parts inside the checkpointed links are added, most valuable first, each only where it lowers
+    the predicted peak (nested, a part makes its link's recomputation hold less at once).
+
+    Returns the chosen indices, the links' runs and the predicted peak. If no set fits, every link is chosen.
 
     Example:
         >>> cheap = BlockProfile("cheap", saved_bytes=400, input_bytes=100, output_bytes=0, forward_ms=1.0)
@@ -172,17 +224,36 @@ def choose_blocks(
         >>> small = BlockProfile("small", saved_bytes=60, input_bytes=50, output_bytes=0, forward_ms=1.0)
         >>> choose_blocks([dear, small, cheap], baseline=1000, budget=900, joinable=[False, False])
         ({0, 2}, [[0], [2]], 700)
+        >>> mlp = Part(0, BlockProfile("dear.mlp", saved_bytes=250, input_bytes=50, output_bytes=0, forward_ms=1.0))
+        >>> choose_blocks([dear, small, cheap], 1000, 900, [False, False], parts=[mlp])  # the MLP, not all of dear
+        ({2, 3}, [[2]], 800)
     """
     joins = list(joinable) if joinable is not None else [False] * max(len(profiles) - 1, 0)
-    order = sorted(range(len(profiles)), key=lambda i: (-value(profiles[i]), -profiles[i].saving, i))
+    n = len(profiles)
+    candidates = [*profiles, *(part.profile for part in parts)]
+    order = sorted(range(len(candidates)), key=lambda i: (-value(candidates[i]), -candidates[i].saving, i))
+
+    def planned(chosen: set[int]) -> tuple[list[list[int]], int]:
+        finer = [parts[i - n] for i in sorted(chosen) if i >= n]
+        runs = best_runs({i for i in chosen if i < n}, profiles, baseline, joins, gradients, finer)
+        return runs, predict_peak(baseline, profiles, runs, gradients, finer)
+
     chosen: set[int] = set()
-    runs: list[list[int]] = []
-    for i in order:
-        if predict_peak(baseline, profiles, runs, gradients) <= budget:
-            break
-        chosen.add(i)
-        runs = best_runs(chosen, profiles, baseline, joins, gradients)
-    return chosen, runs, predict_peak(baseline, profiles, runs, gradients)
+    runs, peak = planned(chosen)
+    for nested in (False, True):
+        for i in order:
+            if peak <= budget:
+                break
+            if i in chosen or (i >= n and (parts[i - n].link in chosen) != nested):
+                continue
+            trial = chosen | {i}
+            if i < n:  # the link's checkpoint takes its parts' place
+                trial -= {j for j in trial if j >= n and parts[j - n].link == i}
+            trial_runs, trial_peak = planned(trial)
+            if i >= n and trial_peak >= peak:
+                continue  # a part that frees nothing at the peak (recomputed while all else is held)
+            chosen, runs, peak = trial, trial_runs, trial_peak
+    return chosen, runs, peak
 
 
 class BudgetSearch:

@@ -71,14 +71,54 @@ def _consecutive_in_sequential(modules: dict[str, nn.Module], a: str, b: str) ->
     return order.index(index_b) == order.index(index_a) + 1
 
 
-def runs_named(links: list[Link], joinable: list[bool], runs: list[list[str]]) -> list[list[Link]]:
-    """The model's links for each run of names (to re-apply a plan on a fresh copy of the model).
+def link_parts(links: list[Link]) -> list[tuple[int, Link]]:
+    """Finer links: in each block, the modules it calls that are made of modules and hold parameters (a
+    transformer layer's attention and MLP, a ConvNeXt block's MLP, T5's sub-layers inside its ``layer`` list), each
+    with the index of its block. A part is checkpointed on its own (the rest of its block kept as it is), or inside its
+    checkpointed block, where its recomputation then holds less at once. A ResNet's stem has none.
+
+    Example:
+        >>> layer = nn.Sequential(nn.LayerNorm(4), nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)))
+        >>> model = nn.Sequential(layer)
+        >>> [(i, part.name) for i, part in link_parts([Link("0", (("0", layer),))])]
+        [(0, '0.1')]
+    """
+    blocks = {id(module) for link in links for _, module in link.modules}
+    parts: list[tuple[int, Link]] = []
+    for i, link in enumerate(links):
+        if link.stem or len(link.modules) != 1:
+            continue
+        name, block = link.modules[0]
+        for path, child in _composite_children(block):
+            if id(child) not in blocks:
+                parts.append((i, Link(f"{name}.{path}", ((f"{name}.{path}", child),))))
+    return parts
+
+
+def _composite_children(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    for name, child in module._modules.items():
+        if child is None:
+            continue
+        if isinstance(child, nn.ModuleList | nn.ModuleDict):  # never called: the block calls its elements
+            yield from _composite_children(child, f"{prefix}{name}.")
+        elif child._modules and next(child.parameters(), None) is not None:
+            yield f"{prefix}{name}", child
+
+
+def runs_named(
+    links: list[Link], joinable: list[bool], runs: list[list[str]], parts: Sequence[tuple[int, Link]] = ()
+) -> list[list[Link]]:
+    """The model's links for each run of names (to re-apply a plan on a fresh copy of the model); a part of a block
+    (:func:`link_parts`) is a run of its own.
 
     Raises:
         ValueError: a name the model does not have, or a run whose links may not share one checkpoint.
     """
     index = {link.name: i for i, link in enumerate(links)}
+    named_parts = {part.name: part for _, part in parts}
     for run in runs:
+        if len(run) == 1 and run[0] in named_parts and run[0] not in index:
+            continue
         missing = [n for n in run if n not in index]
         if missing:
             raise ValueError(f"the model has no block named {missing[0]!r} to checkpoint")
@@ -88,11 +128,12 @@ def runs_named(links: list[Link], joinable: list[bool], runs: list[list[str]]) -
                     f"{a!r} and {b!r} cannot share a run: a run is made of consecutive blocks of one nn.Sequential,"
                     " none of them sharded by FSDP2's fully_shard"
                 )
-    return [[links[index[n]] for n in run] for run in runs]
+    return [[named_parts[n] for n in run] if run[0] not in index else [links[index[n]] for n in run] for run in runs]
 
 
-def in_model_order(names: Sequence[str], links: list[Link]) -> list[str]:
-    order = {link.name: i for i, link in enumerate(links)}
+def in_model_order(names: Sequence[str], links: list[Link], parts: Sequence[tuple[int, Link]] = ()) -> list[str]:
+    order = {link.name: (i, -1) for i, link in enumerate(links)}
+    order.update({part.name: (i, k) for k, (i, part) in enumerate(parts)})
     return sorted(names, key=order.__getitem__)
 
 
@@ -178,12 +219,14 @@ class StepMeter:
         self.held = {_storage_key(t) for t in held}
         self.agree = _agreed.get()  # every rank's figures, where every rank measures (:func:`measured_alike`)
 
-    def _run(self) -> None:
+    def _run(self, between: Callable[[], None] = lambda: None) -> None:
         if self.runner is not None:
             out = self.runner(self.model, self.args, self.kwargs)
         else:
             out = self.model(*self.args, **self.kwargs)
-        self.loss_fn(out).backward()
+        loss = self.loss_fn(out)
+        between()  # the forward is over
+        loss.backward()
 
     def seconds(self, steps: int = 3) -> float:
         """Median seconds of one forward and backward, after one untimed pass (a compile, where one is due)."""
@@ -193,9 +236,10 @@ class StepMeter:
         """CUDA: the step's peak above what was allocated before. CPU: bytes of saved activations and kept inputs."""
         return self.agree(self._peak())
 
-    def profile(self, links: list[Link]) -> list[BlockProfile]:
-        """Each link's saved activations (split into input, output and the rest) and forward time, in one pass."""
-        return self.agree(self._profile(links))
+    def profile(self, links: list[Link], parts: Sequence[tuple[int, Link]] = ()) -> list[BlockProfile]:
+        """Each link's saved activations (split into input, output and the rest) and forward time, in one pass; then
+        each part's (:func:`link_parts`), whose bytes its block's figures hold too."""
+        return self.agree(self._profile(links, [part for _, part in parts]))
 
     def _seconds(self, steps: int) -> float:
         with preserved_state(self.model):
@@ -234,37 +278,53 @@ class StepMeter:
                 count(t)
                 return t
 
-            def kept_inputs(module: nn.Module, args: Any) -> None:
-                if torch.is_grad_enabled():
-                    for t in tensors(args):
+            inside = [0]  # checkpoints running: one inside another keeps nothing (the outer one saves nothing)
+            forward = [True]  # recomputation in backward calls checkpoints again, on tensors it makes anew
+
+            def kept_inputs(module: nn.Module, args: Any, kwargs: Any) -> None:
+                if torch.is_grad_enabled() and forward[0] and not inside[0]:
+                    for t in tensors([args, kwargs]):
                         count(t)
+                inside[0] += 1
+
+            def left(module: nn.Module, args: Any, output: Any) -> None:
+                inside[0] -= 1
+
+            def forward_over() -> None:
+                forward[0] = False
 
             # a checkpoint's inputs stay alive; a compiled step saves them as its own saved tensors, counted above
             checkpoints = [m for m in self.model.modules() if is_checkpointed(m)] if self.runner is None else []
-            handles = [m.register_forward_pre_hook(kept_inputs) for m in checkpoints]
+            handles = [m.register_forward_pre_hook(kept_inputs, with_kwargs=True) for m in checkpoints]
+            handles += [m.register_forward_hook(left) for m in checkpoints]
             try:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    self._run()
+                    self._run(forward_over)
             finally:
                 for h in handles:
                     h.remove()
             return total
 
-    def _profile(self, links: list[Link]) -> list[BlockProfile]:
-        saved: dict[str, dict[tuple[int, int], int]] = {link.name: {} for link in links}
-        inputs: dict[str, set[tuple[int, int]]] = {link.name: set() for link in links}
-        outputs: dict[str, set[tuple[int, int]]] = {link.name: set() for link in links}
+    def _profile(self, links: list[Link], parts: Sequence[Link] = ()) -> list[BlockProfile]:
+        every = [*links, *parts]
+        saved: dict[str, dict[tuple[int, int], int]] = {link.name: {} for link in every}
+        inputs: dict[str, set[tuple[int, int]]] = {link.name: set() for link in every}
+        outputs: dict[str, set[tuple[int, int]]] = {link.name: set() for link in every}
         one_tensor: dict[str, bool] = {}
         calls: dict[str, int] = {}
         starts: dict[str, Any] = {}
+        spans: dict[str, list[tuple[Any, Any]]] = {link.name: [] for link in every}
         seen: set[tuple[int, int]] = set()
-        current: list[str] = []
+        current: list[str] = []  # the links running, innermost last
+        inner: list[str] = []  # the parts running
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             key = _storage_key(t)
-            if current and key not in self.held and key not in seen:
+            if (current or inner) and key not in self.held and key not in seen:
                 seen.add(key)
-                saved[current[-1]][key] = key[1]
+                for stack in (current, inner):
+                    if stack:
+                        saved[stack[-1]][key] = key[1]
             return t
 
         def clock() -> Any:
@@ -274,28 +334,28 @@ class StepMeter:
                 return event
             return time.perf_counter()
 
-        def pre(name: str) -> Callable[..., None]:
-            def hook(module: nn.Module, args: Any) -> None:
-                current.append(name)
+        def pre(name: str, stack: list[str]) -> Callable[..., None]:
+            def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+                stack.append(name)
                 calls[name] = calls.get(name, 0) + 1
-                inputs[name] = {_storage_key(t) for t in tensors(args)}
+                inputs[name] = {_storage_key(t) for t in tensors([args, kwargs])}
                 starts[name] = clock()
 
             return hook
 
-        def post(name: str) -> Callable[..., None]:
+        def post(name: str, stack: list[str]) -> Callable[..., None]:
             def hook(module: nn.Module, args: Any, output: Any) -> None:
-                starts[name] = (starts[name], clock())
+                spans[name].append((starts[name], clock()))
                 outputs[name] = {_storage_key(t) for t in tensors(output)}
                 one_tensor[name] = isinstance(output, torch.Tensor)
-                current.pop()
+                stack.pop()
 
             return hook
 
         handles = []
-        for link in links:
-            handles.append(link.modules[0][1].register_forward_pre_hook(pre(link.name)))
-            handles.append(link.modules[-1][1].register_forward_hook(post(link.name)))
+        for link, stack in [*((link, current) for link in links), *((part, inner) for part in parts)]:
+            handles.append(link.modules[0][1].register_forward_pre_hook(pre(link.name, stack), with_kwargs=True))
+            handles.append(link.modules[-1][1].register_forward_hook(post(link.name, stack)))
         try:
             with preserved_state(self.model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 self._run()
@@ -305,14 +365,13 @@ class StepMeter:
         if self.cuda:
             torch.cuda.synchronize()
         profiles = []
-        for link in links:
-            if link.name not in starts:
+        for link in every:
+            if not spans[link.name]:
                 # its forward is called directly (HRNet's head: ``down.forward(y)``), past the hooks: nothing is
                 # known of it, so it frees nothing a budget could count on, and joins no run
                 profiles.append(BlockProfile(link.name, 0, 0, 0, forward_ms=0.0, one_tensor=False))
                 continue
-            start, end = starts[link.name]
-            ms = start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+            ms = sum(start.elapsed_time(end) if self.cuda else (end - start) * 1e3 for start, end in spans[link.name])
             own = saved[link.name]
             profiles.append(
                 BlockProfile(

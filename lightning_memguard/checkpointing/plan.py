@@ -15,7 +15,7 @@ from torch import nn
 from lightning_memguard import _compiler
 from lightning_memguard.checkpointing import families, surgery
 from lightning_memguard.checkpointing.families import Layout, Units
-from lightning_memguard.checkpointing.measure import can_rebuild, model_chain, runs_named
+from lightning_memguard.checkpointing.measure import can_rebuild, link_parts, model_chain, runs_named
 from lightning_memguard.checkpointing.plan_compiled import plan_compiled
 from lightning_memguard.checkpointing.plan_eager import plan_eager
 from lightning_memguard.checkpointing.rebuild import RebuildConfig, check_config
@@ -201,7 +201,7 @@ def apply_plan(
     config = check_config(rebuild_config)
     layout = Layout(model)
     links, joinable = model_chain(model, layout.blocks(units), layout)
-    named = runs_named(links, joinable, runs)
+    named = runs_named(links, joinable, runs, link_parts(links))
     rebuilt = links if rebuild_bn_relu else ()
     applied = surgery.apply(
         model, named, rebuilt, bn_correct=bn_correct, config=config, split_graphs=split_graphs, layout=layout

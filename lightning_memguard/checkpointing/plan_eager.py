@@ -14,6 +14,7 @@ from lightning_memguard.checkpointing import surgery
 from lightning_memguard.checkpointing.budget import (
     BlockProfile,
     BudgetSearch,
+    Part,
     best_runs,
     budget_bytes,
     choose_blocks,
@@ -21,7 +22,7 @@ from lightning_memguard.checkpointing.budget import (
     value,
 )
 from lightning_memguard.checkpointing.families import Layout
-from lightning_memguard.checkpointing.measure import StepMeter, can_rebuild, default_loss, in_model_order
+from lightning_memguard.checkpointing.measure import StepMeter, can_rebuild, default_loss, in_model_order, link_parts
 from lightning_memguard.checkpointing.rebuild import DEFAULT_CONFIG, RebuildConfig
 from lightning_memguard.checkpointing.result import CheckpointPlan, finished, warnings_once
 from lightning_memguard.checkpointing.wrap import Link
@@ -44,7 +45,13 @@ def plan_eager(
     meter = StepMeter(model, example_input, loss_fn or default_loss)
     baseline = meter.peak()
     budget = budget_bytes(baseline, memory_budget)
-    profiles = meter.profile(links)
+    # finer links (a layer's attention and MLP) where no rebuild is planned: the rebuild changes what a block keeps
+    found = [] if rebuild_bn_relu else link_parts(links)
+    measured = meter.profile(links, found)
+    profiles = measured[: len(links)]
+    kept = [(i, part, p) for (i, part), p in zip(found, measured[len(links) :], strict=True) if p.saving > 0]
+    part_links = [part for _, part, _ in kept]  # each a finer link the search may checkpoint
+    parts = [Part(i, p) for i, _, p in kept]
     start = baseline  # the peak the blocks are chosen against: after the rebuild, where there is one
     rebuilt = links if rebuild_bn_relu else []  # the rebuild goes wherever a link is left unchecked
     applied = surgery.Applied()
@@ -53,27 +60,33 @@ def plan_eager(
         applied = surgery.apply(model, rebuilt=rebuilt, config=config, layout=layout)
         profiles = _rebuilt_profiles(meter.profile(links), plain)
         start -= sum(q.saved_bytes for q in plain) - sum(p.saved_bytes for p in profiles)  # what the rebuild frees
-    chosen, _, _ = choose_blocks(profiles, start, budget, joinable, meter.cuda)
-    search = BudgetSearch(chosen, [value(p) for p in profiles], budget)  # the pure core decides, this measures
+    chosen, _, _ = choose_blocks(profiles, start, budget, joinable, meter.cuda, parts)
+    values = [value(p) for p in [*profiles, *(part.profile for part in parts)]]
+    search = BudgetSearch(chosen, values, budget)  # the pure core decides, this measures
     with warnings_once():
-        chosen, measured, applied = _search(
+        chosen, peak, applied = _search(
             search, meter.peak, model, links, joinable, profiles, start, applied, meter.cuda,
-            rebuilt=rebuilt, bn_correct=bn_correct, config=config, layout=layout,
+            rebuilt=rebuilt, bn_correct=bn_correct, config=config, layout=layout, parts=parts, part_links=part_links,
         )  # fmt: skip
-    final_runs = best_runs(chosen, profiles, start, joinable, meter.cuda)
+    finer = [parts[i - len(links)] for i in sorted(chosen) if i >= len(links)]
+    final_runs = best_runs({i for i in chosen if i < len(links)}, profiles, start, joinable, meter.cuda, finer)
     lower = ["a smaller batch"]
     if not rebuild_bn_relu and any(can_rebuild(link, layout) for link in links):
         lower.append("rebuild_bn_relu=True (the rebuild, in the links left unchecked)")
+    named_parts = {part.name for part in part_links}
+    every = [(part.link, link) for part, link in zip(parts, part_links, strict=True)]
     return finished(
         CheckpointPlan(
-            blocks=in_model_order(applied.checkpointed, links),  # what was really changed, in model order
+            # what was really changed, in model order
+            blocks=in_model_order([n for n in applied.checkpointed if n not in named_parts], links),
+            parts=in_model_order([n for n in applied.checkpointed if n in named_parts], links, every),
             candidates=len(links),
             runs=applied.runs,
             rebuilt=applied.rebuilt,
             baseline_bytes=baseline,
             budget_bytes=budget,
-            predicted_bytes=predict_peak(start, profiles, final_runs, meter.cuda),
-            measured_bytes=measured,
+            predicted_bytes=predict_peak(start, profiles, final_runs, meter.cuda, finer),
+            measured_bytes=peak,
             profiles=profiles,
             lower=lower,
         )
@@ -95,11 +108,17 @@ def _search(
     bn_correct: bool,
     config: RebuildConfig = DEFAULT_CONFIG,
     layout: Layout,
+    parts: Sequence[Part] = (),
+    part_links: Sequence[Link] = (),
 ) -> tuple[set[int], int, surgery.Applied]:
     """Hand each of ``search``'s proposals, cut into runs, to surgery and tell the search the peak ``measure`` reads;
-    return its result and what is applied (the last proposal, the result's own set)."""
+    return its result and what is applied (the last proposal, the result's own set). Index ``len(links) + k`` is the
+    finer link ``part_links[k]`` (``parts[k]`` as the budget sees it), a run of its own."""
+    n = len(links)
     while (indices := search.propose()) is not None:
-        runs = [[links[i] for i in run] for run in best_runs(indices, profiles, start, joinable, cuda)]
+        finer = [parts[i - n] for i in sorted(indices) if i >= n]
+        cut = best_runs({i for i in indices if i < n}, profiles, start, joinable, cuda, finer)
+        runs = [[links[i] for i in run] for run in cut] + [[part_links[i - n]] for i in sorted(indices) if i >= n]
         applied = surgery.apply(
             model, runs, rebuilt, bn_correct=bn_correct, config=config, replacing=applied, layout=layout
         )

@@ -20,7 +20,11 @@ class CheckpointPlan:
 
     Attributes:
         blocks: the links checkpointed (block names, and ``"stem"`` or ``"<resnet>.stem"`` for a ResNet's stem).
-        runs: the same links grouped as checkpointed: each run is one checkpoint, recomputed as a whole.
+        parts: the finer links checkpointed under a budget: modules inside blocks (a layer's attention or MLP), each
+            in a block left unchecked, or inside its checkpointed block (nested: the block's recomputation holds
+            less at once).
+        runs: the same links grouped as checkpointed: each run is one checkpoint, recomputed as a whole (a part is
+            a run of its own).
         candidates: how many links the model has.
         rebuilt: the links (blocks, a ResNet's stem) that rebuild their BatchNorm + ReLU outputs in backward
             (``rebuild_bn_relu=True``).
@@ -38,6 +42,7 @@ class CheckpointPlan:
     candidates: int
     runs: list[list[str]] = field(default_factory=list)
     rebuilt: list[str] = field(default_factory=list)
+    parts: list[str] = field(default_factory=list)
     baseline_bytes: int | None = None
     budget_bytes: int | None = None
     predicted_bytes: int | None = None
@@ -72,7 +77,10 @@ class CheckpointPlan:
             met: the floor reached is 6.5 MB (54 % of baseline) with 1 of 2 blocks checkpointed; lower would take a
             smaller batch
         """
-        text = f"checkpointed {len(self.blocks)} of {self.candidates} blocks in {len(self.runs)} run(s)"
+        text = f"checkpointed {len(self.blocks)} of {self.candidates} blocks"
+        if self.parts:
+            text += f" and {len(self.parts)} part(s) of blocks ({self.parts[0]}, ...)"
+        text += f" in {len(self.runs)} run(s)"
         if self.rebuilt:
             text += f", BatchNorm + ReLU rebuilt in {len(self.rebuilt)}"
         if self.compiled:

@@ -146,16 +146,26 @@ def _recomputable(
     if not kwargs and all(isinstance(a, torch.Tensor) or a is None or type(a) in _PLAIN for a in args):
         return forward, args
     leaves, spec = _autograd.flatten((args, kwargs))
+    # a tensor given twice is handed over once, and given twice again: recomputation gets new tensor objects, and
+    # a module may take another path where two arguments are one (``nn.MultiheadAttention(x, x, x)``)
+    where: dict[int, int] = {}
+    unique: list[torch.Tensor] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in where:
+            where[id(leaf)] = len(unique)
+            unique.append(leaf)
+    slots = [where.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
     first = [True]
 
     def function(*given: Any) -> Any:
         if first[0]:
             first[0] = False
             return forward(*args, **kwargs)
-        again_args, again_kwargs = _autograd.unflatten(list(given), spec)
+        again = [leaf if slot is None else given[slot] for leaf, slot in zip(leaves, slots, strict=True)]
+        again_args, again_kwargs = _autograd.unflatten(again, spec)
         return forward(*again_args, **again_kwargs)
 
-    return function, tuple(leaves)
+    return function, tuple(unique)
 
 
 class CheckpointedUnit(SwappedModule):

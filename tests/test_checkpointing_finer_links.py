@@ -1,0 +1,101 @@
+"""Finer links: parts of blocks (a layer's attention and MLP, a ResNet block's downsampling) checkpointed on their own,
+or inside their checkpointed block, train exactly as the plain model does, and a budget uses them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+import torchvision
+from torch import nn
+
+from lightning_memguard.checkpointing import apply_plan, checkpoint_blocks
+from lightning_memguard.checkpointing.families import find_units
+from lightning_memguard.checkpointing.measure import link_parts, model_chain
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One training step's gradients and the buffers after it, the same seed before it."""
+    torch.manual_seed(7)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    model(x).float().pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, {n: b.clone() for n, b in model.named_buffers()}
+
+
+def _same(a: nn.Module, b: nn.Module, x: torch.Tensor) -> None:
+    (grads_a, buffers_a), (grads_b, buffers_b) = _step(a, x), _step(b, x)
+    assert grads_a.keys() == grads_b.keys() and buffers_a.keys() == buffers_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=0, atol=0, msg=name)
+    for name in buffers_a:
+        torch.testing.assert_close(buffers_a[name], buffers_b[name], rtol=0, atol=0, msg=name)
+
+
+def _vit() -> nn.Module:
+    torch.manual_seed(0)  # dropout everywhere and stochastic depth: recomputation must draw the same numbers
+    return timm.create_model(
+        "vit_tiny_patch16_224", img_size=32, depth=3, num_classes=5, drop_rate=0.1, proj_drop_rate=0.1,
+        attn_drop_rate=0.1, drop_path_rate=0.2,
+    )  # fmt: skip
+
+
+def test_a_transformer_blocks_parts_are_its_attention_and_mlp():
+    model = _vit()
+    links, _ = model_chain(model, find_units(model))
+    parts = link_parts(links)
+    assert [(links[i].name, part.name) for i, part in parts[:2]] == [
+        ("blocks.0", "blocks.0.attn"),
+        ("blocks.0", "blocks.0.mlp"),
+    ]
+    assert len(parts) == 2 * len(links)
+
+
+@pytest.mark.parametrize(
+    "runs",
+    [
+        [["blocks.0.mlp"], ["blocks.1.attn"], ["blocks.2.attn"], ["blocks.2.mlp"]],  # parts of unchecked blocks
+        [["blocks.0"], ["blocks.0.attn"], ["blocks.0.mlp"], ["blocks.1"], ["blocks.1.mlp"]],  # nested in their block
+    ],
+    ids=["alone", "nested"],
+)
+def test_parts_alone_or_nested_train_exactly_as_the_plain_model(runs):
+    plain = _vit()
+    ours = copy.deepcopy(plain)
+    assert apply_plan(ours, runs) == [name for run in runs for name in run]
+    assert list(ours.state_dict()) == list(plain.state_dict())
+    _same(plain, ours, torch.randn(2, 3, 32, 32))
+
+
+def test_a_part_holding_batchnorm_nested_in_its_block_updates_the_statistics_once():
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet18(num_classes=10)
+    ours = copy.deepcopy(plain)
+    runs = [["layer2.0"], ["layer2.0.downsample"], ["layer3.0.downsample"]]
+    assert apply_plan(ours, runs) == ["layer2.0", "layer2.0.downsample", "layer3.0.downsample"]
+    _same(plain, ours, torch.randn(4, 3, 32, 32))
+
+
+def test_a_part_that_is_not_in_the_model_is_refused_by_name():
+    with pytest.raises(ValueError, match="no block named 'blocks.0.norm1'"):
+        apply_plan(_vit(), [["blocks.0.norm1"]])  # a leaf module is no part
+
+
+def test_a_budget_between_every_block_and_none_checkpoints_parts_and_trains_exactly():
+    """A budget a few blocks' worth under the plain peak: the planner takes the parts that free the most per
+    millisecond of recomputation, and the plan, applied again by its runs on a fresh copy, is the same model."""
+    plain = _vit()
+    x = torch.randn(4, 3, 32, 32)
+    ours = copy.deepcopy(plain)
+    plan = checkpoint_blocks(ours, memory_budget=0.7, example_input=x, loss_fn=lambda out: out.float().pow(2).mean())
+    assert plan.held, plan.summary()
+    assert plan.parts and all(name.rpartition(".")[0] in {f"blocks.{i}" for i in range(3)} for name in plan.parts)
+    assert "part(s) of blocks" in plan.summary()
+    assert plan.measured_bytes is not None and plan.measured_bytes <= plan.budget_bytes
+    _same(plain, ours, x)
+    again = copy.deepcopy(plain)
+    assert apply_plan(again, plan.runs) == [name for run in plan.runs for name in run]
+    _same(plain, again, x)
