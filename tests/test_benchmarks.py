@@ -4,6 +4,7 @@ issue's goals and runs every row, coverage.py writes a row per model with a summ
 
 import importlib.util
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -176,7 +177,7 @@ def test_families_smoke_runs_every_row_of_a_language_model_and_writes_them(tmp_p
     import torch
 
     out = tmp_path / "families.json"
-    argv = ["families.py", "--smoke", "--models", "llama", "--out", str(out), "--repeats", "2"]
+    argv = ["families.py", "--smoke", "--models", "llama", "--out", str(out), "--rounds", "2"]
     monkeypatch.setattr("sys.argv", argv)
     threads = torch.get_num_threads()
     try:
@@ -186,17 +187,21 @@ def test_families_smoke_runs_every_row_of_a_language_model_and_writes_them(tmp_p
     result = json.loads(out.read_text())
     rows = result["models"]["llama"]["rows"]
     assert list(rows) == [
-        "plain", "family_switch", "ours_every_block", "ours_at_switch_memory", "ours_budget_0.6", "ours_budget_0.4",
+        "plain", "family_switch", "ours_every_block", "ours_at_switch_memory", "ours_at_switch_memory_blocks",
+        "ours_below_switch", "ours_below_switch_blocks", "ours_budget_0.6", "ours_budget_0.4",
     ]  # fmt: skip
     assert not [r["error"] for r in rows.values() if "error" in r]
     assert all("tokens_per_sec" in r and "saved_pct" in r for name, r in rows.items() if name != "plain")
     assert "summary" in rows["ours_budget_0.4"] and "met" in result["models"]["llama"]["goals"]
-    # the rows a user compares are timed again, in turns, and keep the median of their passes
-    compared = ("family_switch", "ours_every_block", "ours_at_switch_memory")
-    assert [len(rows[r]["step_ms_passes"]) for r in compared] == [2, 2, 2]
+    # the whole-blocks rows plan without finer links; the others may use them
+    assert rows["ours_at_switch_memory_blocks"]["parts"] == [] == rows["ours_below_switch_blocks"]["parts"]
+    # the rows a user compares are timed again, all alive, a step of each in turn, and keep that median
+    compared = ("plain", "family_switch", "ours_every_block", "ours_at_switch_memory", "ours_at_switch_memory_blocks")
+    assert [len(rows[r]["step_ms_interleaved"]) for r in compared] == [2] * 5
+    assert all(rows[r]["step_ms"] == statistics.median(rows[r]["step_ms_interleaved"]) for r in compared)
     at_switch = result["models"]["llama"]["goals"]["at_switch_memory"]
     assert at_switch["goal"] == 0.95 and at_switch["memory_vs_switch"] > 0
-    assert "step_ms_passes" not in rows["ours_budget_0.6"]
+    assert "step_ms_interleaved" not in rows["ours_budget_0.6"]
     assert result["environment"]["torch"]
 
 
