@@ -507,3 +507,39 @@ def test_an_emulated_spill_writes_a_report_naming_the_large_module_and_the_snaps
     assert sum(report["split"].values()) == report["peak"]
     snapshot = path.replace(".json", ".pickle")
     assert report["snapshot"] == os.path.basename(snapshot) and os.path.getsize(snapshot) > 1000
+
+
+def test_finer_links_alone_and_nested_train_as_the_plain_model_on_cuda():
+    """CPU twin: tests/test_checkpointing_finer_links.py. A ViT with dropout and stochastic depth, parts of blocks
+    checkpointed alone and nested in their blocks, and a budget the planner meets with parts."""
+    import copy
+
+    import timm
+
+    from lightning_memguard.checkpointing import apply_plan, checkpoint_blocks
+
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.manual_seed(0)
+    plain = timm.create_model(
+        "vit_small_patch16_224", img_size=64, depth=4, num_classes=10, drop_rate=0.1, proj_drop_rate=0.1,
+        attn_drop_rate=0.1, drop_path_rate=0.2,
+    ).cuda()  # fmt: skip
+    x = torch.randn(32, 3, 64, 64, device="cuda")
+
+    def grads(model):
+        torch.manual_seed(7)
+        model.zero_grad(set_to_none=True)
+        model(x).float().pow(2).mean().backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    expected = grads(plain)
+    runs = [["blocks.0.mlp"], ["blocks.1"], ["blocks.1.attn"], ["blocks.1.mlp"], ["blocks.3.attn"]]
+    ours = copy.deepcopy(plain)
+    apply_plan(ours, runs)
+    assert all(torch.equal(expected[n], g) for n, g in grads(ours).items())
+    budgeted = copy.deepcopy(plain)
+    plan = checkpoint_blocks(
+        budgeted, memory_budget=0.7, example_input=x, loss_fn=lambda out: out.float().pow(2).mean()
+    )
+    assert plan.held and plan.parts, plan.summary()
+    assert all(torch.equal(expected[n], g) for n, g in grads(budgeted).items())
