@@ -1,15 +1,23 @@
-"""Any other timm model: its blocks as the model declares them (``group_matcher``).
+"""Any other timm model: its blocks as timm's own switch checkpoints them, and as the model declares them
+(``group_matcher``) where the switch does not reach.
 
-Every model timm ships says how its parameters group into a stem, blocks and a head: ``group_matcher(coarse=False)``
-maps parameter names to ordered groups, one per block, which timm uses for layer-wise learning-rate decay and which
-follows the same blocks its own ``set_grad_checkpointing`` walks. A block here is the module that holds one group's
-parameters (their longest common module path): RegNet's ``s1.b1``, DenseNet's dense layers, DLA's levels, HRNet's
-stages. Groups of the stem (the matcher's ``stem`` keys) are left out, as timm's own switch leaves the stem; so is a
-single leaf module (a final norm layer). A group whose module path holds other groups' blocks (a stage whose
-downsampling shares its first block's group, parameters left over in the model itself) gives the parts of it that
-hold its parameters instead; a container that is never called (an ``nn.ModuleList`` of branches) gives its
-composite elements. The families with an adapter of their own (ResNet, ConvNeXt, ViT, Swin, EfficientNet) are claimed
-before this one, and a model whose declaration names no block is found by structure."""
+What ``set_grad_checkpointing`` checkpoints is read from the model's forward (:mod:`.timm_switch`): whole stages where
+the forward checkpoints its stages (RepViT, LeViT, DaViT, the ByobNets), every element of a DPN's ``features`` (its
+stem too), the blocks of each stage where the stages checkpoint them. Every block checkpointed then keeps no more
+for backward than the switch (checkpointing the blocks inside a stage that the switch checkpoints whole keeps every
+block's input, not only the stage's).
+
+Every model timm ships also says how its parameters group into a stem, blocks and a head: ``group_matcher(coarse=
+False)`` maps parameter names to ordered groups, one per block, which timm uses for layer-wise learning-rate decay.
+A declared block is the module that holds one group's parameters (their longest common module path): RegNet's
+``s1.b1``, DenseNet's dense layers, DLA's levels, HRNet's stages. Groups of the stem (the matcher's ``stem`` keys) are
+left out, as timm's own switch leaves the stem; so is a single leaf module (a final norm layer). A group whose module
+path holds other groups' blocks (a stage whose downsampling shares its first block's group, parameters left over in
+the model itself) gives the parts of it that hold its parameters instead; a container that is never called (an
+``nn.ModuleList`` of branches) gives its composite elements. The blocks are the outermost of both: a declared block
+inside one of the switch's units gives way to it, one that holds units stays (it keeps less). The families with an
+adapter of their own (ResNet, ConvNeXt, ViT, Swin, EfficientNet) are claimed before this one, and a model where
+neither names a block is found by structure."""
 
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from lightning_memguard.checkpointing.families._base import (
     loaded,
     switched_parts,
 )
+from lightning_memguard.checkpointing.families.timm_switch import switch_units
 
 
 def _stem_patterns(matcher: Any) -> list[re.Pattern[str]]:
@@ -111,6 +120,14 @@ def declared_blocks(model: nn.Module, group_modules: Callable[..., dict[Any, lis
     return [(name, module) for name, module in model.named_modules() if name in outermost]
 
 
+def merged(units: list[Named], declared: list[Named], model: nn.Module) -> list[Named]:
+    """The outermost of what timm's own switch checkpoints (``units``) and the declared blocks, in the order ``model``
+    registers them: a declared block inside a unit gives way to it, one holding units (coarser) stays."""
+    chosen = {name for name, _ in units} | {name for name, _ in declared}
+    outermost = {n for n in chosen if not any(n.startswith(f"{o}.") for o in chosen)}
+    return [(name, module) for name, module in model.named_modules() if name in outermost]
+
+
 class TimmDeclared(Family):
     name = "timm (declared blocks)"
 
@@ -119,14 +136,19 @@ class TimmDeclared(Family):
         return (
             timm_models is not None
             and type(module).__module__.startswith("timm.models.")
-            and callable(getattr(module, "group_matcher", None))
+            and (callable(getattr(module, "group_matcher", None)) or "grad_checkpointing" in vars(module))
             and hasattr(timm_models, "group_modules")
         )
 
     def blocks(self, module: nn.Module) -> list[Named]:
         timm_models = loaded("timm.models")
         try:
-            return switched_parts(module, declared_blocks(module, timm_models.group_modules))  # type: ignore[union-attr]
+            declared = (
+                declared_blocks(module, timm_models.group_modules)  # type: ignore[union-attr]
+                if callable(getattr(module, "group_matcher", None))
+                else []
+            )
+            return switched_parts(module, merged(switch_units(module), declared, module))
         except (TypeError, ValueError, AttributeError, KeyError, re.error):  # a declaration not understood: structure
             return []
 
