@@ -90,6 +90,7 @@ def _coverage():
     [
         "starnet_s050",  # the forward checkpoints whole stages: the declared blocks lie inside them (1.09x before)
         "dpn48b",  # checkpoint_seq over every element of ``features``, the stem's too (1.11x)
+        "samvit_base_patch16_224",  # the same blocks; the head is left (1.31x)
     ],
 )
 def test_every_block_checkpointed_keeps_no_more_than_timms_own_switch(name: str) -> None:
@@ -97,3 +98,13 @@ def test_every_block_checkpointed_keeps_no_more_than_timms_own_switch(name: str)
     row = _coverage().examine("timm", name, seconds=0)
     assert row["covered"], row["reason"]
     assert row["kept_bytes"]["ours"] <= row["kept_bytes"]["switch"]
+
+
+def test_a_head_that_pools_first_is_no_block() -> None:
+    layers = pytest.importorskip("timm.layers")
+    from lightning_memguard.checkpointing.families.timm_declared import pools_first
+
+    assert pools_first(layers.ClassifierHead(8, 10))  # checkpointed, it would keep the feature map it pools
+    assert pools_first(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)))
+    assert not pools_first(layers.ClassifierHead(8, 10, pool_type=""))  # no pooling: a head like any block
+    assert not pools_first(nn.Sequential(nn.Linear(8, 8), nn.AdaptiveAvgPool1d(1)))

@@ -11,13 +11,13 @@ Every model timm ships also says how its parameters group into a stem, blocks an
 False)`` maps parameter names to ordered groups, one per block, which timm uses for layer-wise learning-rate decay.
 A declared block is the module that holds one group's parameters (their longest common module path): RegNet's
 ``s1.b1``, DenseNet's dense layers, DLA's levels, HRNet's stages. Groups of the stem (the matcher's ``stem`` keys) are
-left out, as timm's own switch leaves the stem; so is a single leaf module (a final norm layer). A group whose module
-path holds other groups' blocks (a stage whose downsampling shares its first block's group, parameters left over in
-the model itself) gives the parts of it that hold its parameters instead; a container that is never called (an
-``nn.ModuleList`` of branches) gives its composite elements. The blocks are the outermost of both: a declared block
-inside one of the switch's units gives way to it, one that holds units stays (it keeps less). The families with an
-adapter of their own (ResNet, ConvNeXt, ViT, Swin, EfficientNet) are claimed before this one, and a model where
-neither names a block is found by structure."""
+left out, as timm's own switch leaves the stem; so is a single leaf module (a final norm layer), and a head that
+pools first (:func:`pools_first`). A group whose module path holds other groups' blocks (a stage whose downsampling
+shares its first block's group, parameters left over in the model itself) gives the parts of it that hold its
+parameters instead; a container that is never called (an ``nn.ModuleList`` of branches) gives its composite
+elements. The blocks are the outermost of both: a declared block inside one of the switch's units gives way to it,
+one that holds units stays (it keeps less). The families with an adapter of their own (ResNet, ConvNeXt, ViT, Swin,
+EfficientNet) are claimed before this one, and a model where neither names a block is found by structure."""
 
 from __future__ import annotations
 
@@ -52,6 +52,20 @@ def _stem_patterns(matcher: Any) -> list[re.Pattern[str]]:
             if isinstance(text, str):
                 patterns.append(re.compile(text))
     return patterns
+
+
+def pools_first(module: nn.Module) -> bool:
+    """Whether ``module`` is a head that pools its input first (its first submodule a global pooling: timm's
+    ``SelectAdaptivePool2d``, ``nn.AdaptiveAvgPool2d(1)``): checkpointed, it keeps the feature map it pools, where
+    left alone its pooling keeps nothing of it and what follows keeps the pooled features only."""
+    first = next(iter(module.children()), None)
+    if first is None:
+        return False
+    layers = loaded("timm.layers")
+    if layers is not None and isinstance(first, layers.SelectAdaptivePool2d):
+        return not first.is_identity()
+    adaptive = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d)
+    return isinstance(first, adaptive) and first.output_size in (1, (1, 1))
 
 
 def _common_path(names: list[str]) -> str:
@@ -148,6 +162,7 @@ class TimmDeclared(Family):
                 if callable(getattr(module, "group_matcher", None))
                 else []
             )
+            declared = [(name, block) for name, block in declared if not pools_first(block)]
             return switched_parts(module, merged(switch_units(module), declared, module))
         except (TypeError, ValueError, AttributeError, KeyError, re.error):  # a declaration not understood: structure
             return []
