@@ -25,10 +25,9 @@ batch>)``); and ``ours_rebuild`` (``rebuild_bn_relu(model)``) for timm resnet50;
 same basis (``rebuild_goal``). A language model is wrapped (:class:`CausalLM`) so that every row calls
 ``wrapper(input_ids)`` and gets the loss. Per model the issue's goals are checked (``goals``): at the family's own
 switch point, ours saves at least as much for at most 2 % more step time: every block, and the fastest of our rows
-that saves as much (``at_switch_point``). The rows a user compares (plain, the switch, ours every block and at the
-switch's memory, both ways) are then timed again all alive at once, a step of each in turn for ``--rounds`` rounds
-(:func:`interleaved`), and keep that median (``step_ms``; ``step_ms_alone`` is their own row's): on this card a
-slow stretch of the host moved separate passes by up to 35 %.
+that saves as much (``at_switch_point``). Every row is then timed again, all alive at once, a turn of a few steps
+of each in turn for ``--rounds`` rounds (:func:`interleaved`), and keeps that median (``step_ms``; ``step_ms_alone``
+is its own row's): on this card a slow stretch of the host moved separate passes by up to 35 %.
 
 Results are written after every row (a run cut short keeps what it measured); a row that fails is recorded with its
 error and the others go on. ``--smoke`` runs a tiny version on the CPU (timm resnet18 and timm's test_ models at
@@ -80,15 +79,15 @@ SPEECH = ("whisper",)  # called as wrapper(input_features), the loss on a fixed 
 MODELS = (*VISION, *LANGUAGE, *SPEECH)
 ROWS = (
     "plain", "family_switch", "ours_every_block", "ours_at_switch_memory", "ours_at_switch_memory_blocks",
-    "ours_below_switch", "ours_below_switch_blocks", "ours_budget_0.6", "ours_budget_0.4", "ours_rebuild",
+    "ours_below_switch", "ours_below_switch_blocks", "ours_budget_0.6", "ours_budget_0.6_blocks", "ours_budget_0.4",
+    "ours_rebuild",
 )  # fmt: skip
 AT_SWITCH = {"ours_at_switch_memory": 1.0, "ours_at_switch_memory_blocks": 1.0, "ours_below_switch": 0.8,
              "ours_below_switch_blocks": 0.8}  # budget rows set by the switch's peak: this much of it  # fmt: skip
 REBUILT = {"resnet50", "tv_resnet50"}  # the ResNet families: the rebuild applies
 TIME_SLACK = 0.02  # the goal: ours at most 2 % slower than the family's switch
 SAVED_SLACK = 0.1  # points of saving: "as much" to within the allocator's rounding (a few MB of several GB)
-COMPARED = ("plain", "family_switch", "ours_every_block", "ours_at_switch_memory", "ours_at_switch_memory_blocks")
-# the rows a user compares: timed again, all alive at once, a step of each in turn (``interleaved``)
+STEPS_PER_TURN = 4  # interleaved: each row's turn is this many steps, the first untimed (the switch from another)
 TRANSFORMERS = {"vit_small", "swin_tiny"}  # vision models judged as transformers
 AT_SWITCH_GOAL = {"cnn": 0.85, "transformer": 0.95}  # ours at the switch's memory: at most this of its step time
 
@@ -249,7 +248,7 @@ def apply(
         return {"blocks": len(plan.blocks), "candidates": plan.candidates}
     if row == "ours_rebuild":
         return {"rebuilt_units": rebuild_bn_relu(model)}
-    budget = float(row.rsplit("_", 1)[1]) if at_switch is None else at_switch
+    budget = float(row.removesuffix("_blocks").rsplit("_", 1)[1]) if at_switch is None else at_switch
     with setting.autocast(), whole_blocks_only() if row.endswith("_blocks") else contextlib.nullcontext():
         plan = checkpoint_blocks(model, memory_budget=budget, example_input=example)
     return {
@@ -434,6 +433,14 @@ def goals(name: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 "held": below.get("held"),
                 "parts": len(below.get("parts", [])),
             }
+    for key in ("ours_budget_0.6", "ours_at_switch_memory", "ours_below_switch"):  # finer links against whole ones
+        fine, whole = rows.get(key, {}), rows.get(f"{key}_blocks", {})
+        if "step_ms" in fine and "step_ms" in whole:
+            out[f"{key.removeprefix('ours_')}_finer_vs_whole_blocks"] = {
+                "step_time": fine["step_ms"] / whole["step_ms"],
+                "memory": fine["activation_peak_gb"] / whole["activation_peak_gb"],
+                "parts": len(fine.get("parts", [])),
+            }
     budgets = {r: rows[r] for r in ROWS if "held" in rows.get(r, {})}
     out["budgets_held_or_said"] = {
         r: bool(row["held"]) or "budget not met" in row.get("summary", "") for r, row in budgets.items()
@@ -445,15 +452,16 @@ def goals(name: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def interleaved(name: str, rows: dict[str, dict[str, Any]], setting: Setting, rounds: int) -> None:
-    """Time the rows a user compares (:data:`COMPARED`) again, all alive at once, each built afresh as its row was:
-    in every round each takes one training step, in turns (the order reversed every other round), so that a slow
-    stretch of the host falls on all of them alike. Each row's ``step_ms`` becomes the median of its ``rounds`` steps
-    here (``step_ms_alone``: its own row's figure); memory stays its own row's."""
+    """Time every row again, all alive at once, each built afresh as its row was: in every round each row takes a
+    turn of :data:`STEPS_PER_TURN` training steps, the first untimed (another model ran just before), in turns (the
+    order reversed every other round), so that a slow stretch of the host falls on all rows alike. Each row's
+    ``step_ms`` becomes the median of its timed steps here (``step_ms_alone``: its own row's figure); memory stays its
+    own row's."""
     models: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
     try:
         batches = make_batches(name, setting)
-        for row in COMPARED:
-            if "step_ms" in rows.get(row, {}):
+        for row in rows:
+            if "step_ms" in rows[row]:
                 model = make_model(name, setting)
                 apply(name, row, model, batches[0][0], setting, switch_fraction(rows, row))
                 model.train()
@@ -461,23 +469,24 @@ def interleaved(name: str, rows: dict[str, dict[str, Any]], setting: Setting, ro
         events: dict[str, list[Any]] = {row: [] for row in models}
         order = list(models)
         cuda = setting.device.type == "cuda"
-        for i in range(setting.warmup + rounds):
-            for k, row in enumerate(order if i % 2 else reversed(order)):
+        for i in range(1 + rounds):  # a round of warm-up first
+            for row in order if i % 2 else reversed(order):
                 model, opt = models[row]
-                batch = batches[(i + k) % len(batches)]
-                opt.zero_grad(set_to_none=True)
-                start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-                if cuda:
-                    start.record()  # type: ignore[union-attr]
-                with setting.autocast():
-                    loss = loss_of(model, batch)
-                loss.backward()
-                opt.step()
-                end = torch.cuda.Event(enable_timing=True) if cuda else None
-                if end is not None:
-                    end.record()
-                if i >= setting.warmup:
-                    events[row].append((start, end if cuda else time.perf_counter()))
+                for k in range(STEPS_PER_TURN):
+                    batch = batches[k % len(batches)]
+                    opt.zero_grad(set_to_none=True)
+                    start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+                    if cuda:
+                        start.record()  # type: ignore[union-attr]
+                    with setting.autocast():
+                        loss = loss_of(model, batch)
+                    loss.backward()
+                    opt.step()
+                    end = torch.cuda.Event(enable_timing=True) if cuda else None
+                    if end is not None:
+                        end.record()
+                    if i and k:
+                        events[row].append((start, end if cuda else time.perf_counter()))
         if cuda:
             torch.cuda.synchronize()
         for row, pairs in events.items():
@@ -533,7 +542,7 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: " + ", ".join(MODELS))
     parser.add_argument("--smoke", action="store_true", help="a tiny CPU version: every row runs, nothing measured")
     parser.add_argument(
-        "--rounds", type=int, default=30, help="steps of each compared row, all alive, in turns (median kept); 0: none"
+        "--rounds", type=int, default=8, help="turns of every row, all alive, one after another (median kept); 0: none"
     )
     args = parser.parse_args()
     if args.rounds < 0:
@@ -575,9 +584,9 @@ def main() -> None:
             interleaved(name, rows, setting, args.rounds)
             compare(rows)
             entry["goals"] = goals(name, rows)
-            for row in COMPARED:
-                if row in rows:
-                    print(line(rows[row]), "interleaved; alone", rows[row].get("step_ms_alone"), flush=True)
+            for row in rows.values():
+                if "step_ms_alone" in row:
+                    print(line(row), "interleaved; alone", row["step_ms_alone"], flush=True)
             with contextlib.redirect_stdout(io.StringIO()):
                 write_json(args.out, result)
         print(f"{name:<16} goals {entry['goals']}", flush=True)
