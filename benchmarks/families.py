@@ -344,8 +344,11 @@ def rate(name: str, setting: Setting, step_ms: float) -> dict[str, float]:
     return {"tokens_per_sec": setting.text_batch * setting.tokens / step_ms * 1e3}
 
 
-def measure(name: str, row: str, setting: Setting, at_switch: float | None = None) -> dict[str, Any]:
-    """One row on a fresh model; an exception is recorded, not raised."""
+def measure(
+    name: str, row: str, setting: Setting, at_switch: float | None = None, keep: dict[str, nn.Module] | None = None
+) -> dict[str, Any]:
+    """One row on a fresh model; an exception is recorded, not raised. ``keep``: the model, measured, is kept there
+    under the row's name (for :func:`interleaved`)."""
     result: dict[str, Any] = {"model": name, "row": row}
     began = time.perf_counter()
     model: nn.Module | None = None
@@ -356,6 +359,8 @@ def measure(name: str, row: str, setting: Setting, at_switch: float | None = Non
         result.update(apply(name, row, model, batches[0][0], setting, at_switch))
         result.update(train_steps(model, batches, setting))
         result.update(rate(name, setting, result["step_ms"]))
+        if keep is not None:
+            keep[row] = model
     except Exception as error:  # noqa: BLE001 - one row's failure (an OOM included) must not lose the others
         result["error"] = f"{type(error).__name__}: {error}"
         result["traceback"] = traceback.format_exc(limit=-6)
@@ -451,21 +456,20 @@ def goals(name: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def interleaved(name: str, rows: dict[str, dict[str, Any]], setting: Setting, rounds: int) -> None:
-    """Time every row again, all alive at once, each built afresh as its row was: in every round each row takes a
-    turn of :data:`STEPS_PER_TURN` training steps, the first untimed (another model ran just before), in turns (the
-    order reversed every other round), so that a slow stretch of the host falls on all rows alike. Each row's
-    ``step_ms`` becomes the median of its timed steps here (``step_ms_alone``: its own row's figure); memory stays its
-    own row's."""
+def interleaved(
+    name: str, rows: dict[str, dict[str, Any]], setting: Setting, rounds: int, alive: dict[str, nn.Module]
+) -> None:
+    """Time every row again, all alive at once (``alive``: each row's model as it measured it): in every round each
+    row takes a turn of :data:`STEPS_PER_TURN` training steps, the first untimed (another model ran just before), in
+    turns (the order reversed every other round), so that a slow stretch of the host falls on all rows alike. Each
+    row's ``step_ms`` becomes the median of its timed steps here (``step_ms_alone``: its own row's figure); memory
+    stays its own row's."""
     models: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
     try:
         batches = make_batches(name, setting)
-        for row in rows:
-            if "step_ms" in rows[row]:
-                model = make_model(name, setting)
-                apply(name, row, model, batches[0][0], setting, switch_fraction(rows, row))
-                model.train()
-                models[row] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        for row, model in alive.items():
+            model.train()
+            models[row] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         events: dict[str, list[Any]] = {row: [] for row in models}
         order = list(models)
         cuda = setting.device.type == "cuda"
@@ -500,6 +504,7 @@ def interleaved(name: str, rows: dict[str, dict[str, Any]], setting: Setting, ro
             rows[row]["interleaved_error"] = f"{type(error).__name__}: {error}"
     finally:
         models.clear()
+        alive.clear()
         gc.collect()
         free_memory()
 
@@ -542,7 +547,7 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: " + ", ".join(MODELS))
     parser.add_argument("--smoke", action="store_true", help="a tiny CPU version: every row runs, nothing measured")
     parser.add_argument(
-        "--rounds", type=int, default=8, help="turns of every row, all alive, one after another (median kept); 0: none"
+        "--rounds", type=int, default=5, help="turns of every row, all alive, one after another (median kept); 0: none"
     )
     args = parser.parse_args()
     if args.rounds < 0:
@@ -562,6 +567,7 @@ def main() -> None:
     result["models"] = models_out = {}  # type: ignore[var-annotated]
     for name in models:
         rows: dict[str, dict[str, Any]] = {}
+        alive: dict[str, nn.Module] = {}  # each row's model, kept for the interleaved timing
         entry: dict[str, Any] = {"rows": rows}
         if name not in REBUILT:
             entry["notes"] = ["ours_rebuild skipped: the rebuild applies to the ResNet families only here"]
@@ -574,14 +580,14 @@ def main() -> None:
             at_switch = switch_fraction(rows, row)
             if row in AT_SWITCH and at_switch is None:
                 continue
-            rows[row] = measure(name, row, setting, at_switch)
+            rows[row] = measure(name, row, setting, at_switch, alive if args.rounds else None)
             compare(rows)
             entry["goals"] = goals(name, rows)
             print(line(rows[row]), flush=True)
             with contextlib.redirect_stdout(io.StringIO()):  # after every row: a run cut short keeps what it measured
                 write_json(args.out, result)
         if args.rounds:
-            interleaved(name, rows, setting, args.rounds)
+            interleaved(name, rows, setting, args.rounds, alive)
             compare(rows)
             entry["goals"] = goals(name, rows)
             for row in rows.values():
