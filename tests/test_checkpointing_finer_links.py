@@ -99,3 +99,26 @@ def test_a_budget_between_every_block_and_none_checkpoints_parts_and_trains_exac
     again = copy.deepcopy(plain)
     assert apply_plan(again, plan.runs) == [name for run in plan.runs for name in run]
     _same(plain, again, x)
+
+
+@pytest.mark.parametrize(("gain", "nested"), [(10, 6), (1, 0)])
+def test_parts_nested_in_their_blocks_are_kept_only_where_they_lower_the_floor(monkeypatch, gain, nested):
+    """Where every block is not enough, parts nested in the blocks (their recomputation holds less at once, for a
+    third forward) are kept if they lower the floor by at least 1 %, else the whole blocks alone are the plan."""
+    from lightning_memguard.checkpointing.measure import StepMeter
+    from lightning_memguard.checkpointing.wrap import is_checkpointed
+
+    def peak(self):  # the measured peak as a function of what is checkpointed: 100 a block, ``gain`` a nested part
+        blocks = list(self.model.blocks)
+        whole = sum(is_checkpointed(b) for b in blocks)
+        inside = sum(is_checkpointed(p) for b in blocks if is_checkpointed(b) for p in (b.attn, b.mlp))
+        alone = sum(is_checkpointed(p) for b in blocks if not is_checkpointed(b) for p in (b.attn, b.mlp))
+        return 1000 - 100 * whole - 30 * alone - gain * inside
+
+    monkeypatch.setattr(StepMeter, "peak", peak)
+    model = _vit()
+    with pytest.warns(UserWarning, match="budget not met"):
+        plan = checkpoint_blocks(model, memory_budget=0.5, example_input=torch.randn(2, 3, 32, 32))
+    assert plan.blocks == ["blocks.0", "blocks.1", "blocks.2"]
+    assert len(plan.parts) == nested and plan.measured_bytes == 700 - gain * nested
+    assert sum(is_checkpointed(m) for m in model.modules()) == 3 + nested  # the model is as the plan says

@@ -11,7 +11,7 @@ recomputation, but the whole run's activations come back at once when it is reco
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -280,6 +280,7 @@ class BudgetSearch:
         savings: each link's predicted bytes freed, by index; given, a set that does not fit gets as many more
             links at once as the gap needs, their predicted savings scaled by how much of its prediction the last
             set really freed (where a measurement is dear: fewer of them); without, one link at a time.
+        among: the links it may add or give back (default: all); the others of ``chosen`` stay chosen.
 
     With ``savings``:
 
@@ -313,6 +314,7 @@ class BudgetSearch:
         budget: int,
         give_back: bool = True,
         savings: Sequence[int] | None = None,
+        among: Iterable[int] | None = None,
     ) -> None:
         self.budget = budget
         self.give_back = give_back
@@ -320,7 +322,8 @@ class BudgetSearch:
         self._first: tuple[int, int] | None = None  # (peak, predicted saving) of the first set measured
         self._values = list(values)
         self._chosen = set(chosen)
-        self._rest = sorted(set(range(len(self._values))) - self._chosen, key=lambda i: -self._values[i])
+        self._among = set(range(len(self._values))) if among is None else set(among)
+        self._rest = sorted(self._among - self._chosen, key=lambda i: -self._values[i])
         self._phase = "add"  # "add" -> "give back" -> "final" -> "done"
         self._pending: set[int] | None = set(self._chosen)
         self._give_back: list[int] = []
@@ -352,7 +355,7 @@ class BudgetSearch:
                 self._measured, self._pending, self._phase = peak, None, "done"  # this set, just measured
             elif peak <= self.budget:  # it fits: give back what it fits without, least valuable first
                 self._phase = "give back"
-                self._give_back = sorted(self._chosen, key=lambda i: self._values[i])
+                self._give_back = sorted(self._chosen & self._among, key=lambda i: self._values[i])
                 self._next_give_back()
             else:  # nothing fits: the lowest peak seen, or the smallest set near it
                 lowest = self._lowest[0]

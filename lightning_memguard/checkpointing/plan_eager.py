@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_memguard.checkpointing import surgery
 from lightning_memguard.checkpointing.budget import (
+    NEAR,
     BlockProfile,
     BudgetSearch,
     Part,
@@ -60,14 +61,35 @@ def plan_eager(
         applied = surgery.apply(model, rebuilt=rebuilt, config=config, layout=layout)
         profiles = _rebuilt_profiles(meter.profile(links), plain)
         start -= sum(q.saved_bytes for q in plain) - sum(p.saved_bytes for p in profiles)  # what the rebuild frees
-    chosen, _, _ = choose_blocks(profiles, start, budget, joinable, meter.cuda, parts)
+    predicted, _, _ = choose_blocks(profiles, start, budget, joinable, meter.cuda, parts)
+    n = len(links)
     values = [value(p) for p in [*profiles, *(part.profile for part in parts)]]
-    search = BudgetSearch(chosen, values, budget)  # the pure core decides, this measures
-    with warnings_once():
-        chosen, peak, applied = _search(
-            search, meter.peak, model, links, joinable, profiles, start, applied, meter.cuda,
-            rebuilt=rebuilt, bn_correct=bn_correct, config=config, layout=layout, parts=parts, part_links=part_links,
+
+    def alone(indices: set[int]) -> set[int]:
+        """Links, and parts of links left unchecked (a part inside a chosen link is its link's)."""
+        return {i for i in indices if i < n or parts[i - n].link not in indices}
+
+    def search(chosen: set[int], among: set[int], nested: bool, applied: surgery.Applied) -> Any:
+        return _search(
+            BudgetSearch(chosen, values, budget, among=among), meter.peak, model, links, joinable, profiles, start,
+            applied, meter.cuda, rebuilt=rebuilt, bn_correct=bn_correct, config=config, layout=layout, parts=parts,
+            part_links=part_links, kept=(lambda i: i) if nested else alone,
         )  # fmt: skip
+
+    with warnings_once():
+        # links and parts of links left unchecked first; where even that does not fit, parts nested in the links
+        chosen, peak, applied = search(alone(predicted), set(range(len(values))), False, applied)
+        chosen = alone(chosen)
+        inside = {n + k for k, part in enumerate(parts) if part.link in chosen}
+        if peak > budget and inside:
+            flat = (chosen, peak)
+            chosen, peak, applied = search(chosen | (predicted & inside), inside, True, applied)
+            if peak > budget and peak > flat[1] * (1 - NEAR):  # a hair lower is not worth a third forward
+                chosen, peak = flat
+                applied = _apply(
+                    model, links, joinable, profiles, start, applied, meter.cuda, chosen, parts, part_links,
+                    rebuilt=rebuilt, bn_correct=bn_correct, config=config, layout=layout,
+                )  # fmt: skip
     finer = [parts[i - len(links)] for i in sorted(chosen) if i >= len(links)]
     final_runs = best_runs({i for i in chosen if i < len(links)}, profiles, start, joinable, meter.cuda, finer)
     lower = ["a smaller batch"]
@@ -110,21 +132,45 @@ def _search(
     layout: Layout,
     parts: Sequence[Part] = (),
     part_links: Sequence[Link] = (),
+    kept: Callable[[set[int]], set[int]] = lambda indices: indices,
 ) -> tuple[set[int], int, surgery.Applied]:
     """Hand each of ``search``'s proposals, cut into runs, to surgery and tell the search the peak ``measure`` reads;
     return its result and what is applied (the last proposal, the result's own set). Index ``len(links) + k`` is the
-    finer link ``part_links[k]`` (``parts[k]`` as the budget sees it), a run of its own."""
-    n = len(links)
+    finer link ``part_links[k]`` (``parts[k]`` as the budget sees it), a run of its own; ``kept`` says which of a
+    proposal's indices are applied."""
     while (indices := search.propose()) is not None:
-        finer = [parts[i - n] for i in sorted(indices) if i >= n]
-        cut = best_runs({i for i in indices if i < n}, profiles, start, joinable, cuda, finer)
-        runs = [[links[i] for i in run] for run in cut] + [[part_links[i - n]] for i in sorted(indices) if i >= n]
-        applied = surgery.apply(
-            model, runs, rebuilt, bn_correct=bn_correct, config=config, replacing=applied, layout=layout
-        )
+        applied = _apply(
+            model, links, joinable, profiles, start, applied, cuda, kept(indices), parts, part_links,
+            rebuilt=rebuilt, bn_correct=bn_correct, config=config, layout=layout,
+        )  # fmt: skip
         search.observe(measure())
     chosen, peak = search.result  # type: ignore[misc]
     return chosen, peak, applied
+
+
+def _apply(
+    model: nn.Module,
+    links: list[Link],
+    joinable: list[bool],
+    profiles: list[BlockProfile],
+    start: int,
+    applied: surgery.Applied,
+    cuda: bool,
+    indices: set[int],
+    parts: Sequence[Part],
+    part_links: Sequence[Link],
+    *,
+    rebuilt: Sequence[Link],
+    bn_correct: bool,
+    config: RebuildConfig,
+    layout: Layout,
+) -> surgery.Applied:
+    """Checkpoint the links and parts ``indices`` names (cut into runs), in place of what ``applied`` did."""
+    n = len(links)
+    finer = [parts[i - n] for i in sorted(indices) if i >= n]
+    cut = best_runs({i for i in indices if i < n}, profiles, start, joinable, cuda, finer)
+    runs = [[links[i] for i in run] for run in cut] + [[part_links[i - n]] for i in sorted(indices) if i >= n]
+    return surgery.apply(model, runs, rebuilt, bn_correct=bn_correct, config=config, replacing=applied, layout=layout)
 
 
 def _rebuilt_profiles(rebuilt: list[BlockProfile], plain: list[BlockProfile]) -> list[BlockProfile]:
