@@ -227,6 +227,11 @@ def choose_blocks(
         >>> mlp = Part(0, BlockProfile("dear.mlp", saved_bytes=250, input_bytes=50, output_bytes=0, forward_ms=1.0))
         >>> choose_blocks([dear, small, cheap], 1000, 900, [False, False], parts=[mlp])  # the MLP, not all of dear
         ({2, 3}, [[2]], 800)
+        >>> layer = BlockProfile("layer", saved_bytes=400, input_bytes=100, output_bytes=0, forward_ms=2.05)
+        >>> attn = Part(0, BlockProfile("layer.attn", saved_bytes=200, input_bytes=50, output_bytes=0, forward_ms=0.9))
+        >>> mlp = Part(0, BlockProfile("layer.mlp", saved_bytes=200, input_bytes=50, output_bytes=0, forward_ms=1.0))
+        >>> choose_blocks([layer, small, cheap], 1000, 800, [False, False], parts=[attn, mlp])  # both: the layer
+        ({0, 2}, [[0], [2]], 700)
     """
     joins = list(joinable) if joinable is not None else [False] * max(len(profiles) - 1, 0)
     n = len(profiles)
@@ -237,6 +242,20 @@ def choose_blocks(
         finer = [parts[i - n] for i in sorted(chosen) if i >= n]
         runs = best_runs({i for i in chosen if i < n}, profiles, baseline, joins, gradients, finer)
         return runs, predict_peak(baseline, profiles, runs, gradients, finer)
+
+    def whole_for_parts(
+        chosen: set[int], link: int, runs: list[list[int]], peak: int
+    ) -> tuple[set[int], list[list[int]], int]:
+        """Every part of ``link`` chosen: the link instead, where its forward costs no more than theirs (within
+        10 %) and the peak is no higher (its checkpoint frees what is between its parts too)."""
+        own = [n + k for k, part in enumerate(parts) if part.link == link]
+        if not set(own) <= chosen or profiles[link].forward_ms > 1.1 * sum(
+            parts[j - n].profile.forward_ms for j in own
+        ):
+            return chosen, runs, peak
+        trial = (chosen - set(own)) | {link}
+        trial_runs, trial_peak = planned(trial)
+        return (trial, trial_runs, trial_peak) if trial_peak <= peak else (chosen, runs, peak)
 
     chosen: set[int] = set()
     runs, peak = planned(chosen)
@@ -253,6 +272,8 @@ def choose_blocks(
             if i >= n and trial_peak >= peak:
                 continue  # a part that frees nothing at the peak (recomputed while all else is held)
             chosen, runs, peak = trial, trial_runs, trial_peak
+            if i >= n and not nested:
+                chosen, runs, peak = whole_for_parts(chosen, parts[i - n].link, runs, peak)
     return chosen, runs, peak
 
 
