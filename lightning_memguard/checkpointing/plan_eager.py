@@ -4,7 +4,7 @@ choice to :func:`.surgery.apply`, the rebuild first where asked (see :func:`.pla
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from lightning_memguard.checkpointing.budget import (
 )
 from lightning_memguard.checkpointing.families import Layout
 from lightning_memguard.checkpointing.measure import StepMeter, can_rebuild, default_loss, in_model_order, link_parts
-from lightning_memguard.checkpointing.rebuild import DEFAULT_CONFIG, RebuildConfig
+from lightning_memguard.checkpointing.rebuild import RebuildConfig
 from lightning_memguard.checkpointing.result import CheckpointPlan, finished, warnings_once
 from lightning_memguard.checkpointing.wrap import Link
 
@@ -51,60 +51,36 @@ def plan_eager(
     measured = meter.profile(links, found)
     profiles = measured[: len(links)]
     kept = [(i, part, p) for (i, part), p in zip(found, measured[len(links) :], strict=True) if p.saving > 0]
-    part_links = [part for _, part, _ in kept]  # each a finer link the search may checkpoint
-    parts = [Part(i, p) for i, _, p in kept]
     start = baseline  # the peak the blocks are chosen against: after the rebuild, where there is one
-    rebuilt = links if rebuild_bn_relu else []  # the rebuild goes wherever a link is left unchecked
     applied = surgery.Applied()
     if rebuild_bn_relu:
         plain = profiles  # what a checkpointed block brings back when it is recomputed: the rebuild stands aside
-        applied = surgery.apply(model, rebuilt=rebuilt, config=config, layout=layout)
+        applied = surgery.apply(model, rebuilt=links, config=config, layout=layout)
         profiles = _rebuilt_profiles(meter.profile(links), plain)
         start -= sum(q.saved_bytes for q in plain) - sum(p.saved_bytes for p in profiles)  # what the rebuild frees
-    predicted, _, _ = choose_blocks(profiles, start, budget, joinable, meter.cuda, parts)
-    n = len(links)
-    values = [value(p) for p in [*profiles, *(part.profile for part in parts)]]
-
-    def alone(indices: set[int]) -> set[int]:
-        """Links, and parts of links left unchecked (a part inside a chosen link is its link's)."""
-        return {i for i in indices if i < n or parts[i - n].link not in indices}
-
-    def search(chosen: set[int], among: set[int], nested: bool, applied: surgery.Applied) -> Any:
-        return _search(
-            BudgetSearch(chosen, values, budget, among=among), meter.peak, model, links, joinable, profiles, start,
-            applied, meter.cuda, rebuilt=rebuilt, bn_correct=bn_correct, config=config, layout=layout, parts=parts,
-            part_links=part_links, kept=(lambda i: i) if nested else alone,
-        )  # fmt: skip
-
+    plan = _Planning(
+        model, meter, links, joinable, profiles, [Part(i, p) for i, _, p in kept], [part for _, part, _ in kept],
+        start, budget, links if rebuild_bn_relu else [], bn_correct, config, layout, applied,
+    )  # fmt: skip
     with warnings_once():
-        # links and parts of links left unchecked first; where even that does not fit, parts nested in the links
-        chosen, peak, applied = search(alone(predicted), set(range(len(values))), False, applied)
-        chosen = alone(chosen)
-        inside = {n + k for k, part in enumerate(parts) if part.link in chosen}
-        if peak > budget and inside:
-            flat = (chosen, peak)
-            chosen, peak, applied = search(chosen | (predicted & inside), inside, True, applied)
-            if peak > budget and peak > flat[1] * (1 - NEAR):  # a hair lower is not worth a third forward
-                chosen, peak = flat
-                applied = _apply(
-                    model, links, joinable, profiles, start, applied, meter.cuda, chosen, parts, part_links,
-                    rebuilt=rebuilt, bn_correct=bn_correct, config=config, layout=layout,
-                )  # fmt: skip
-    finer = [parts[i - len(links)] for i in sorted(chosen) if i >= len(links)]
-    final_runs = best_runs({i for i in chosen if i < len(links)}, profiles, start, joinable, meter.cuda, finer)
+        chosen, peak = plan.choose()
+    parts, part_links, n = plan.parts, plan.part_links, len(links)
+    finer = [parts[i - n] for i in sorted(chosen) if i >= n]
+    final_runs = best_runs({i for i in chosen if i < n}, profiles, start, joinable, meter.cuda, finer)
     lower = ["a smaller batch"]
     if not rebuild_bn_relu and any(can_rebuild(link, layout) for link in links):
         lower.append("rebuild_bn_relu=True (the rebuild, in the links left unchecked)")
     named_parts = {part.name for part in part_links}
     every = [(part.link, link) for part, link in zip(parts, part_links, strict=True)]
+    checkpointed = plan.applied.checkpointed
     return finished(
         CheckpointPlan(
             # what was really changed, in model order
-            blocks=in_model_order([n for n in applied.checkpointed if n not in named_parts], links),
-            parts=in_model_order([n for n in applied.checkpointed if n in named_parts], links, every),
+            blocks=in_model_order([name for name in checkpointed if name not in named_parts], links),
+            parts=in_model_order([name for name in checkpointed if name in named_parts], links, every),
             candidates=len(links),
-            runs=applied.runs,
-            rebuilt=applied.rebuilt,
+            runs=plan.applied.runs,
+            rebuilt=plan.applied.rebuilt,
             baseline_bytes=baseline,
             budget_bytes=budget,
             predicted_bytes=predict_peak(start, profiles, final_runs, meter.cuda, finer),
@@ -115,62 +91,72 @@ def plan_eager(
     )
 
 
-def _search(
-    search: BudgetSearch,
-    measure: Callable[[], int],
-    model: nn.Module,
-    links: list[Link],
-    joinable: list[bool],
-    profiles: list[BlockProfile],
-    start: int,
-    applied: surgery.Applied,
-    cuda: bool,
-    *,
-    rebuilt: Sequence[Link] = (),
-    bn_correct: bool,
-    config: RebuildConfig = DEFAULT_CONFIG,
-    layout: Layout,
-    parts: Sequence[Part] = (),
-    part_links: Sequence[Link] = (),
-    kept: Callable[[set[int]], set[int]] = lambda indices: indices,
-) -> tuple[set[int], int, surgery.Applied]:
-    """Hand each of ``search``'s proposals, cut into runs, to surgery and tell the search the peak ``measure`` reads;
-    return its result and what is applied (the last proposal, the result's own set). Index ``len(links) + k`` is the
-    finer link ``part_links[k]`` (``parts[k]`` as the budget sees it), a run of its own; ``kept`` says which of a
-    proposal's indices are applied."""
-    while (indices := search.propose()) is not None:
-        applied = _apply(
-            model, links, joinable, profiles, start, applied, cuda, kept(indices), parts, part_links,
-            rebuilt=rebuilt, bn_correct=bn_correct, config=config, layout=layout,
+@dataclass
+class _Planning:
+    """One eager plan's search: what it chooses among, and the model as the last measured choice left it
+    (``applied``). Index ``len(links) + k`` is the finer link ``part_links[k]`` (``parts[k]`` as the budget sees
+    it), a run of its own."""
+
+    model: nn.Module
+    meter: StepMeter
+    links: list[Link]
+    joinable: list[bool]
+    profiles: list[BlockProfile]
+    parts: list[Part]
+    part_links: list[Link]
+    start: int  # the peak the links are chosen against
+    budget: int
+    rebuilt: Sequence[Link]
+    bn_correct: bool
+    config: RebuildConfig
+    layout: Layout
+    applied: surgery.Applied
+
+    def choose(self) -> tuple[set[int], int]:
+        """Links and parts of links left unchecked first; where even that does not fit, parts nested in the chosen
+        links, kept where the budget then fits or the floor drops by :data:`~.budget.NEAR`. Returns the chosen
+        indices and their measured peak, the model left as they say."""
+        n, budget = len(self.links), self.budget
+        everything = [*self.profiles, *(part.profile for part in self.parts)]
+        predicted, _, _ = choose_blocks(self.profiles, self.start, budget, self.joinable, self.meter.cuda, self.parts)
+        chosen, peak = self._search(self._alone(predicted), set(range(len(everything))), nested=False)
+        chosen = self._alone(chosen)
+        inside = {n + k for k, part in enumerate(self.parts) if part.link in chosen}
+        if peak <= budget or not inside:
+            return chosen, peak
+        flat = (chosen, peak)
+        chosen, peak = self._search(chosen | (predicted & inside), inside, nested=True)
+        if peak > budget and peak > flat[1] * (1 - NEAR):  # a hair lower is not worth a third forward
+            chosen, peak = flat
+            self._apply(chosen)
+        return chosen, peak
+
+    def _alone(self, indices: set[int]) -> set[int]:
+        """Links, and parts of links left unchecked (a part inside a chosen link is its link's)."""
+        n = len(self.links)
+        return {i for i in indices if i < n or self.parts[i - n].link not in indices}
+
+    def _search(self, chosen: set[int], among: set[int], nested: bool) -> tuple[set[int], int]:
+        """Apply each of a :class:`~.budget.BudgetSearch`'s proposals (nested parts only where ``nested``) and tell
+        it the peak measured; its result, applied (the last proposal is the result's own set)."""
+        values = [value(p) for p in [*self.profiles, *(part.profile for part in self.parts)]]
+        search = BudgetSearch(chosen, values, self.budget, among=among)  # the pure core decides, this measures
+        while (indices := search.propose()) is not None:
+            self._apply(indices if nested else self._alone(indices))
+            search.observe(self.meter.peak())
+        return search.result  # type: ignore[return-value]
+
+    def _apply(self, indices: set[int]) -> None:
+        """Checkpoint the links and parts ``indices`` names (cut into runs), in place of what was applied before."""
+        n = len(self.links)
+        finer = [self.parts[i - n] for i in sorted(indices) if i >= n]
+        cut = best_runs({i for i in indices if i < n}, self.profiles, self.start, self.joinable, self.meter.cuda, finer)
+        runs = [[self.links[i] for i in run] for run in cut]
+        runs += [[self.part_links[i - n]] for i in sorted(indices) if i >= n]
+        self.applied = surgery.apply(
+            self.model, runs, self.rebuilt, bn_correct=self.bn_correct, config=self.config, replacing=self.applied,
+            layout=self.layout,
         )  # fmt: skip
-        search.observe(measure())
-    chosen, peak = search.result  # type: ignore[misc]
-    return chosen, peak, applied
-
-
-def _apply(
-    model: nn.Module,
-    links: list[Link],
-    joinable: list[bool],
-    profiles: list[BlockProfile],
-    start: int,
-    applied: surgery.Applied,
-    cuda: bool,
-    indices: set[int],
-    parts: Sequence[Part],
-    part_links: Sequence[Link],
-    *,
-    rebuilt: Sequence[Link],
-    bn_correct: bool,
-    config: RebuildConfig,
-    layout: Layout,
-) -> surgery.Applied:
-    """Checkpoint the links and parts ``indices`` names (cut into runs), in place of what ``applied`` did."""
-    n = len(links)
-    finer = [parts[i - n] for i in sorted(indices) if i >= n]
-    cut = best_runs({i for i in indices if i < n}, profiles, start, joinable, cuda, finer)
-    runs = [[links[i] for i in run] for run in cut] + [[part_links[i - n]] for i in sorted(indices) if i >= n]
-    return surgery.apply(model, runs, rebuilt, bn_correct=bn_correct, config=config, replacing=applied, layout=layout)
 
 
 def _rebuilt_profiles(rebuilt: list[BlockProfile], plain: list[BlockProfile]) -> list[BlockProfile]:
