@@ -127,7 +127,7 @@ def test_a_budget_under_a_sharded_strategy_holds_by_the_measured_peak(tmp_path, 
         peaks[name] = peak.peak
         if callbacks:
             plan = callbacks[0].plan
-            assert plan is not None and plan.blocks, plan
+            assert plan is not None and (plan.blocks or plan.parts), plan  # blocks, or parts of blocks
             print(strategy, plan.summary())
         del model
         torch.cuda.empty_cache()

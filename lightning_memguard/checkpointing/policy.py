@@ -132,7 +132,8 @@ class CheckpointingPolicy:
     def summary(self) -> str:
         if self.plan is not None:
             return self.plan.summary()
-        return f"{sum(len(r) for r in self.runs or [])} blocks in {len(self.runs or [])} runs (rank zero's plan)"
+        links = sum(len(run) for run in self.runs or [])
+        return f"{links} blocks or parts of blocks in {len(self.runs or [])} runs (rank zero's plan)"
 
 
 def inputs_from_batch(batch: Any, forward: Callable[..., Any]) -> tuple[Any, str]:
