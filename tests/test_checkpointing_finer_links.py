@@ -122,3 +122,18 @@ def test_parts_nested_in_their_blocks_are_kept_only_where_they_lower_the_floor(m
     assert plan.blocks == ["blocks.0", "blocks.1", "blocks.2"]
     assert len(plan.parts) == nested and plan.measured_bytes == 700 - gain * nested
     assert sum(is_checkpointed(m) for m in model.modules()) == 3 + nested  # the model is as the plan says
+
+
+def test_a_block_that_is_a_whole_stage_has_its_blocks_as_parts_and_trains_exactly():
+    """timm's switch checkpoints RepViT's stages whole, and so are its blocks here: each block of a stage is a finer
+    link, alone or nested in its checkpointed stage (BatchNorm updated once)."""
+    torch.manual_seed(0)
+    plain = timm.create_model("repvit_m1", num_classes=10)
+    links, _ = model_chain(plain, find_units(plain))
+    assert [link.name for link in links][:2] == ["stages.0", "stages.1"]
+    names = [part.name for _, part in link_parts(links)]
+    assert names[:4] == ["stages.0.blocks.0", "stages.0.blocks.1", "stages.1.downsample", "stages.1.blocks.0"]
+    ours = copy.deepcopy(plain)
+    runs = [["stages.0.blocks.1"], ["stages.1"], ["stages.1.blocks.0"], ["stages.1.blocks.1"]]
+    assert apply_plan(ours, runs) == [name for run in runs for name in run]
+    _same(plain, ours, torch.randn(2, 3, 64, 64))

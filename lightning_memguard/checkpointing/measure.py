@@ -73,9 +73,10 @@ def _consecutive_in_sequential(modules: dict[str, nn.Module], a: str, b: str) ->
 
 def link_parts(links: list[Link]) -> list[tuple[int, Link]]:
     """Finer links: in each block, the modules it calls that are made of modules and hold parameters (a
-    transformer layer's attention and MLP, a ConvNeXt block's MLP, T5's sub-layers inside its ``layer`` list), each
-    with the index of its block. A part is checkpointed on its own (the rest of its block kept as it is), or inside its
-    checkpointed block, where its recomputation then holds less at once. A ResNet's stem has none.
+    transformer layer's attention and MLP, a ConvNeXt block's MLP, T5's sub-layers inside its ``layer`` list, the
+    blocks of a plain ``nn.Sequential`` of them where a block is a whole stage), each with the index of its block.
+    A part is checkpointed on its own (the rest of its block kept as it is), or inside its checkpointed block, where
+    its recomputation then holds less at once. A ResNet's stem has none.
 
     Example:
         >>> layer = nn.Sequential(nn.LayerNorm(4), nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)))
@@ -101,8 +102,15 @@ def _composite_children(module: nn.Module, prefix: str = "") -> Iterator[tuple[s
             continue
         if isinstance(child, nn.ModuleList | nn.ModuleDict):  # never called: the block calls its elements
             yield from _composite_children(child, f"{prefix}{name}.")
-        elif child._modules and next(child.parameters(), None) is not None:
+        elif plain_sequential(child) and any(_composite(c) for c in child._modules.values() if c is not None):
+            # a stage's blocks (a block that is a whole stage, as timm's switch checkpoints RepViT's): each is a part
+            yield from _composite_children(child, f"{prefix}{name}.")
+        elif _composite(child):
             yield f"{prefix}{name}", child
+
+
+def _composite(module: nn.Module) -> bool:
+    return bool(module._modules) and next(module.parameters(), None) is not None
 
 
 def runs_named(
