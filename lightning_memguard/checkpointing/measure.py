@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_memguard import _autograd
 from lightning_memguard.checkpointing.budget import BlockProfile
 from lightning_memguard.checkpointing.families import Layout
 from lightning_memguard.checkpointing.rebuild import rebuildable, stem_rebuildable
@@ -322,6 +323,8 @@ class StepMeter:
         calls: dict[str, int] = {}
         starts: dict[str, Any] = {}
         spans: dict[str, list[tuple[Any, Any]]] = {link.name: [] for link in every}
+        given: dict[str, list[tuple[torch.Tensor, int]]] = {}  # each input and its version as the call began
+        changes_input: set[str] = set()
         seen: set[tuple[int, int]] = set()
         current: list[str] = []  # the links running, innermost last
         inner: list[str] = []  # the parts running
@@ -347,6 +350,7 @@ class StepMeter:
                 stack.append(name)
                 calls[name] = calls.get(name, 0) + 1
                 inputs[name] = {_storage_key(t) for t in tensors([args, kwargs])}
+                given[name] = [(t, _autograd.version(t)) for t in tensors([args, kwargs])]
                 starts[name] = clock()
 
             return hook
@@ -356,6 +360,8 @@ class StepMeter:
                 spans[name].append((starts[name], clock()))
                 outputs[name] = {_storage_key(t) for t in tensors(output)}
                 one_tensor[name] = isinstance(output, torch.Tensor)
+                if any(_autograd.version(t) != v for t, v in given.pop(name)):
+                    changes_input.add(name)
                 stack.pop()
 
             return hook
@@ -374,9 +380,12 @@ class StepMeter:
             torch.cuda.synchronize()
         profiles = []
         for link in every:
-            if not spans[link.name]:
+            if not spans[link.name] or link.name in changes_input:
                 # its forward is called directly (HRNet's head: ``down.forward(y)``), past the hooks: nothing is
-                # known of it, so it frees nothing a budget could count on, and joins no run
+                # known of it; or it changes its input in place (a part that scales what its block hands it,
+                # ``x.mul_(s)``), which a checkpoint's recomputation would see changed (an error alone, wrong
+                # gradients nested in its checkpointed block). Either way it frees nothing a budget could count on,
+                # and joins no run
                 profiles.append(BlockProfile(link.name, 0, 0, 0, forward_ms=0.0, one_tensor=False))
                 continue
             ms = sum(start.elapsed_time(end) if self.cuda else (end - start) * 1e3 for start, end in spans[link.name])
