@@ -125,6 +125,11 @@ class _Planning:
         if peak <= budget or not inside:
             return chosen, peak
         flat = (chosen, peak)
+        # every part nested at once first: where even that is not 1 % lower, no nesting is worth a search
+        self._apply(chosen | inside)
+        if self.meter.peak() > flat[1] * (1 - NEAR):
+            self._apply(chosen)
+            return flat
         chosen, peak = self._search(chosen | (predicted & inside), inside, nested=True)
         if peak > budget and peak > flat[1] * (1 - NEAR):  # a hair lower is not worth a third forward
             chosen, peak = flat
@@ -139,11 +144,19 @@ class _Planning:
     def _search(self, chosen: set[int], among: set[int], nested: bool) -> tuple[set[int], int]:
         """Apply each of a :class:`~.budget.BudgetSearch`'s proposals (nested parts only where ``nested``) and tell
         it the peak measured; its result, applied (the last proposal is the result's own set)."""
-        values = [value(p) for p in [*self.profiles, *(part.profile for part in self.parts)]]
-        search = BudgetSearch(chosen, values, self.budget, among=among)  # the pure core decides, this measures
+        every = [*self.profiles, *(part.profile for part in self.parts)]
+        # a set that does not fit gets as many links as the gap needs at once: a model with a hundred parts would
+        # otherwise measure a step for each where no set fits
+        search = BudgetSearch(
+            chosen, [value(p) for p in every], self.budget, among=among, savings=[p.saving for p in every]
+        )  # the pure core decides, this measures
+        seen: dict[frozenset[int], int] = {}  # a proposal that applies what was measured already is not measured
         while (indices := search.propose()) is not None:
-            self._apply(indices if nested else self._alone(indices))
-            search.observe(self.meter.peak())
+            applied = frozenset(indices if nested else self._alone(indices))
+            self._apply(set(applied))
+            if applied not in seen:
+                seen[applied] = self.meter.peak()
+            search.observe(seen[applied])
         return search.result  # type: ignore[return-value]
 
     def _apply(self, indices: set[int]) -> None:
