@@ -191,3 +191,14 @@ def test_a_part_that_changes_its_input_in_place_is_left_to_its_block(monkeypatch
         plan = checkpoint_blocks(ours, memory_budget=budget, example_input=x, loss_fn=lambda o: o.pow(2).mean())
     assert plan.blocks and not plan.parts, plan.summary()
     _same(plain, ours, x)
+
+
+def test_a_parts_block_is_no_container_of_blocks_for_compiled_graph_splits():
+    """With ``split_graphs`` (under compile, a graph per container of checkpointed blocks), parts do not make their
+    blocks containers: the blocks of one ``nn.Sequential`` stay one graph."""
+    from lightning_memguard.checkpointing.wrap import GraphSplit
+
+    model = _vit()
+    runs = [["blocks.0"], ["blocks.1.mlp"], ["blocks.2.attn"]]
+    assert apply_plan(model, runs, split_graphs=True) == ["blocks.0", "blocks.1.mlp", "blocks.2.attn"]
+    assert not [name for name, module in model.named_modules() if isinstance(module, GraphSplit)]

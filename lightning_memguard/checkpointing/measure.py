@@ -93,7 +93,7 @@ def link_parts(links: list[Link]) -> list[tuple[int, Link]]:
         name, block = link.modules[0]
         for path, child in _composite_children(block):
             if id(child) not in blocks:
-                parts.append((i, Link(f"{name}.{path}", ((f"{name}.{path}", child),))))
+                parts.append((i, Link(f"{name}.{path}", ((f"{name}.{path}", child),), part=True)))
     return parts
 
 

@@ -212,8 +212,11 @@ def _split(
     there are at least two; return their names."""
     checkpointed = {name for run in done for name in run}
     containers = dict.fromkeys(
-        link.modules[0][0].rpartition(".")[0] for run in runs for link in run if link.name in checkpointed
-    )
+        link.modules[0][0].rpartition(".")[0]
+        for run in runs
+        for link in run
+        if link.name in checkpointed and not link.part
+    )  # a part's block holds no blocks
     containers.pop("", None)  # the model itself: the graph begins there anyway
     # and one holding another (a wrapped ResNet, whose stem is its own): its graph begins with its first link's
     containers = {c: None for c in containers if not any(other.startswith(c + ".") for other in containers)}

@@ -312,11 +312,13 @@ def is_checkpointed(module: nn.Module) -> bool:
 
 @dataclass(frozen=True, eq=False)
 class Link:
-    """One link of a model's forward chain: a block, or modules called one after another (a ResNet's stem)."""
+    """One link of a model's forward chain: a block, or modules called one after another (a ResNet's stem); or a
+    finer link, a part of a block (its attention, its MLP)."""
 
     name: str
     modules: tuple[tuple[str, nn.Module], ...]
     stem: bool = False  # a ResNet's conv1, bn1, relu and maxpool
+    part: bool = False  # inside a block: its block is no container of blocks
 
 
 class Swap(NamedTuple):
