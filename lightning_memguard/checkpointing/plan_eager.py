@@ -64,14 +64,12 @@ def plan_eager(
     )  # fmt: skip
     with warnings_once():
         chosen, peak = plan.choose()
-    parts, part_links, n = plan.parts, plan.part_links, len(links)
-    finer = [parts[i - n] for i in sorted(chosen) if i >= n]
-    final_runs = best_runs({i for i in chosen if i < n}, profiles, start, joinable, meter.cuda, finer)
+    finer, final_runs = plan.cut(chosen)
     lower = ["a smaller batch"]
     if not rebuild_bn_relu and any(can_rebuild(link, layout) for link in links):
         lower.append("rebuild_bn_relu=True (the rebuild, in the links left unchecked)")
-    named_parts = {part.name for part in part_links}
-    every = [(part.link, link) for part, link in zip(parts, part_links, strict=True)]
+    named_parts = {part.name for part in plan.part_links}
+    every = [(part.link, link) for part, link in zip(plan.parts, plan.part_links, strict=True)]
     checkpointed = plan.applied.checkpointed
     return finished(
         CheckpointPlan(
@@ -117,9 +115,8 @@ class _Planning:
         links, kept where the budget then fits or the floor drops by :data:`~.budget.NEAR`. Returns the chosen
         indices and their measured peak, the model left as they say."""
         n, budget = len(self.links), self.budget
-        everything = [*self.profiles, *(part.profile for part in self.parts)]
         predicted, _, _ = choose_blocks(self.profiles, self.start, budget, self.joinable, self.meter.cuda, self.parts)
-        chosen, peak = self._search(self._alone(predicted), set(range(len(everything))), nested=False)
+        chosen, peak = self._search(self._alone(predicted), set(range(n + len(self.parts))), nested=False)
         chosen = self._alone(chosen)
         inside = {n + k for k, part in enumerate(self.parts) if part.link in chosen}
         if peak <= budget or not inside:
@@ -159,12 +156,18 @@ class _Planning:
             search.observe(seen[applied])
         return search.result  # type: ignore[return-value]
 
+    def cut(self, indices: set[int]) -> tuple[list[Part], list[list[int]]]:
+        """The parts among ``indices``, and its links cut into runs."""
+        n = len(self.links)
+        finer = [self.parts[i - n] for i in sorted(indices) if i >= n]
+        return finer, best_runs(
+            {i for i in indices if i < n}, self.profiles, self.start, self.joinable, self.meter.cuda, finer
+        )
+
     def _apply(self, indices: set[int]) -> None:
         """Checkpoint the links and parts ``indices`` names (cut into runs), in place of what was applied before."""
         n = len(self.links)
-        finer = [self.parts[i - n] for i in sorted(indices) if i >= n]
-        cut = best_runs({i for i in indices if i < n}, self.profiles, self.start, self.joinable, self.meter.cuda, finer)
-        runs = [[self.links[i] for i in run] for run in cut]
+        runs = [[self.links[i] for i in run] for run in self.cut(indices)[1]]
         runs += [[self.part_links[i - n]] for i in sorted(indices) if i >= n]
         self.applied = surgery.apply(
             self.model, runs, self.rebuilt, bn_correct=self.bn_correct, config=self.config, replacing=self.applied,
