@@ -45,11 +45,15 @@ FAMILIES = {
 
 def _step(model: nn.Module, x: Any, grads_of: nn.Module | None = None) -> dict[str, torch.Tensor]:
     """One training step's gradients and the buffers after it, the same seed before it (``grads_of``: the module
-    whose parameters ``model`` trains, where ``model`` is a compiled wrapper of it)."""
+    whose parameters ``model`` trains, where ``model`` is a compiled wrapper of it). A Hugging Face model is called
+    with ``use_cache=False``, as its own switch and ours call it while they checkpoint: the reference for
+    bit-identity (since transformers 5 the cached path builds its attention mask otherwise, which rounds the
+    attention's output differently in the last bit: 28 of GPT-2's 28 gradients differ between the two calls of the
+    plain model)."""
     torch.manual_seed(7)
     model.train()
     model.zero_grad(set_to_none=True)
-    out = model(**x) if isinstance(x, dict) else model(x)
+    out = model(**x, use_cache=False) if isinstance(x, dict) else model(x)
     (out.logits if hasattr(out, "logits") else out).float().pow(2).mean().backward()
     held = grads_of if grads_of is not None else model
     state = {f"grad:{n}": p.grad.clone() for n, p in held.named_parameters() if p.grad is not None}

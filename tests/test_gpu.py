@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import fused_calls, trainer_kwargs
+from conftest import free_earlier_fits, fused_calls, trainer_kwargs
 from lightning.pytorch import Callback, Trainer
 
 from lightning_memguard import MemGuard, SysmemSpillError
@@ -23,6 +23,7 @@ pytestmark = [
 
 
 def _trainer(tmp_path, callbacks, **kwargs):
+    free_earlier_fits()
     overrides = dict(accelerator="cuda", precision="bf16-mixed", max_epochs=2, callbacks=callbacks)
     return Trainer(**trainer_kwargs(tmp_path, **{**overrides, **kwargs}))
 

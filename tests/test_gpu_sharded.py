@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import trainer_kwargs
+from conftest import free_earlier_fits, trainer_kwargs
 from lightning.pytorch import Callback, Trainer
 from torch.distributed.tensor import DTensor
 
@@ -64,6 +64,7 @@ class AtFirstBatch(Callback):
 
 
 def _fit(tmp_path, strategy, callbacks, model, **kwargs):
+    free_earlier_fits()
     overrides = dict(accelerator="cuda", devices=1, strategy=_strategy(strategy), precision="bf16-mixed",
                      max_epochs=1, callbacks=callbacks)  # fmt: skip
     trainer = Trainer(**trainer_kwargs(tmp_path, **{**overrides, **kwargs}))

@@ -294,11 +294,16 @@ class _CountedProbe(FakeProbe):
 
 @pytest.mark.parametrize("spills_from", [None, 16], ids=["counted_before", "spills_at_16"])
 def test_the_trials_judge_the_counter_from_the_baseline_before_them(tmp_path, spills_from):
+    from tuner_helpers import BatchClock
+
     from lightning_memguard import BatchSizeTuner
 
     probe = _CountedProbe(spills_from)
-    tuner = BatchSizeTuner(init_size=4, max_size=32, cache=False, warmup_steps=1, timed_steps=1, probe=probe)
-    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[tuner]))
+    clock = BatchClock()  # throughput rises with the size, whatever this CPU's speed (a timed step of 16 ran faster)
+    tuner = BatchSizeTuner(
+        init_size=4, max_size=32, cache=False, warmup_steps=1, timed_steps=1, probe=probe, clock=clock
+    )
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[clock, tuner]))
     trainer.fit(probe.model)  # the tuner sets the model's batch_size for each trial
     outcomes = {r.size: r.outcome for r in tuner.results}
     if spills_from is None:  # the 1 GB was there before: no size spills
