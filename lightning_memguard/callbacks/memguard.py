@@ -132,10 +132,12 @@ class MemGuard(Callback):
     an out-of-memory error inside a training step (``prevent=True`` turns a spill into one), by redoing that step
     from zeroed gradients. The levers, in order, each only where it keeps the training the same: each loaded batch
     split into micro-batches whose gradients add up before the one optimizer step (the same samples per step, the
-    same data order, the same optimizer and scheduler steps; each micro-batch's loss weighted by its share, as
-    Lightning's accumulation does); then activation checkpointing, planned for the memory free now on the batch in
-    hand (every block where it cannot be planned). Where neither is left (manual optimization, a model with training
-    BatchNorm and no blocks, micro-batches of one sample) the run stops as ``"stop"`` does, saying why. Every
+    same data order, the same optimizer and scheduler steps; each micro-batch's loss weighted by its share of what
+    the loss averages over, ``adapt_loss``, so the gradients are the batch's; the outputs the hooks get joined into
+    the batch's); then activation checkpointing, planned for the memory free now on the batch in hand (every block
+    where it cannot be planned). Where neither is left (manual optimization, a model with training BatchNorm and no
+    blocks, a loss that couples the samples of a batch and no blocks, micro-batches of one sample) the run stops as
+    ``"stop"`` does, saying why. Every
     ``grow_every`` steps, fewer micro-batches are tried again where this run's readings say they fit what is free
     now. Each change is said in one line, logged (``memguard/micro_batches``, ``memguard/checkpointing``), kept in
     :attr:`adaptations` and in the checkpoint: a resumed run starts adapted. Under DDP, FSDP and

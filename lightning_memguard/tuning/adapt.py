@@ -1,11 +1,12 @@
 """Adapting a run in the middle of training: how many micro-batches each loaded batch is split into, when to try
 fewer again, and the record of every change. Pure numbers, no Lightning.
 
-A batch split into ``chunks`` micro-batches, each one's loss weighted by its share of the batch and its gradients
-accumulated before the one optimizer step, trains exactly as the whole batch does (for a loss that averages over
-its samples, as Lightning's own accumulation assumes): same samples per optimizer step, same data order, same
-optimizer and scheduler steps. Only the peak memory falls, with the saved activations of one micro-batch instead of
-the whole batch.
+A batch split into ``chunks`` micro-batches, each one's loss weighted by its share of what the loss averages over
+(its samples, its labelled tokens; 1 for a sum: :data:`WEIGHTINGS`) and its gradients accumulated before the one
+optimizer step, trains exactly as the whole batch does: same samples per optimizer step, same data order, same
+optimizer and scheduler steps, same gradients. Only the peak memory falls, with the saved activations of one
+micro-batch instead of the whole batch. A loss that couples the samples of a batch (an in-batch contrastive loss)
+has no such weighting (:func:`judge_weighting` finds none) and is never split.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """MemGuard's ``on_spill="adapt"``: the run goes on in a configuration that fits instead of stopping.
 
 The lever that keeps training the same is splitting each loaded batch into micro-batches inside its training step:
-the batch is the one the loader delivered (the data order is unchanged), each micro-batch's loss is weighted by its
-share of the batch and by Lightning's accumulation, their gradients add up before the one optimizer step, and the
-optimizer, schedulers and counters step as they did. For a loss that averages over its samples (the one Lightning's
-own accumulation assumes) the gradient is the batch's. A model whose BatchNorm layers train would see statistics
+the batch is the one the loader delivered (the data order is unchanged; its per-sample tensors and lists are cut,
+:func:`take_samples`), each micro-batch's loss is weighted by its share of what the loss averages over (found before
+the first split, :meth:`MicroBatches.judge_loss`, or declared) and by Lightning's accumulation, their gradients add up
+before the one optimizer step (the batch's gradient), the optimizer, schedulers and counters step as they did, and
+the micro-batches' outputs are joined into the batch's for the hooks (:func:`join_outputs`). A loss that couples
+the samples of a batch is never split. A model whose BatchNorm layers train would see statistics
 per micro-batch instead: there the lever is activation checkpointing (BatchNorm-exact), unless the user allows the
 split.
 
@@ -443,7 +445,8 @@ class MicroBatches:
         :attr:`weighting`."""
         if self.weighting in ("tokens", "next_tokens"):
             counted = [token_count(part, self.weighting == "next_tokens") for part, _ in parts]
-            counts = torch.stack(counted).tolist() if all(c is not None for c in counted) else None
+            found = [c for c in counted if c is not None]
+            counts = torch.stack(found).tolist() if len(found) == len(parts) else None  # one sync for all
         elif self.weighting == "declared" and self.count is not None:
             counts = [float(self.count(part)) for part, _ in parts]
         else:
