@@ -39,7 +39,8 @@ class Wide(LightningModule):
     def training_step(self, batch, batch_idx):
         if batch_idx >= len(self.micro_batches):
             self.micro_batches.append([])
-        self.micro_batches[batch_idx].append(len(batch[0]))
+        if self.training:  # not the check of the loss's weighting before the first split (in eval mode)
+            self.micro_batches[batch_idx].append(len(batch[0]))
         return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
 
     def configure_optimizers(self):

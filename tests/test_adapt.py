@@ -83,7 +83,8 @@ class Events(Callback):
         original = pl_module.training_step
 
         def counting(part, *args, **kwargs):
-            seen.append(_samples(part))
+            if pl_module.training:  # not the check of the loss's weighting before the first split (in eval mode)
+                seen.append(_samples(part))
             return original(part, *args, **kwargs)
 
         pl_module.training_step = counting

@@ -170,16 +170,17 @@ def reset_fit_loop(trainer: Trainer) -> None:
 
 
 @contextmanager
-def logged_as_batch(trainer: Trainer, part: Any) -> Iterator[None]:
-    """Inside, ``self.log`` weighs what it averages over an epoch by ``part``'s samples, not by the whole batch the
-    loop is on: the loop's result collection (``trainer._results``) reads its batch size from the batch set there.
-    A batch split into micro-batches then averages as the whole batch would. Put back on exit."""
+def logged_as_batch(trainer: Trainer, part: Any, samples: int) -> Iterator[None]:
+    """Inside, ``self.log`` weighs what it averages over an epoch by ``part``'s ``samples``, not by the whole batch
+    the loop is on: the loop's result collection (``trainer._results``) holds the batch and its size (given, not
+    read from the batch: a part that opens with a list of names would not be sized right). A batch split into
+    micro-batches then averages as the whole batch would. Put back on exit."""
     results = trainer._results
     if results is None:
         yield
         return
     batch, batch_size = results.batch, results.batch_size
-    results.batch, results.batch_size = part, None
+    results.batch, results.batch_size = part, samples
     try:
         yield
     finally:

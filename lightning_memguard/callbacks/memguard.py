@@ -39,6 +39,7 @@ from lightning_memguard.tuning.adapt import Adaptation
 from lightning_memguard.tuning.adapter import RunAdapter, refuse_to_adapt
 
 _ON_SPILL = ("raise", "stop", "warn", "adapt")
+_ADAPT_LOSS = ("auto", "mean", "sum", "coupled")
 
 
 class MemGuard(Callback):
@@ -102,6 +103,12 @@ class MemGuard(Callback):
             only by activation checkpointing.
         grow_every: with ``on_spill="adapt"``, optimizer steps between checks whether fewer micro-batches fit again
             (one memory reading each; twice as long after a check whose growth spilled again).
+        adapt_loss: with ``on_spill="adapt"``, how the training loss weighs a batch's samples, so that micro-batches
+            add up to the batch's gradients: ``"auto"`` (found out before the first split on the batch's first four
+            samples: a mean over samples, a token mean over labels with ``ignore_index=-100``, a sum, or a loss that
+            couples the samples, which is never split), ``"mean"`` (over samples), ``"sum"``, ``"coupled"`` (never
+            split: an in-batch contrastive loss), or a function of a micro-batch returning the count its loss
+            averages over (``lambda b: (b["labels"][:, 1:] != -100).sum()``).
         offload: bytes this run keeps in system RAM on purpose (activation offload, block swap; bytes or a
             string). On Windows MemGuard reads how much of this process's GPU memory the driver counts in system RAM
             (Task Manager's "Shared GPU memory", through pywin32); beyond what was there at fit start, what PyTorch
@@ -125,10 +132,12 @@ class MemGuard(Callback):
     an out-of-memory error inside a training step (``prevent=True`` turns a spill into one), by redoing that step
     from zeroed gradients. The levers, in order, each only where it keeps the training the same: each loaded batch
     split into micro-batches whose gradients add up before the one optimizer step (the same samples per step, the
-    same data order, the same optimizer and scheduler steps; each micro-batch's loss weighted by its share, as
-    Lightning's accumulation does); then activation checkpointing, planned for the memory free now on the batch in
-    hand (every block where it cannot be planned). Where neither is left (manual optimization, a model with training
-    BatchNorm and no blocks, micro-batches of one sample) the run stops as ``"stop"`` does, saying why. Every
+    same data order, the same optimizer and scheduler steps; each micro-batch's loss weighted by its share of what
+    the loss averages over, ``adapt_loss``, so the gradients are the batch's; the outputs the hooks get joined into
+    the batch's); then activation checkpointing, planned for the memory free now on the batch in hand (every block
+    where it cannot be planned). Where neither is left (manual optimization, a model with training BatchNorm and no
+    blocks, a loss that couples the samples of a batch and no blocks, micro-batches of one sample) the run stops as
+    ``"stop"`` does, saying why. Every
     ``grow_every`` steps, fewer micro-batches are tried again where this run's readings say they fit what is free
     now. Each change is said in one line, logged (``memguard/micro_batches``, ``memguard/checkpointing``), kept in
     :attr:`adaptations` and in the checkpoint: a resumed run starts adapted. Under DDP, FSDP and
@@ -174,6 +183,7 @@ class MemGuard(Callback):
         offload: int | str = 0,
         adapt_batchnorm: bool = False,
         grow_every: int = 200,
+        adapt_loss: str | Callable[[Any], Any] = "auto",
         memory_report: bool = True,
         record_memory: bool = False,
     ) -> None:
@@ -204,6 +214,9 @@ class MemGuard(Callback):
         check_bool("adapt_batchnorm", adapt_batchnorm)
         self.adapt_batchnorm = adapt_batchnorm
         self.grow_every = check_int("grow_every", grow_every, 1)
+        if not callable(adapt_loss) and adapt_loss not in _ADAPT_LOSS:
+            raise ValueError(f"`adapt_loss` must be one of {_ADAPT_LOSS} or a function of a batch, got {adapt_loss!r}")
+        self.adapt_loss = adapt_loss
         check_bool("memory_report", memory_report)
         check_bool("record_memory", record_memory)
         self.memory_report = memory_report
@@ -443,7 +456,7 @@ class MemGuard(Callback):
     def _new_adapter(self) -> RunAdapter | None:
         if self.on_spill != "adapt":
             return None
-        return RunAdapter(self.adapt_batchnorm, self.grow_every, self.headroom)
+        return RunAdapter(self.adapt_batchnorm, self.grow_every, self.headroom, self.adapt_loss)
 
     def _new_detector(self, capacity: int) -> SpillDetector:
         return SpillDetector(

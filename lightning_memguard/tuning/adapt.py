@@ -1,16 +1,18 @@
 """Adapting a run in the middle of training: how many micro-batches each loaded batch is split into, when to try
 fewer again, and the record of every change. Pure numbers, no Lightning.
 
-A batch split into ``chunks`` micro-batches, each one's loss weighted by its share of the batch and its gradients
-accumulated before the one optimizer step, trains exactly as the whole batch does (for a loss that averages over
-its samples, as Lightning's own accumulation assumes): same samples per optimizer step, same data order, same
-optimizer and scheduler steps. Only the peak memory falls, with the saved activations of one micro-batch instead of
-the whole batch.
+A batch split into ``chunks`` micro-batches, each one's loss weighted by its share of what the loss averages over
+(its samples, its labelled tokens; 1 for a sum: :data:`WEIGHTINGS`) and its gradients accumulated before the one
+optimizer step, trains exactly as the whole batch does: same samples per optimizer step, same data order, same
+optimizer and scheduler steps, same gradients. Only the peak memory falls, with the saved activations of one
+micro-batch instead of the whole batch. A loss that couples the samples of a batch (an in-batch contrastive loss)
+has no such weighting (:func:`judge_weighting` finds none) and is never split.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ class Adaptation:
         accumulate: Lightning's own accumulation (``accumulate_grad_batches``): loaded batches per optimizer step.
         validation: the change is to the validation batches (no backward: their outputs and logged figures are the
             same, only the peak falls).
+        weighting: how each micro-batch's loss is weighted (a key of :data:`WEIGHTINGS`; "" before the first split).
 
     Example:
         >>> Adaptation(31, 256, 1, 2, False, "256 x 1 spilled (20.8 GB on a 16.0 GB card)").line()
@@ -37,6 +40,8 @@ class Adaptation:
         'step 40: validation spilled (16.9 GB on a 16.0 GB card); validation batches now run as 32 x 2'
         >>> Adaptation(80, 128, 2, 1, False, "memory freed", accumulate=2).line()
         'step 80: memory freed; now 128 x 1 (x 2 batches accumulated), the same 256 samples per optimizer step'
+        >>> Adaptation(12, 32, 1, 2, False, "out of memory", weighting="sum").line()
+        "step 12: out of memory; now 16 x 2, the same 32 samples per optimizer step; each micro-batch's loss added ..."
     """
 
     step: int
@@ -47,6 +52,7 @@ class Adaptation:
     why: str
     accumulate: int = 1
     validation: bool = False
+    weighting: str = ""
 
     def line(self) -> str:
         shape = f"{micro_batch(self.batch, self.after)} x {self.after}"
@@ -56,10 +62,65 @@ class Adaptation:
             shape += f" (x {self.accumulate} batches accumulated)"
         extra = ", activation checkpointing on" if self.checkpointing else ""
         samples = self.batch * self.accumulate
-        return f"step {self.step}: {self.why}; now {shape}{extra}, the same {samples} samples per optimizer step"
+        line = f"step {self.step}: {self.why}; now {shape}{extra}, the same {samples} samples per optimizer step"
+        if self.after > 1 and self.weighting:
+            line += f"; each micro-batch's loss {WEIGHTINGS[self.weighting]}"
+        return line
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# How a micro-batch's loss is weighted so that the micro-batches' gradients add up to the whole batch's: by what its
+# loss averages over, or (a sum) not at all. What the adaptation's line says of each.
+WEIGHTINGS = {
+    "samples": "weighted by its samples (a mean over samples)",
+    "tokens": "weighted by its labelled tokens (a token mean, labels of -100 ignored)",
+    "next_tokens": "weighted by its labelled tokens after each row's first (a causal LM's shifted token mean)",
+    "sum": "added as it is (a sum over samples)",
+    "declared": "weighted by the count declared (`adapt_loss`)",
+}
+
+
+def loss_coefficients(weighting: str, counts: Sequence[float]) -> list[float]:
+    """What each micro-batch's loss is multiplied by so that their sum is the whole batch's loss: its share of what
+    the loss averages over (``counts``: its samples, tokens, or a declared count), or 1 for a sum.
+
+    Example:
+        >>> loss_coefficients("samples", [16, 16]), loss_coefficients("tokens", [30, 10])
+        ([0.5, 0.5], [0.75, 0.25])
+        >>> loss_coefficients("sum", [2, 3])
+        [1.0, 1.0]
+    """
+    if weighting == "sum":
+        return [1.0] * len(counts)
+    total = float(sum(counts))
+    return [float(c) / total if total > 0 else 0.0 for c in counts]
+
+
+def judge_weighting(
+    whole: float, parts: Sequence[float], counts: Mapping[str, Sequence[float]], tolerance: float = 5e-3
+) -> str | None:
+    """Which weighting makes the losses of a sub-batch's parts (``parts``) add up to the loss of the sub-batch whole
+    (``whole``): of those in ``counts`` (a weighting and each part's count under it), the one that comes closest, if
+    it is within ``tolerance`` of the largest loss. None: none does, the loss couples the samples of a batch (an
+    in-batch contrastive loss, a loss normalised by the batch), so no split keeps its gradients.
+
+    Example:
+        >>> counts = {"samples": [1, 3], "sum": [1, 3]}
+        >>> judge_weighting(2.5, [1.0, 3.0], counts), judge_weighting(4.0, [1.0, 3.0], counts)
+        ('samples', 'sum')
+        >>> judge_weighting(0.9, [0.0, 1.1], counts) is None  # one sample alone has no negatives
+        True
+    """
+    scale = max(abs(whole), *(abs(p) for p in parts), 1e-12)
+    best, best_gap = None, math.inf
+    for weighting, each in counts.items():
+        joined = sum(c * p for c, p in zip(loss_coefficients(weighting, each), parts, strict=True))
+        gap = abs(joined - whole)
+        if gap < best_gap:
+            best, best_gap = weighting, gap
+    return best if best_gap <= tolerance * scale else None
 
 
 def micro_batch(batch: int, chunks: int) -> int:

@@ -1,10 +1,12 @@
 """MemGuard's ``on_spill="adapt"``: the run goes on in a configuration that fits instead of stopping.
 
 The lever that keeps training the same is splitting each loaded batch into micro-batches inside its training step:
-the batch is the one the loader delivered (the data order is unchanged), each micro-batch's loss is weighted by its
-share of the batch and by Lightning's accumulation, their gradients add up before the one optimizer step, and the
-optimizer, schedulers and counters step as they did. For a loss that averages over its samples (the one Lightning's
-own accumulation assumes) the gradient is the batch's. A model whose BatchNorm layers train would see statistics
+the batch is the one the loader delivered (the data order is unchanged; its per-sample tensors and lists are cut,
+:func:`take_samples`), each micro-batch's loss is weighted by its share of what the loss averages over (found before
+the first split, :meth:`MicroBatches.judge_loss`, or declared) and by Lightning's accumulation, their gradients add up
+before the one optimizer step (the batch's gradient), the optimizer, schedulers and counters step as they did, and
+the micro-batches' outputs are joined into the batch's for the hooks (:func:`join_outputs`). A loss that couples
+the samples of a batch is never split. A model whose BatchNorm layers train would see statistics
 per micro-batch instead: there the lever is activation checkpointing (BatchNorm-exact), unless the user allows the
 split.
 
@@ -15,8 +17,10 @@ nothing, the gradients having been zeroed before the step's first forward and fi
 
 from __future__ import annotations
 
+import copy
 import gc
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
@@ -28,12 +32,26 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_memguard.callbacks._batches import samples_in
-from lightning_memguard.callbacks._private import logged_as_batch, strategy_methods_replaced
+from lightning_memguard.callbacks._private import (
+    logged_as_batch,
+    rng_states,
+    set_rng_states,
+    strategy_methods_replaced,
+)
 from lightning_memguard.checkpointing import checkpoint_blocks, is_checkpointed
 from lightning_memguard.checkpointing.policy import inputs_from_batch
 from lightning_memguard.core.advice import FitAdvice
 from lightning_memguard.core.units import size_formatter
-from lightning_memguard.tuning.adapt import Adaptation, GrowBack, chunks_to_fit, chunks_to_grow, micro_batch
+from lightning_memguard.tuning.adapt import (
+    WEIGHTINGS,
+    Adaptation,
+    GrowBack,
+    chunks_to_fit,
+    chunks_to_grow,
+    judge_weighting,
+    loss_coefficients,
+    micro_batch,
+)
 
 # A callback with this method is told when a micro-batch's backward is done (the spill emulator: a micro-batch's
 # saved activations are freed there, as on a card)
@@ -41,24 +59,133 @@ MICRO_BATCH_END = "memguard_micro_batch_end"
 
 
 def split_batch(batch: Any, samples: int, chunks: int) -> list[tuple[Any, int]]:
-    """``batch`` cut into ``chunks`` near-equal micro-batches along the first dimension of every tensor that holds
-    ``samples`` rows (others, and non-tensors, go to every micro-batch as they are), each with its samples.
+    """``batch`` cut into ``chunks`` near-equal micro-batches, each with its samples: see :func:`take_samples` for
+    what is cut and what every micro-batch gets whole.
 
     Example:
         >>> x, y = torch.arange(10).reshape(5, 2), torch.arange(5)
         >>> [(tuple(part[0].shape), n) for part, n in split_batch((x, y), 5, 2)]
         [((2, 2), 2), ((3, 2), 3)]
+        >>> [part[2] for part, _ in split_batch((x, y, ["a", "b", "c", "d", "e"]), 5, 2)]
+        [['a', 'b'], ['c', 'd', 'e']]
     """
     chunks = min(chunks, samples)
     bounds = [round(i * samples / chunks) for i in range(chunks + 1)]
+    return [(take_samples(batch, samples, bounds[i], bounds[i + 1]), bounds[i + 1] - bounds[i]) for i in range(chunks)]
 
-    def part(i: int) -> Any:
-        def cut(t: torch.Tensor) -> torch.Tensor:
-            return t[bounds[i] : bounds[i + 1]] if t.dim() > 0 and t.shape[0] == samples else t
 
-        return apply_to_collection(batch, torch.Tensor, cut)
+def take_samples(batch: Any, samples: int, start: int, stop: int) -> Any:
+    """The samples ``start:stop`` of a batch of ``samples``: the rows of every tensor whose first dimension holds
+    ``samples``, and the items of every list or tuple of ``samples`` items that is not a record of batched fields
+    (a default collate's list of names, a tuple of per-image targets; a namedtuple is always a record); dicts,
+    namedtuples, dataclasses and other lists and tuples are taken field by field, as Lightning moves a batch to its
+    device. Everything else (a tensor or list of another length, a string, a number) is the same in every part.
 
-    return [(part(i), bounds[i + 1] - bounds[i]) for i in range(chunks)]
+    Example:
+        >>> batch = {"x": torch.zeros(4, 3), "names": ["a", "b", "c", "d"], "vocab": ["a", "b"], "split": "train"}
+        >>> part = take_samples(batch, 4, 1, 3)
+        >>> tuple(part["x"].shape), part["names"], part["vocab"], part["split"]
+        ((2, 3), ['b', 'c'], ['a', 'b'], 'train')
+    """
+
+    def cut(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            return item[start:stop] if item.dim() > 0 and item.shape[0] == samples else item
+        if per_sample_sequence(item, samples):
+            return item[start:stop]
+        taken = [take_samples(child, samples, start, stop) for child in item]
+        return type(item)(*taken) if _is_namedtuple(item) else type(item)(taken)
+
+    return apply_to_collection(batch, (torch.Tensor, list, tuple), cut)
+
+
+def per_sample_sequence(item: Any, samples: int) -> bool:
+    """Whether ``item`` is a list or tuple of one entry per sample: ``samples`` long, not a namedtuple, and holding
+    no tensor batched along its first dimension (``(inputs, targets)`` of a batch of two is a record, not samples)."""
+    return (
+        isinstance(item, list | tuple)
+        and not _is_namedtuple(item)
+        and len(item) == samples
+        and not any(t.dim() > 0 and t.shape[0] == samples for t in _tensors(item))
+    )
+
+
+def _is_namedtuple(item: Any) -> bool:
+    return isinstance(item, tuple) and hasattr(item, "_fields")
+
+
+class OutputsNotJoined(ValueError):
+    """The outputs of a batch's micro-batches cannot be joined into the whole batch's (the message says where)."""
+
+
+def join_outputs(outputs: list[Any], counts: list[int], where: str = "output") -> Any:
+    """The outputs a step returned for each micro-batch (``counts``: their samples) joined into what the whole batch
+    would have returned: tensors and lists of one entry per sample concatenated (tensors detached); a number (a
+    float, or a tensor of one floating value) the mean of the micro-batches' values weighted by their samples, as
+    Lightning's epoch averages weigh a logged value; dicts, lists and tuples joined entry by entry; anything else
+    (strings, flags) where every micro-batch returned the same.
+
+    Raises:
+        OutputsNotJoined: where a value differs between micro-batches and is none of these (a count, a tensor of
+            another length), naming where it sits in the output.
+
+    Example:
+        >>> joined = join_outputs([{"preds": torch.zeros(2), "acc": 1.0}, {"preds": torch.ones(2), "acc": 0.5}], [2, 2])
+        >>> joined["preds"].tolist(), joined["acc"]
+        ([0.0, 0.0, 1.0, 1.0], 0.75)
+    """
+    first = outputs[0]
+    if all(o is None for o in outputs):
+        return None
+    if isinstance(first, torch.Tensor) and all(isinstance(o, torch.Tensor) for o in outputs):
+        if first.dim() > 0 and all(o.dim() > 0 and o.shape[0] == n for o, n in zip(outputs, counts, strict=True)):
+            return torch.cat([o.detach() for o in outputs])
+        if first.dim() == 0 and first.is_floating_point():
+            shares = loss_coefficients("samples", counts)
+            return sum(
+                (o.detach() * c for o, c in zip(outputs[1:], shares[1:], strict=True)), first.detach() * shares[0]
+            )
+        if all(o.shape == first.shape and torch.equal(o, first) for o in outputs):
+            return first.detach()
+    elif isinstance(first, float) and all(isinstance(o, float) for o in outputs):
+        shares = loss_coefficients("samples", counts)
+        return sum(o * c for o, c in zip(outputs, shares, strict=True))
+    elif isinstance(first, Mapping) and all(isinstance(o, Mapping) and o.keys() == first.keys() for o in outputs):
+        joined = copy.copy(first)
+        for key in first:
+            joined[key] = join_outputs([o[key] for o in outputs], counts, f"{where}[{key!r}]")  # type: ignore[index]
+        return joined
+    elif isinstance(first, list | tuple) and all(type(o) is type(first) for o in outputs):
+        if all(per_sample_sequence(o, n) for o, n in zip(outputs, counts, strict=True)):
+            return type(first)(item for o in outputs for item in o)
+        if all(len(o) == len(first) for o in outputs):
+            rows = enumerate(zip(*outputs, strict=True))
+            items = [join_outputs(list(row), counts, f"{where}[{i}]") for i, row in rows]
+            return type(first)(*items) if _is_namedtuple(first) else type(first)(items)
+    elif all(type(o) is type(first) and o == first for o in outputs):  # a string, a flag, the same number
+        return first
+    raise OutputsNotJoined(
+        f"{where} differs between micro-batches ({type(first).__name__}) and is neither one entry per sample nor a"
+        " number to average"
+    )
+
+
+def unjoinable(output: Any, samples: int, where: str = "output") -> str | None:
+    """Where in a whole batch's step ``output`` (of ``samples``) is a value whose micro-batches' values could not be
+    joined back into it (see :func:`join_outputs`): a count (an integer), a tensor neither of one entry per sample
+    nor of one floating value. None: every value can be joined."""
+    if isinstance(output, torch.Tensor):
+        per_sample = output.dim() > 0 and output.shape[0] == samples
+        return None if per_sample or (output.dim() == 0 and output.is_floating_point()) else where
+    if isinstance(output, Mapping):
+        found = (unjoinable(value, samples, f"{where}[{key!r}]") for key, value in output.items())
+        return next((w for w in found if w is not None), None)
+    if isinstance(output, list | tuple):
+        if per_sample_sequence(output, samples):
+            return None
+        found = (unjoinable(value, samples, f"{where}[{i}]") for i, value in enumerate(output))
+        return next((w for w in found if w is not None), None)
+    return where if isinstance(output, int) and not isinstance(output, bool) else None
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
@@ -70,8 +197,48 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     return None
 
 
-def _with_loss(output: Any, loss: torch.Tensor) -> Any:
-    return loss if isinstance(output, torch.Tensor) else {**output, "loss": loss}
+def _extras(output: Any) -> Any:
+    """A training step's output but its loss, detached: what reaches ``on_train_batch_end`` beside the loss."""
+    if not isinstance(output, Mapping):
+        return None
+    return apply_to_collection({k: v for k, v in output.items() if k != "loss"}, torch.Tensor, torch.Tensor.detach)
+
+
+def _joined(outputs: list[Any], counts: list[int], step: str) -> Any:
+    try:
+        return join_outputs(outputs, counts)
+    except OutputsNotJoined as err:
+        raise RuntimeError(
+            f"MemGuard(on_spill='adapt') split this batch into {len(outputs)} micro-batches and cannot join what"
+            f" `{step}` returned for them into the whole batch's: {err}. Return per-sample tensors or lists, or"
+            " numbers that are means over samples, or use on_spill='stop'"
+        ) from None
+
+
+def _labels(batch: Any) -> torch.Tensor | None:
+    """A batch's labels, where a token mean would count them: a dict batch's ``"labels"`` (Hugging Face's), else
+    its last integer tensor (an ``(inputs, targets)`` batch's targets)."""
+    if isinstance(batch, Mapping):
+        labels = batch.get("labels")
+        return labels if isinstance(labels, torch.Tensor) and not labels.is_floating_point() else None
+    found = [t for t in _tensors(batch) if t.dim() > 0 and not t.is_floating_point() and t.dtype != torch.bool]
+    return found[-1] if found else None
+
+
+def token_count(batch: Any, shifted: bool) -> torch.Tensor | None:
+    """The labelled tokens of a batch, those a token mean with ``ignore_index=-100`` averages over: every label
+    but -100, or (``shifted``: a causal language model's loss, which predicts each token from those before it) every
+    label after each row's first. None: the batch has no labels."""
+    labels = _labels(batch)
+    if labels is None:
+        return None
+    if shifted:
+        labels = labels[..., 1:]
+    return (labels != -100).sum()
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 class MicroBatches:
@@ -98,8 +265,13 @@ class MicroBatches:
         self.chunks = 1
         self.why_not: str | None = None  # why the last out-of-memory error could not be adapted to (from on_oom)
         self.batch: Any = None  # the training step's batch, while it runs
-        self.validation_chunks = 1  # micro-batches per validation batch (no backward: outputs of the last kept)
+        self.validation_chunks = 1  # micro-batches per validation batch (no backward: their outputs joined)
         self.validation_samples = 0  # of the last validation batch
+        self.weighting = "samples"  # how each micro-batch's loss is weighted (a key of adapt.WEIGHTINGS)
+        self.count: Callable[[Any], Any] | None = None  # weighting "declared": what a part's loss averages over
+        self.unjoinable: str | None = None  # where the last whole step's output could not be joined if split
+        self.validation_unjoinable: str | None = None  # the same for the last whole validation step
+        self._training_step: Callable[..., Any] | None = None  # the strategy's own
         self._owned = False  # this step's zero_grad and backward were done here
         self._stack = ExitStack()
 
@@ -109,6 +281,7 @@ class MicroBatches:
         strategy = self.trainer.strategy
         step, backward = strategy.training_step, strategy.backward
         zero_grad = pl_module.optimizer_zero_grad
+        self._training_step = step
 
         def training_step(*args: Any, **kwargs: Any) -> Any:
             return self._step(step, backward, zero_grad, *args, **kwargs)
@@ -129,12 +302,15 @@ class MicroBatches:
             batch = args[0]
             samples = self.validation_samples = samples_in(batch) or 1
             if self.validation_chunks <= 1:
-                return validation_step(*args, **kwargs)
-            output = None
-            for part, _ in split_batch(batch, samples, self.validation_chunks):
-                with logged_as_batch(self.trainer, part):  # logged figures weighted by the micro-batch's samples
-                    output = validation_step(part, *args[1:], **kwargs)
-            return output
+                output = validation_step(*args, **kwargs)
+                self.validation_unjoinable = unjoinable(output, samples)
+                return output
+            outputs, counts = [], []
+            for part, n in split_batch(batch, samples, self.validation_chunks):
+                with logged_as_batch(self.trainer, part, n):  # logged figures weighted by the micro-batch's samples
+                    outputs.append(validation_step(part, *args[1:], **kwargs))
+                counts.append(n)
+            return _joined(outputs, counts, "validation_step")  # what the hooks get: the whole batch's outputs
 
         replaced = {
             "training_step": training_step,
@@ -215,10 +391,12 @@ class MicroBatches:
             whole_loss = _loss_of(whole)
             if whole_loss is not None:
                 backward(whole_loss / accumulate, optimizer)
+            self.unjoinable = unjoinable(_extras(whole), samples)
             return whole
         parts = split_batch(batch, samples, self.chunks)
+        coefficients = self.coefficients(parts)
         total: torch.Tensor | None = None
-        output: Any = None
+        outputs: list[Any] = []
         skipped = 0
         for i, (part, n) in enumerate(parts):
             last = i == len(parts) - 1
@@ -230,15 +408,19 @@ class MicroBatches:
                     if last or not isinstance(trainer.strategy, DDPStrategy)
                     else trainer.strategy.block_backward_sync()
                 ),
-                logged_as_batch(trainer, part),
+                logged_as_batch(trainer, part, n),
             ):
                 output = step(part, *args[1:], **kwargs)
                 loss = _loss_of(output)
+                outputs.append(_extras(output))  # detached: no micro-batch's graph outlives its backward
                 if loss is None:
                     skipped += 1
                     continue
-                weighted = loss * (n / samples) / accumulate
-                backward(weighted, optimizer)
+                if coefficients[i]:
+                    weighted = loss * coefficients[i] / accumulate
+                    backward(weighted, optimizer)
+                else:  # nothing its loss counts (its labels all ignored: the loss is 0 / 0): it adds nothing
+                    weighted = torch.zeros_like(loss)
             total = weighted.detach() if total is None else total + weighted.detach()
             if not last:
                 self._micro_batch_end()
@@ -251,8 +433,80 @@ class MicroBatches:
                 " would have skipped all or none, so the training would change. Decide the skip from something every"
                 " micro-batch shares, or use on_spill='stop'"
             )
-        # the value Lightning logs and divides by its accumulation: the batch's loss, as one step would give it
-        return _with_loss(output, total * accumulate)
+        # the value Lightning logs and divides by its accumulation: the batch's loss, as one step would give it; the
+        # other outputs joined into the whole batch's
+        loss = total * accumulate
+        if isinstance(output, torch.Tensor):
+            return loss
+        return {**_joined(outputs, [n for _, n in parts], "training_step"), "loss": loss}
+
+    def coefficients(self, parts: list[tuple[Any, int]]) -> list[float]:
+        """What each micro-batch's loss is multiplied by so that their gradients add up to the whole batch's, by
+        :attr:`weighting`."""
+        if self.weighting in ("tokens", "next_tokens"):
+            counted = [token_count(part, self.weighting == "next_tokens") for part, _ in parts]
+            found = [c for c in counted if c is not None]
+            counts = torch.stack(found).tolist() if len(found) == len(parts) else None  # one sync for all
+        elif self.weighting == "declared" and self.count is not None:
+            counts = [float(self.count(part)) for part, _ in parts]
+        else:
+            counts = [n for _, n in parts]
+        return loss_coefficients(self.weighting, counts if counts is not None else [n for _, n in parts])
+
+    def judge_loss(self, batch: Any) -> str | None:
+        """How the loss weighs a batch's parts, found on its first (up to) four samples before any split: their loss
+        whole, and the losses of their first sample and of the rest, each of the step run without gradients, with
+        the model in eval mode (no dropout, BatchNorm's running statistics), ``self.log`` off and the random number
+        generators put back. The weighting whose counts join the parts' losses into the whole's (see
+        :func:`~lightning_memguard.tuning.adapt.judge_weighting`); None where none does: the loss couples the
+        samples of a batch. Where it cannot be checked (one sample, an out-of-memory error, a step that returns no
+        loss or a loss that is not finite), the weighting the batch shows: its labelled tokens if it holds labels
+        that a sample mean would not weigh alike, else its samples."""
+        samples = samples_in(batch) or 1
+        size = min(samples, 4)
+        counts: dict[str, list[float]] = {"samples": [1, size - 1], "sum": [1, size - 1]}
+        sub = take_samples(batch, samples, 0, size)
+        halves = [take_samples(sub, size, 0, 1), take_samples(sub, size, 1, size)]
+        labels = _labels(sub)
+        fallback = "samples"
+        if labels is not None:
+            for weighting, shifted in (("tokens", False), ("next_tokens", True)):
+                if shifted and labels.dim() < 2:
+                    continue
+                each = [token_count(h, shifted) for h in halves]
+                counts[weighting] = [float(c) for c in each]  # type: ignore[arg-type]
+            if counts["tokens"] != counts["samples"]:
+                fallback = "tokens"
+        if size < 2 or self._training_step is None:
+            return fallback
+        try:
+            losses = self._losses([sub, *halves])
+        except (torch.OutOfMemoryError, RuntimeError) as err:
+            if not (isinstance(err, torch.OutOfMemoryError) or is_oom_error(err)):
+                raise
+            del err
+            free_memory()
+            return fallback
+        if losses is None or not all(math.isfinite(v) for v in losses):
+            return fallback
+        return judge_weighting(losses[0], losses[1:], counts)
+
+    def _losses(self, batches: list[Any]) -> list[float] | None:
+        """The training step's loss for each batch, without gradients, in eval mode, logging off, nothing kept."""
+        module = self.trainer.lightning_module
+        modes = [(m, m.training) for m in module.modules()]
+        states = rng_states()
+        step = self._training_step
+        assert step is not None
+        try:
+            module.eval()
+            with torch.no_grad(), _hook_replaced(module, "log", _nothing), _hook_replaced(module, "log_dict", _nothing):
+                losses = [_loss_of(step(b, 0)) for b in batches]
+            return None if any(v is None for v in losses) else [float(v) for v in losses]  # type: ignore[arg-type]
+        finally:
+            for m, training in modes:
+                m.training = training
+            set_rng_states(states)
 
     def _micro_batch_end(self) -> None:
         for callback in self.trainer.callbacks:  # type: ignore[attr-defined]
@@ -311,10 +565,17 @@ class RunAdapter:
         grow_every: optimizer steps between attempts to use fewer micro-batches again (doubling after one that
             spilled again).
         headroom: the fraction of capacity a configuration must leave free to be grown into.
+        loss: how the training loss weighs a batch's samples (``MemGuard(adapt_loss=...)``): ``"auto"`` (found out
+            before the first split, :meth:`MicroBatches.judge_loss`), ``"mean"``, ``"sum"``, ``"coupled"`` (never
+            split), or a function of a micro-batch giving the count its loss averages over.
     """
 
-    def __init__(self, allow_batchnorm: bool, grow_every: int, headroom: float) -> None:
+    def __init__(
+        self, allow_batchnorm: bool, grow_every: int, headroom: float, loss: str | Callable[[Any], Any] = "auto"
+    ) -> None:
         self.allow_batchnorm = allow_batchnorm
+        self.loss = loss
+        self.weighting: str | None = None  # how a micro-batch's loss is weighted, once known ("coupled": not split)
         self.headroom = headroom
         self.grow = GrowBack(grow_every)
         self.adaptations: list[Adaptation] = []
@@ -324,6 +585,7 @@ class RunAdapter:
         self._micro: MicroBatches | None = None
         self._trainer: Trainer | None = None
         self._grew_at: int | None = None  # the step of the last growth, while it may still be undone
+        self._validation_refused = False  # said once: validation's outputs could not be joined if split
 
     # ------------------------------------------------------------------ fit
 
@@ -338,6 +600,8 @@ class RunAdapter:
         self._micro = MicroBatches(trainer, self._after_oom, recover=trainer.world_size == 1)
         self._micro.chunks = self.chunks
         self._micro.validation_chunks = self.validation_chunks
+        self._micro.weighting = self.weighting if self.weighting not in (None, "coupled") else "samples"
+        self._micro.count = self.loss if callable(self.loss) else None
         self._micro.install(pl_module)
 
     def stop(self) -> None:
@@ -432,7 +696,16 @@ class RunAdapter:
         if cannot is None and wanted > self.chunks:
             self._set_chunks(wanted)
             self._said(
-                Adaptation(trainer.global_step, samples, before, wanted, False, why, trainer.accumulate_grad_batches)
+                Adaptation(
+                    trainer.global_step,
+                    samples,
+                    before,
+                    wanted,
+                    False,
+                    why,
+                    trainer.accumulate_grad_batches,
+                    weighting=self.weighting or "",
+                )  # fmt: skip
             )
             return None
         if not self.checkpointing:
@@ -466,20 +739,66 @@ class RunAdapter:
                 "the model's BatchNorm layers would take their statistics from each micro-batch, not the batch"
                 " (`MemGuard(adapt_batchnorm=True)` allows it)"
             )
-        return None
+        if self._micro.unjoinable is not None:
+            return (
+                f"`training_step` returns {self._micro.unjoinable}, a value that is neither one entry per sample nor"
+                " a number to average, so the outputs of micro-batches could not be joined into the batch's"
+            )
+        return self._loss_couples(batch)
+
+    def _loss_couples(self, batch: Any) -> str | None:
+        """Why the loss cannot be split (it couples the samples of a batch), or None, once the weighting is known:
+        declared, or found on the batch in hand (every rank the same: the one of a coupled loss, if any has it)."""
+        assert self._micro is not None
+        if self.weighting is None:
+            if callable(self.loss):
+                weighting: str | None = "declared"
+            elif self.loss == "auto":
+                weighting = self._micro.judge_loss(batch) if batch is not None else "samples"
+            else:
+                weighting = {"mean": "samples", "sum": "sum", "coupled": None}[self.loss]
+            order = [*WEIGHTINGS, "coupled"]
+            trainer = self._trainer
+            assert trainer is not None
+            self.weighting = order[_agreed_max(trainer, order.index(weighting or "coupled"))]
+            if self.weighting != "coupled":
+                self._micro.weighting = self.weighting
+        if self.weighting != "coupled":
+            return None
+        if self.loss == "coupled":
+            return "the loss couples the samples of a batch (`MemGuard(adapt_loss='coupled')`): it cannot be split"
+        return (
+            "the loss couples the samples of a batch: on its first samples, the loss of each part joined by samples,"
+            " by labelled tokens or as a sum is not the loss of them together (an in-batch contrastive loss has fewer"
+            " negatives in a micro-batch), so no split keeps its gradients (`MemGuard(adapt_loss=...)` declares"
+            " how the loss weighs its samples where this is wrong)"
+        )
 
     def after_validation_spill(self, trainer: Trainer, reading: Any, capacity: int) -> None:
         """Validation spilled (every rank agreed, at its end): its batches run in twice as many micro-batches from
         the next validation on. Validation trains nothing, so splitting it changes no weight: a model's logged
-        figures, averaged over samples, are the same."""
+        figures, averaged over samples, are the same, and what ``validation_step`` returns is joined into the whole
+        batch's for the hooks. Where it returns what could not be joined (a count), validation is not split, and
+        that is said once."""
         micro = self._micro
         if micro is None:
             return
         samples = max(micro.validation_samples, 1)
         before = micro.validation_chunks
-        micro.validation_chunks = _agreed_max(trainer, min(before * 2, samples))
         size = size_formatter(capacity, 2)
         why = f"validation spilled ({size(reading.used)} on a {size(capacity)} card)"
+        if _agreed_max(trainer, int(micro.validation_unjoinable is not None)):
+            if before == 1 and not self._validation_refused:
+                self._validation_refused = True
+                rank_zero_warn(
+                    f"MemGuard did not adapt: {why}, and `validation_step` returns"
+                    f" {micro.validation_unjoinable or 'on another rank a value'} that is neither one entry per sample"
+                    " nor a number to average: the outputs of micro-batches could not be joined into the batch's, so"
+                    " validation batches are not split",
+                    category=RuntimeWarning,
+                )
+            return
+        micro.validation_chunks = _agreed_max(trainer, min(before * 2, samples))
         self._said(
             Adaptation(trainer.global_step, samples, before, micro.validation_chunks, False, why, validation=True)
         )
@@ -513,7 +832,18 @@ class RunAdapter:
         self._set_chunks(agreed)
         self._grew_at = step
         freed = f"memory freed ({size(free)} free)"
-        self._said(Adaptation(step, samples, before, agreed, False, freed, trainer.accumulate_grad_batches))
+        self._said(
+            Adaptation(
+                step,
+                samples,
+                before,
+                agreed,
+                False,
+                freed,
+                trainer.accumulate_grad_batches,
+                weighting=self.weighting or "",
+            )  # fmt: skip
+        )
         return True
 
     # ------------------------------------------------------------------ record
@@ -546,6 +876,7 @@ class RunAdapter:
             "chunks": self.chunks,
             "validation_chunks": self._micro.validation_chunks if self._micro is not None else self.validation_chunks,
             "checkpointing": self.checkpointing,
+            "weighting": self.weighting,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -553,6 +884,10 @@ class RunAdapter:
         self._set_chunks(int(state.get("chunks", 1)))
         self.validation_chunks = int(state.get("validation_chunks", 1))
         self.checkpointing = bool(state.get("checkpointing", False))
+        # a checkpoint from before the weighting was kept, split already, weighted its micro-batches by samples
+        self.weighting = state.get("weighting", "samples" if self.chunks > 1 else None)
+        if self._micro is not None and self.weighting not in (None, "coupled"):
+            self._micro.weighting = self.weighting
 
 
 def _agreed_max(trainer: Trainer, value: int) -> int:
