@@ -28,7 +28,7 @@ from lightning_memguard.checkpointing.families._base import (
     original_class,
 )
 from lightning_memguard.checkpointing.families.huggingface import HuggingFace
-from lightning_memguard.checkpointing.families.structure import Units, check_units, select_blocks
+from lightning_memguard.checkpointing.families.structure import Units, check_units, names_only, select_blocks
 from lightning_memguard.checkpointing.families.timm_convnext import TimmConvNeXt
 from lightning_memguard.checkpointing.families.timm_declared import TimmDeclared
 from lightning_memguard.checkpointing.families.timm_efficientnet import TimmEfficientNet
@@ -56,6 +56,7 @@ __all__ = [
     "find_units",
     "following",
     "foreign_wrapper",
+    "names_only",
     "norm_activations",
     "original_class",
     "rebuild_description",
