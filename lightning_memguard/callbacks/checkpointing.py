@@ -104,9 +104,14 @@ class ActivationCheckpointing(Callback):
         rebuild_bn_relu: bool = False,
         rebuild_config: RebuildConfig | None = None,
     ):
-        self.settings = CheckpointingSettings(units, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config)
-        self.policy = CheckpointingPolicy(self.settings)
+        settings = CheckpointingSettings(units, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config)
+        self.policy = CheckpointingPolicy(settings)
         self._planned = False  # in this fit, by on_fit_start or by a tuner listed before it
+
+    @property
+    def settings(self) -> CheckpointingSettings:
+        """What to checkpoint and how: the policy's, one object."""
+        return self.policy.settings
 
     # the settings, read as the callback's own (the tuners' cache key reads them)
     units = property(lambda self: self.settings.units)
