@@ -48,7 +48,10 @@ def checkpoint_blocks(
     relu, maxpool). Blocks are found (``units="auto"``) by the model's family where :mod:`.families` knows it (timm,
     Hugging Face transformers, torchvision's ResNets), else by structure. A Hugging Face model is called with
     ``use_cache=False`` while it trains with blocks checkpointed, as its own switch does. Without a budget, every
-    link is checkpointed on its own.
+    link is checkpointed on its own. A checkpointed block that changes a tensor it is given in place (an in-place
+    ReLU first, ``x += offset``) would be recomputed from the changed tensor: its first forward with gradients raises
+    a ``RuntimeError`` naming the block and the fix, instead of autograd's bare error in backward (a budget leaves
+    such a block unchecked).
     With ``memory_budget`` (a fraction in (0, 1] of the un-checkpointed peak, or bytes such as ``"6GB"``), each
     link's saved activations and forward time are measured on ``example_input``; the links that free the most
     memory per millisecond of recomputation are chosen until the predicted peak fits, and chosen neighbours of one
@@ -136,7 +139,7 @@ def checkpoint_blocks(
     if compile is None:
         compile = _compiler.is_compiled(measured)
     layout = Layout(model)  # what the model's families say of it, asked once for the whole plan
-    links, joinable = model_chain(model, layout.blocks(units), layout, stems=not names_only(units))
+    links, joinable = model_chain(model, layout.blocks(units), layout, with_stems=not names_only(units))
     if rebuild_bn_relu and not any(can_rebuild(link, layout) for link in links):
         raise ValueError(
             f"`rebuild_bn_relu` needs {families.rebuild_description()} (with nn.BatchNorm2d)"
@@ -204,7 +207,7 @@ def apply_plan(
     check_bool("split_graphs", split_graphs)
     config = check_config(rebuild_config)
     layout = Layout(model)
-    links, joinable = model_chain(model, layout.blocks(units), layout, stems=not names_only(units))
+    links, joinable = model_chain(model, layout.blocks(units), layout, with_stems=not names_only(units))
     named = runs_named(links, joinable, runs, link_parts(links))
     rebuilt = links if rebuild_bn_relu else ()
     applied = surgery.apply(
