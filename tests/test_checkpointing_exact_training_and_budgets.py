@@ -188,13 +188,13 @@ def test_errors():
         checkpoint_resnet(torchvision.models.resnet18(), memory_budget=0.5)
     with pytest.raises(ValueError, match="`memory_budget` as a fraction must be in \\(0, 1\\], got 1.5"):
         checkpoint_resnet(torchvision.models.resnet18(), memory_budget=1.5, example_input=torch.randn(1, 3, 32, 32))
-    with pytest.raises(TypeError, match="`units` must be 'auto', module classes or a callable .*, got 42"):
+    with pytest.raises(TypeError, match="`units` must be 'auto', module classes or names, or a callable .*, got 42"):
         checkpoint_blocks(torchvision.models.resnet18(), units=42)
-    with pytest.raises(TypeError, match="`units` must be 'auto', module classes or a callable .*, got None"):
+    with pytest.raises(TypeError, match="`units` must be 'auto', module classes or names, or a callable .*, got None"):
         checkpoint_blocks(torchvision.models.resnet18(), units=None)
-    with pytest.raises(ValueError, match="`units` must name at least one module class, got set\\(\\)"):
+    with pytest.raises(ValueError, match="`units` must name at least one module class or module name, got set\\(\\)"):
         checkpoint_blocks(torchvision.models.resnet18(), units=set())
-    with pytest.raises(TypeError, match="`units` must hold nn.Module subclasses, got \\[3\\]"):
+    with pytest.raises(TypeError, match=r"`units` must hold nn.Module subclasses or module names .*, got \[3\]"):
         checkpoint_blocks(torchvision.models.resnet18(), units=[3])
     with pytest.raises(ValueError, match="`units` must be 'auto'.*'everything'"):
         checkpoint_blocks(torchvision.models.resnet18(), units="everything")

@@ -43,7 +43,7 @@ def test_single_device_strategy_checkpoints_and_trains_as_the_plain_model(tmp_pa
 
 
 def test_strategy_arguments_are_checked_at_construction():
-    with pytest.raises(TypeError, match="`units` must be 'auto', module classes or a callable .*, got 3"):
+    with pytest.raises(TypeError, match="`units` must be 'auto', module classes or names, or a callable .*, got 3"):
         CheckpointingDDPStrategy(activation_checkpointing_policy=3)
     with pytest.raises(ValueError, match="`memory_budget` as a fraction must be in \\(0, 1\\], got 1.5"):
         CheckpointingSingleDeviceStrategy("cpu", memory_budget=1.5)
@@ -127,3 +127,29 @@ model:
     assert isinstance(strategy, CheckpointingSingleDeviceStrategy) and strategy.checkpointing.settings.rebuild_bn_relu
     assert cli.trainer.global_step == 2
     assert any(type(m).__name__.startswith("Rebuilt") for m in cli.model.net.modules())
+
+
+def test_the_settings_old_attributes_still_work_and_warn_that_they_moved():
+    """``strategy.checkpointing.memory_budget`` moved to ``strategy.checkpointing.settings.memory_budget``: the old
+    path reads and sets the same settings for a release, with a DeprecationWarning at the user's line."""
+    from lightning_memguard import ActivationCheckpointing
+
+    strategy = CheckpointingDDPStrategy(activation_checkpointing_policy={BasicBlock}, memory_budget=0.6)
+    policy = strategy.checkpointing
+    moved = r"`checkpointing.memory_budget` moved to `checkpointing.settings.memory_budget`"
+    with pytest.warns(DeprecationWarning, match=moved) as caught:
+        assert policy.memory_budget == 0.6
+    assert caught[0].filename == __file__
+    for name in ("units", "bn_correct", "rebuild_bn_relu", "rebuild_config"):
+        with pytest.warns(DeprecationWarning, match=f"`checkpointing.{name}` moved"):
+            assert getattr(policy, name) == getattr(policy.settings, name)
+    with pytest.warns(DeprecationWarning, match=moved):
+        policy.memory_budget = "2GB"
+    assert policy.settings.memory_budget == "2GB"
+    too_large = r"`memory_budget` as a fraction must be in \(0, 1\], got 1.5"
+    with pytest.warns(DeprecationWarning, match=moved), pytest.raises(ValueError, match=too_large):
+        policy.memory_budget = 1.5  # checked as the constructor checks it
+    callback = ActivationCheckpointing()
+    with pytest.warns(DeprecationWarning, match=moved):
+        callback.policy.memory_budget = 0.5
+    assert callback.memory_budget == 0.5 and callback.settings is callback.policy.settings

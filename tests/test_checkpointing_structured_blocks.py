@@ -192,6 +192,73 @@ def test_a_block_changing_its_tensor_input_in_place_after_is_an_error_not_a_wron
         model(torch.randn(2, 8, requires_grad=True)).backward()
 
 
+class _ChangesItsInput(nn.Module):
+    """Changes the tensor it is given in place first: an in-place ReLU, or ``x += offset``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.act = nn.ReLU(inplace=True)
+        self.offset = nn.Parameter(torch.ones(8))
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "relu":
+            x = self.act(x)
+        elif self.how == "add":
+            x += self.offset
+        else:  # out of place: nothing changes what it was given
+            x = torch.relu(x) + self.offset
+        return self.lin(x)
+
+
+_CHANGES_ITS_INPUT = (
+    r"the checkpointed block '{}' \(_ChangesItsInput\) changes its input in place in its forward .*"
+    r"Fix: make the block's first operation on its input out of place \(nn\.ReLU\(\), `x = x \+ \.\.\.`\), or leave"
+    r" the block unchecked"
+)
+
+
+@pytest.mark.parametrize("how", ["relu", "add"])
+def test_a_block_changing_its_own_input_in_place_is_named_with_the_fix(how: str) -> None:
+    """``ReLU(inplace=True)`` first, or ``x += offset``: recomputed from its changed input, the block failed in
+    backward with autograd's bare "modified by an inplace operation"; the forward now says which block and what to
+    do, before any backward."""
+    model = nn.Sequential(nn.Linear(4, 8), _ChangesItsInput(how), _ChangesItsInput(how), nn.Linear(8, 2))
+    checkpoint_blocks(model, units={_ChangesItsInput})
+    with pytest.raises(RuntimeError, match=_CHANGES_ITS_INPUT.format("1")):
+        model(torch.randn(2, 4)).sum().backward()
+    with torch.no_grad():  # nothing recomputes without gradients: it runs as written
+        assert model(torch.randn(2, 4)).shape == (2, 2)
+
+
+def test_a_block_changing_its_input_in_place_is_named_as_the_lightning_module_names_it(tmp_path) -> None:
+    from conftest import TinyModel, trainer_kwargs
+    from lightning.pytorch import Trainer
+
+    from lightning_memguard import ActivationCheckpointing
+
+    module = TinyModel()
+    module.net = nn.Sequential(nn.Linear(16, 8), _ChangesItsInput("relu"), nn.Linear(8, 2))
+    trainer = Trainer(**trainer_kwargs(tmp_path, callbacks=[ActivationCheckpointing(units=["net.1"])], max_steps=1))
+    with pytest.raises(RuntimeError, match=_CHANGES_ITS_INPUT.format("net.1")):
+        trainer.fit(module)
+
+
+@pytest.mark.parametrize("budget", [0.9, 0.2])
+def test_a_budget_leaves_a_block_changing_its_input_in_place_unchecked_and_says_so(budget: float) -> None:
+    """A budget never checkpoints such a block, not even to measure a set (a tight budget applied every block and
+    failed); the plan's line names it."""
+    model = nn.Sequential(nn.Linear(4, 8), *(_ChangesItsInput(h) for h in ["relu", "plain", "add", "plain"]))
+    x = torch.randn(64, 4)
+    plan = checkpoint_blocks(model, units=["1", "2", "3", "4"], memory_budget=budget, example_input=x)
+    assert plan.blocks and set(plan.blocks) <= {"2", "4"}
+    assert (
+        "left unchecked: 1, 3 (a checkpoint may not recompute them: each changes its input in place" in plan.summary()
+    )
+    model(x).sum().backward()  # trains
+
+
 class _Position(NamedTuple):
     cos: torch.Tensor
     sin: torch.Tensor

@@ -67,6 +67,46 @@ def test_batch_size_tuner_steps_no_schedule_in_its_trials_and_sizes_it_for_the_r
     _at_end_of_its_cycle(trainer)  # before: a cycle of 16 steps (batch 8) cut at its quarter
 
 
+class ManualOneCycle(TinyModel):
+    """Manual optimization stepping its own schedule in ``training_step``, as Lightning's docs show it."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.schedulers_seen: list[object] = []
+
+    def training_step(self, batch, batch_idx):
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        self.schedulers_seen.append(scheduler)
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        scheduler.step()  # before: None in the trials ('NoneType' object has no attribute 'step')
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        total = self.trainer.estimated_stepping_batches
+        return [optimizer], [torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=total)]
+
+
+def test_manual_optimization_sees_its_schedulers_in_the_trials_and_gets_their_state_back(tmp_path):
+    """The trials hid the strategy's scheduler configs: ``self.lr_schedulers()`` was None in the user's
+    ``training_step`` and the fit crashed. Each trial now starts from the schedule as the run has it (a cycle of 16
+    steps is not stepped 3 x 6 times), and the run starts it afresh."""
+    clock, seen = BatchClock(), SeenBatches()
+    model = ManualOneCycle(batch_size=8, n=64)
+    tuner = BatchSizeTuner(init_size=8, max_size=32, probe=FakeProbe(), clock=clock, cache=False, mode="max_fit")
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, callbacks=[tuner, clock, seen]))
+    trainer.fit(model)
+    assert [r.size for r in tuner.results] == [8, 16, 32] and tuner.batch_size == 32
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert model.schedulers_seen and all(s is scheduler for s in model.schedulers_seen)  # trials and run alike
+    assert seen.scheduler_steps_at_first == 0 and seen.lr_at_first == pytest.approx(_fresh_one_cycle_lr())
+    assert trainer.global_step == 4 and scheduler.last_epoch == 4  # the run's own steps, none of the trials'
+
+
 def test_accumulation_tuner_resizes_a_schedule_by_steps_and_a_resumed_run_keeps_it(tmp_path):
     clock = BatchClock()
     model = OneCycle(batch_size=8, n=128)  # a OneCycle of 32 steps at batch 8 over two epochs

@@ -60,7 +60,10 @@ class ActivationCheckpointing(Callback):
     chosen is set for the fit (restored at its end) and kept in the callback's state with the runs.
 
     Args:
-        units: ``"auto"``, a set of module classes, or a predicate ``(name, module) -> bool``.
+        units: ``"auto"``, a set of module classes, a list of module names (``["net.layer1.0", "net.layer2.1"]``
+            as the LightningModule's ``named_modules()`` gives them, or relative to the model it holds:
+            ``["layer1.0", "layer2.1"]``; exactly those modules, as a memory report's fix names them), or a predicate
+            ``(name, module) -> bool``.
         memory_budget: a float in (0, 1] is a fraction of the un-checkpointed peak; an int or a string (``"6GB"``) is
             a size in bytes, at least 1 MB (so ``1`` is refused, not read as one byte); None: every block. Measured
             on ``example_input_array``, or without one on the first training batch (see above).
@@ -75,10 +78,11 @@ class ActivationCheckpointing(Callback):
 
     Raises:
         TypeError: ``memory_budget`` of another type, or flags that are not bools.
-        ValueError: bad ``memory_budget`` (a fraction outside (0, 1], a size below 1 MB); at fit start, no blocks
-            found, or a budget with neither ``example_input_array`` nor a first training batch whose model inputs can
-            be told (no train loader, an empty one, several, a batch of another kind, or one the model's forward
-            fails on); in ``setup``, beside ``FSDPStrategy``'s own
+        ValueError: bad ``memory_budget`` (a fraction outside (0, 1], a size below 1 MB); where the blocks are
+            chosen, none found or a name in ``units`` that names no module of the LightningModule (said with the
+            closest names); at fit start, a budget with neither ``example_input_array`` nor a first training batch
+            whose model inputs can be told (no train loader, an empty one, several, a batch of another kind, or one
+            the model's forward fails on); in ``setup``, beside ``FSDPStrategy``'s own
             ``activation_checkpointing_policy``, under ``DeepSpeedStrategy``, and a budget under ``FSDPStrategy``
             on several devices (:class:`~lightning.pytorch.strategies.ModelParallelStrategy` measures on every
             rank).
@@ -100,9 +104,14 @@ class ActivationCheckpointing(Callback):
         rebuild_bn_relu: bool = False,
         rebuild_config: RebuildConfig | None = None,
     ):
-        self.settings = CheckpointingSettings(units, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config)
-        self.policy = CheckpointingPolicy(self.settings)
+        settings = CheckpointingSettings(units, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config)
+        self.policy = CheckpointingPolicy(settings)
         self._planned = False  # in this fit, by on_fit_start or by a tuner listed before it
+
+    @property
+    def settings(self) -> CheckpointingSettings:
+        """What to checkpoint and how: the policy's, one object."""
+        return self.policy.settings
 
     # the settings, read as the callback's own (the tuners' cache key reads them)
     units = property(lambda self: self.settings.units)

@@ -271,9 +271,11 @@ class AccumulationTuner(_Tuner):
     any short epoch is, a longer one is taken to hold a step, unless an int ``limit_train_batches`` says otherwise.
     The search runs before ``Trainer(max_time=...)`` starts counting.
 
-    Neither tuner steps the user's learning-rate schedulers in its trials; where the choice changes the run's
-    optimizer steps (``trainer.estimated_stepping_batches``) and a scheduler steps every optimizer step,
-    ``configure_optimizers`` runs again after the choice, so a schedule sized by steps (``OneCycleLR``) spans the run.
+    Neither tuner steps the user's learning-rate schedulers in its trials (under manual optimization the user's
+    ``training_step`` sees them and may step them: each trial starts from their state, put back afterwards); where
+    the choice changes the run's optimizer steps (``trainer.estimated_stepping_batches``) and a scheduler steps every
+    optimizer step, ``configure_optimizers`` runs again after the choice, so a schedule sized by steps
+    (``OneCycleLR``) spans the run.
     Both run before Lightning's ``LearningRateFinder``, which then searches at the batch size chosen.
 
     Args:

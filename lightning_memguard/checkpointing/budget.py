@@ -45,6 +45,9 @@ class BlockProfile:
             stages, which pass lists, are checkpointed one by one).
         calls: how many times its forward ran in the step. A run's first link runs the others after it on every
             call, so one called again outside its ``nn.Sequential`` (a block used twice) begins no run.
+        recomputable: a checkpoint may recompute it. False where it changes its input in place in its forward (its
+            recomputation would start from the changed input) or its forward runs past the hooks (nothing is known
+            of it): it is never chosen.
     """
 
     name: str
@@ -55,6 +58,7 @@ class BlockProfile:
     recomputed_bytes: int | None = None
     one_tensor: bool = True
     calls: int = 1
+    recomputable: bool = True
 
     @property
     def recomputed(self) -> int:
@@ -216,7 +220,8 @@ def choose_blocks(
     link does not fit, parts inside the checkpointed links are added, most valuable first, each only where it lowers
     the predicted peak (nested, a part makes its link's recomputation hold less at once).
 
-    Returns the chosen indices, the links' runs and the predicted peak. If no set fits, every link is chosen.
+    Returns the chosen indices, the links' runs and the predicted peak. If no set fits, every link is chosen (every
+    link a checkpoint may recompute: one that is not, :attr:`BlockProfile.recomputable`, never is).
 
     Example:
         >>> cheap = BlockProfile("cheap", saved_bytes=400, input_bytes=100, output_bytes=0, forward_ms=1.0)
@@ -236,7 +241,10 @@ def choose_blocks(
     joins = list(joinable) if joinable is not None else [False] * max(len(profiles) - 1, 0)
     n = len(profiles)
     candidates = [*profiles, *(part.profile for part in parts)]
-    order = sorted(range(len(candidates)), key=lambda i: (-value(candidates[i]), -candidates[i].saving, i))
+    order = sorted(
+        (i for i, c in enumerate(candidates) if c.recomputable),
+        key=lambda i: (-value(candidates[i]), -candidates[i].saving, i),
+    )
 
     def planned(chosen: set[int]) -> tuple[list[list[int]], int]:
         finer = [parts[i - n] for i in sorted(chosen) if i >= n]

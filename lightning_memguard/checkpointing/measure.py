@@ -27,17 +27,17 @@ from lightning_memguard.checkpointing.wrap import Link, is_checkpointed, plain_s
 
 
 def model_chain(
-    model: nn.Module, found: list[tuple[str, nn.Module]], layout: Layout | None = None
+    model: nn.Module, found: list[tuple[str, nn.Module]], layout: Layout | None = None, with_stems: bool = True
 ) -> tuple[list[Link], list[bool]]:
     """The links to plan over and which neighbours may share a run.
 
     Blocks that are consecutive children of one ``nn.Sequential`` (with ``nn.Sequential``'s own forward) may share
     a run, so a stage's output (what feature extractors read) is always its own. In a model whose adapter names a
     stem (torchvision's and timm's ResNets with their own forward: conv1, bn1, relu / act1, maxpool) the stem is a
-    link too, on its own, before the block it runs before. A block sharded by FSDP2 (``fully_shard``) is a run of its
-    own.
+    link too, on its own, before the block it runs before (unless ``with_stems`` is False: blocks chosen by name). A
+    block sharded by FSDP2 (``fully_shard``) is a run of its own.
     """
-    names = {name for name, _ in found}
+    names = {name for name, _ in found} if with_stems else set()
     stems = {
         stem.before: Link(name, stem.modules, stem=True)
         for name, stem in (layout or Layout(model)).stems
@@ -386,7 +386,7 @@ class StepMeter:
                 # ``x.mul_(s)``), which a checkpoint's recomputation would see changed (an error alone, wrong
                 # gradients nested in its checkpointed block). Either way it frees nothing a budget could count on,
                 # and joins no run
-                profiles.append(BlockProfile(link.name, 0, 0, 0, forward_ms=0.0, one_tensor=False))
+                profiles.append(BlockProfile(link.name, 0, 0, 0, forward_ms=0.0, one_tensor=False, recomputable=False))
                 continue
             ms = sum(start.elapsed_time(end) if self.cuda else (end - start) * 1e3 for start, end in spans[link.name])
             own = saved[link.name]

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_memguard import _compiler
 from lightning_memguard.checkpointing import families, surgery
-from lightning_memguard.checkpointing.families import Layout, Units
+from lightning_memguard.checkpointing.families import Layout, Units, names_only
 from lightning_memguard.checkpointing.measure import can_rebuild, link_parts, model_chain, runs_named
 from lightning_memguard.checkpointing.plan_compiled import plan_compiled
 from lightning_memguard.checkpointing.plan_eager import plan_eager
@@ -48,7 +48,10 @@ def checkpoint_blocks(
     relu, maxpool). Blocks are found (``units="auto"``) by the model's family where :mod:`.families` knows it (timm,
     Hugging Face transformers, torchvision's ResNets), else by structure. A Hugging Face model is called with
     ``use_cache=False`` while it trains with blocks checkpointed, as its own switch does. Without a budget, every
-    link is checkpointed on its own.
+    link is checkpointed on its own. A checkpointed block that changes a tensor it is given in place (an in-place
+    ReLU first, ``x += offset``) would be recomputed from the changed tensor: its first forward with gradients raises
+    a ``RuntimeError`` naming the block and the fix, instead of autograd's bare error in backward (a budget leaves
+    such a block unchecked).
     With ``memory_budget`` (a fraction in (0, 1] of the un-checkpointed peak, or bytes such as ``"6GB"``), each
     link's saved activations and forward time are measured on ``example_input``; the links that free the most
     memory per millisecond of recomputation are chosen until the predicted peak fits, and chosen neighbours of one
@@ -89,8 +92,10 @@ def checkpoint_blocks(
 
     Args:
         model: the model, changed in place.
-        units: ``"auto"`` (found by structure, see :func:`~.families.find_units`), module classes, or a predicate
-            ``(name, module) -> bool``.
+        units: ``"auto"`` (found by structure, see :func:`~.families.find_units`), module classes, module names (a
+            list such as ``["layer1.0", "layer2.1"]``: exactly those modules, no stem beside them; each name as
+            ``model.named_modules()`` gives it, or relative to a module inside ``model``, so a LightningModule's
+            ``net.layer1.0`` is also ``"layer1.0"``), or a predicate ``(name, module) -> bool``.
         memory_budget: see above; needs ``example_input``.
         example_input: a real batch of model inputs, as Lightning's ``example_input_array``: a tensor
             (``model(x)``), a tuple or list of positional arguments (``model(*x)``) or a dict of keyword arguments
@@ -106,10 +111,12 @@ def checkpoint_blocks(
             sequence (or an array) of numbers in (0, 1].
 
     Raises:
-        ValueError: no blocks found, a budget without an example input, a budget out of range, ``compile_settings``
-            outside (0, 1], ``rebuild_bn_relu`` on a model with no BasicBlock, Bottleneck or ResNet stem (torchvision's
-            or timm's) or Conv2dNormActivation unit (with ``nn.BatchNorm2d``) among its blocks, or a Hugging Face
-            model that declares ``supports_gradient_checkpointing = False`` with ``units="auto"``.
+        ValueError: no blocks found, a module name in ``units`` that names no module (the closest names said),
+            several, or one inside another block named, a budget without an example input, a budget out of range,
+            ``compile_settings`` outside (0, 1], ``rebuild_bn_relu`` on a model with no BasicBlock, Bottleneck or
+            ResNet stem (torchvision's or timm's) or Conv2dNormActivation unit (with ``nn.BatchNorm2d``) among its
+            blocks, or a Hugging Face model that declares ``supports_gradient_checkpointing = False`` with
+            ``units="auto"``.
         TypeError: ``model`` not an ``nn.Module``, ``units`` of the wrong kind, ``loss_fn`` not callable,
             ``bn_correct`` or ``rebuild_bn_relu`` not a bool, ``rebuild_config`` not a ``RebuildConfig``.
 
@@ -132,7 +139,7 @@ def checkpoint_blocks(
     if compile is None:
         compile = _compiler.is_compiled(measured)
     layout = Layout(model)  # what the model's families say of it, asked once for the whole plan
-    links, joinable = model_chain(model, layout.blocks(units), layout)
+    links, joinable = model_chain(model, layout.blocks(units), layout, with_stems=not names_only(units))
     if rebuild_bn_relu and not any(can_rebuild(link, layout) for link in links):
         raise ValueError(
             f"`rebuild_bn_relu` needs {families.rebuild_description()} (with nn.BatchNorm2d)"
@@ -200,7 +207,7 @@ def apply_plan(
     check_bool("split_graphs", split_graphs)
     config = check_config(rebuild_config)
     layout = Layout(model)
-    links, joinable = model_chain(model, layout.blocks(units), layout)
+    links, joinable = model_chain(model, layout.blocks(units), layout, with_stems=not names_only(units))
     named = runs_named(links, joinable, runs, link_parts(links))
     rebuilt = links if rebuild_bn_relu else ()
     applied = surgery.apply(

@@ -116,7 +116,10 @@ class _Planning:
         indices and their measured peak, the model left as they say."""
         n, budget = len(self.links), self.budget
         predicted, _, _ = choose_blocks(self.profiles, self.start, budget, self.joinable, self.meter.cuda, self.parts)
-        chosen, peak = self._search(self._alone(predicted), set(range(n + len(self.parts))), nested=False)
+        # a link a checkpoint may not recompute (it changes its input in place) is never applied, not even to measure
+        every = [*self.profiles, *(part.profile for part in self.parts)]
+        among = {i for i, p in enumerate(every) if p.recomputable}
+        chosen, peak = self._search(self._alone(predicted), among, nested=False)
         chosen = self._alone(chosen)
         inside = {n + k for k, part in enumerate(self.parts) if part.link in chosen}
         if peak <= budget or not inside:

@@ -4,7 +4,9 @@ share."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from typing import Any
@@ -27,6 +29,11 @@ class CheckpointingPolicy:
     (``broadcast``), so all ranks train the same model. :attr:`runs` is what was chosen: a resumed run hands it back
     and nothing is measured again.
 
+    The settings are read as ``policy.settings.memory_budget`` (``strategy.checkpointing.settings.memory_budget``);
+    the old attributes ``policy.units``, ``memory_budget``, ``bn_correct``, ``rebuild_bn_relu`` and
+    ``rebuild_config`` still read them, and setting one replaces the settings (checked again), each with a
+    ``DeprecationWarning``: they go in the next release.
+
     Args:
         settings: what to checkpoint and how (checked where they are made); None: the defaults.
 
@@ -38,6 +45,17 @@ class CheckpointingPolicy:
         [['stem'], ['layer1.0']]
     """
 
+    # the settings where they were before CheckpointingSettings held them: read and set through it, with a warning
+    units = property(lambda self: self._moved("units"), lambda self, v: self._moved("units", v))
+    memory_budget = property(lambda self: self._moved("memory_budget"), lambda self, v: self._moved("memory_budget", v))
+    bn_correct = property(lambda self: self._moved("bn_correct"), lambda self, v: self._moved("bn_correct", v))
+    rebuild_bn_relu = property(
+        lambda self: self._moved("rebuild_bn_relu"), lambda self, v: self._moved("rebuild_bn_relu", v)
+    )
+    rebuild_config = property(
+        lambda self: self._moved("rebuild_config"), lambda self, v: self._moved("rebuild_config", v)
+    )
+
     def __init__(self, settings: CheckpointingSettings | None = None) -> None:
         self.settings = settings if settings is not None else CheckpointingSettings()
         self.plan: CheckpointPlan | None = None  # this process's plan, where it made one
@@ -47,6 +65,19 @@ class CheckpointingPolicy:
         # whether the runs' containers each begin a compiled graph of their own (CheckpointPlan.graph_splits)
         self.split_graphs = False
         self._compiling = ExitStack()  # the setting, held for a fit (hold_compile_setting)
+
+    def _moved(self, name: str, *value: Any) -> Any:
+        """The setting ``name`` read (or, given a value, set) at its old place, with a ``DeprecationWarning``."""
+        warnings.warn(
+            f"`checkpointing.{name}` moved to `checkpointing.settings.{name}` (a CheckpointingSettings); the old"
+            " attribute goes in the next release",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if value:
+            self.settings = dataclasses.replace(self.settings, **{name: value[0]})  # checked again
+            return None
+        return getattr(self.settings, name)
 
     def apply(
         self,

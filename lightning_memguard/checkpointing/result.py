@@ -102,6 +102,11 @@ class CheckpointPlan:
                 )
                 if self.lower:
                     text += f"; lower would take {' or '.join(self.lower)}"
+        if unchecked := [p.name for p in self.profiles if not p.recomputable]:
+            text += (
+                f"; left unchecked: {', '.join(unchecked)} (a checkpoint may not recompute them: each changes its"
+                " input in place in its forward, or runs past the module hooks)"
+            )
         return text
 
 

@@ -16,7 +16,8 @@ class CheckpointingSettings:
     and ``CheckpointingSingleDeviceStrategy`` take these as their arguments and hand them over as they are).
 
     Args:
-        units: ``"auto"``, module classes (kept as a tuple), or a predicate ``(name, module) -> bool``.
+        units: ``"auto"``, module classes or module names (``["layer1.0"]``, as ``named_modules()`` gives them; kept
+            as a tuple), or a predicate ``(name, module) -> bool``.
         memory_budget: a float in (0, 1] (a fraction of the un-checkpointed peak), a size of at least 1 MB (an int
             or a string such as ``"6GB"``, kept as given), or None (every block).
         bn_correct: recomputation leaves BatchNorm running statistics alone.
@@ -34,7 +35,7 @@ class CheckpointingSettings:
         >>> CheckpointingSettings(units=None)
         Traceback (most recent call last):
         ...
-        TypeError: `units` must be 'auto', module classes or a callable (name, module) -> bool, got None
+        TypeError: `units` must be 'auto', module classes or names, or a callable (name, module) -> bool, got None
     """
 
     units: Units = "auto"

@@ -51,6 +51,8 @@ from lightning_memguard.checkpointing.wrap import (
 ATTRIBUTES: dict[str, tuple[type[SwappedModule], ...]] = {
     # on a checkpointed run's head: whether recomputation leaves BatchNorm running statistics alone (a bool)
     "memguard_bn_correct": (CheckpointedUnit,),
+    # on a checkpointed run's head: the run's first link's name (a str), for its errors
+    "memguard_name": (CheckpointedUnit,),
     # on the head of a run of more than one module: the run's other modules, in order (plain references)
     "memguard_run": (CheckpointedUnit,),
     # on the head and members of such a run: the RunOutput they share (the head's last output, weakly held)
@@ -178,7 +180,7 @@ def _checkpoint(
             theirs.append(run[0].name)
             continue
         head, members = modules[0], modules[1:]
-        attributes: dict[str, Any] = {"memguard_bn_correct": bn_correct}
+        attributes: dict[str, Any] = {"memguard_bn_correct": bn_correct, "memguard_name": run[0].name}
         if members:
             output = RunOutput()
             attributes.update(memguard_run=tuple(members), memguard_output=output)

@@ -197,12 +197,29 @@ class CheckpointedUnit(SwappedModule):
                 args = (_compiler.gradient_realized(args[0]), *args[1:])
             return self._finish(checkpoint(self._memguard_forward, *args, use_reentrant=False, **kwargs), run)
         function, leaves = _recomputable(self._memguard_forward, args, kwargs)
+        given = [(t, _autograd.version(t)) for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
         # only where a BatchNorm keeps running statistics: a model without one (ConvNeXt, a transformer) is
         # checkpointed exactly as its family's own switch does it, and pays nothing for BatchNorm-correctness
         if bns := tracked_batchnorms([self, *run]) if self.memguard_bn_correct else []:
             frozen = lambda: (contextlib.nullcontext(), _FrozenBatchNormStats(bns))  # noqa: E731
-            return self._finish(checkpoint(function, *leaves, use_reentrant=False, context_fn=frozen), run)
-        return self._finish(checkpoint(function, *leaves, use_reentrant=False), run)
+            out = checkpoint(function, *leaves, use_reentrant=False, context_fn=frozen)
+        else:
+            out = checkpoint(function, *leaves, use_reentrant=False)
+        if any(_autograd.version(t) != v for t, v in given):
+            raise RuntimeError(self._changes_its_input())
+        return self._finish(out, run)
+
+    def _changes_its_input(self) -> str:
+        """Why a block that changed a tensor it was given, in place, cannot be checkpointed, and what to do."""
+        name = self.__dict__.get("memguard_name", "")
+        block = f"{name!r} ({swap_chain(type(self))[1].__name__})" if name else swap_chain(type(self))[1].__name__
+        return (
+            f"the checkpointed block {block} changes its input in place in its forward (an in-place operation on a"
+            " tensor it is given: nn.ReLU(inplace=True) first, `x += ...`, `x.mul_(...)`). Its checkpoint recomputes"
+            " the block in backward from that input, which it would find changed (autograd's 'modified by an"
+            " inplace operation', or wrong gradients). Fix: make the block's first operation on its input out of"
+            " place (nn.ReLU(), `x = x + ...`), or leave the block unchecked (`units` naming the other blocks)"
+        )
 
     def _finish(self, out: Any, run: Sequence[nn.Module]) -> Any:
         if run:

@@ -55,8 +55,9 @@ class CheckpointingDDPStrategy(_ChecksBeforeWrapping, DDPStrategy):
 
     Args:
         activation_checkpointing_policy: the blocks (``CheckpointingSettings.units``): ``"auto"`` (found by
-            structure), module classes (a set), or a predicate ``(name, module) -> bool``; the name ``FSDPStrategy``
-            gives the same argument.
+            structure), module classes (a set), module names (a list, as the LightningModule's ``named_modules()``
+            gives them or relative to the model it holds), or a predicate ``(name, module) -> bool``; the name
+            ``FSDPStrategy`` gives the same argument.
         memory_budget: a float in (0, 1] of the un-checkpointed peak, a size of at least 1 MB, or None (every block).
             With a budget, rank zero measures on the module's ``example_input_array`` (a tensor, a tuple of
             positional or a dict of keyword arguments of ``forward``), or without one on the first training batch's

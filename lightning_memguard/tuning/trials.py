@@ -271,8 +271,11 @@ class TrialSession:
     with ``memguard_keep_in_trials = True`` (the spill emulator) stay active during trials and get their own state
     back afterwards; the others are switched off.
 
-    The trials step none of the user's learning-rate schedulers (a schedule sized by the run's optimizer steps,
-    such as ``OneCycleLR``, would run past its end); the optimizers train at the learning rate they start with.
+    Lightning steps none of the user's learning-rate schedulers in the trials (a schedule sized by the run's optimizer
+    steps, such as ``OneCycleLR``, would run past its end); the optimizers train at the learning rate they start
+    with. Under manual optimization the user's ``training_step`` steps them itself: it sees them
+    (``self.lr_schedulers()``) in the trials as in the run, each trial starts from their state and the optimizers'
+    learning rates as the run has them, and both are put back afterwards.
 
     Under DDP every rank learns of an out-of-memory error on any rank at the end of the same training step,
     backward or optimizer step, and every rank then counts the trial as out of memory.
@@ -326,13 +329,18 @@ class TrialSession:
             "progress_bar": t.progress_bar_callback,
             "should_stop": t.should_stop,
             "lr_scheduler_configs": t.strategy.lr_scheduler_configs,
+            "manual": not t.lightning_module.automatic_optimization,
+            "learning_rates": [deepcopy([g["lr"] for g in o.param_groups]) for o in t.optimizers],
         }
         # a compiled model gets one static graph per size tried, as training at that size alone would; training
         # after the trials runs the chosen size's graph from Dynamo's cache
         self._dynamo.enter_context(_compiler.static_graph_per_size())
         t.logger = DummyLogger() if t.logger is not None else None
-        # no trial steps the user's schedulers: a schedule sized by steps (OneCycleLR) would run past its end
-        t.strategy.lr_scheduler_configs = []
+        # Lightning steps none of the user's schedulers in a trial: a schedule sized by steps (OneCycleLR) would run
+        # past its end. Under manual optimization Lightning steps none anyway, and the user's training_step reads
+        # them (self.lr_schedulers()): they stay, rewound for each trial (_rewind_schedules)
+        if not self._saved["manual"]:
+            t.strategy.lr_scheduler_configs = []
         t.limit_train_batches = 1.0
         t.limit_val_batches = 0
         # a trial on a small dataset goes on into the next epoch, and nothing keeps a trial cut short from stopping
@@ -372,6 +380,18 @@ class TrialSession:
         garbage_collection_cuda()
         set_rng_states(saved["rng"])
 
+    def _rewind_schedules(self) -> None:
+        """The schedulers a trial can reach (manual optimization's), and the optimizers' learning rates, as the run
+        has them: a trial steps a schedule at most its own steps, not the sum of every trial's."""
+        t, saved = self.trainer, self._saved
+        if not saved["manual"]:  # Lightning's loop steps them, and sees none in a trial
+            return
+        for config, state in zip(saved["lr_scheduler_configs"], saved["state"]["lr_schedulers"], strict=True):
+            config.scheduler.load_state_dict(deepcopy(state))
+        for optimizer, rates in zip(t.optimizers, saved["learning_rates"], strict=True):
+            for group, rate in zip(optimizer.param_groups, rates, strict=False):  # a group added since keeps its own
+                group["lr"] = deepcopy(rate)
+
     def run(self, size: int, accumulate: int = 1, steps: int | None = None) -> TrialResult:
         """Train ``warmup_steps + timed_steps`` optimizer steps (or ``steps``) at ``size`` x ``accumulate``.
 
@@ -393,6 +413,7 @@ class TrialSession:
         load_loop_state(t, deepcopy(self._saved["loop_state"]))
         set_loop_limits(t, {"max_steps": steps})
         reset_progress(t)
+        self._rewind_schedules()
         reload_train_dataloader(t)
         if cuda:  # the last trial's cached blocks would count as this one's reserved peak
             torch.cuda.empty_cache()  # (a full garbage collection runs only after a failed trial and at the end)

@@ -28,7 +28,7 @@ from lightning_memguard.checkpointing.families._base import (
     original_class,
 )
 from lightning_memguard.checkpointing.families.huggingface import HuggingFace
-from lightning_memguard.checkpointing.families.structure import Units, check_units, select_blocks
+from lightning_memguard.checkpointing.families.structure import Units, check_units, names_only, select_blocks
 from lightning_memguard.checkpointing.families.timm_convnext import TimmConvNeXt
 from lightning_memguard.checkpointing.families.timm_declared import TimmDeclared
 from lightning_memguard.checkpointing.families.timm_efficientnet import TimmEfficientNet
@@ -56,6 +56,7 @@ __all__ = [
     "find_units",
     "following",
     "foreign_wrapper",
+    "names_only",
     "norm_activations",
     "original_class",
     "rebuild_description",
@@ -272,11 +273,15 @@ def find_units(model: nn.Module, units: Any = "auto") -> list[Named]:
     more, with submodules of their own) as elements of an ``nn.Sequential`` or ``nn.ModuleList`` chain, nested
     chains flattened, of the classes that carry most of the model's parameters (largest first until more than half,
     and any with at least a tenth of the largest's): a ResNet's Bottlenecks, MobileNet's InvertedResiduals,
-    EfficientNet's MBConvs, a transformer's layers, but not a few small heads repeated beside them.
+    EfficientNet's MBConvs, a transformer's layers, but not a few small heads repeated beside them. Module classes
+    or a predicate select the outermost modules they match; module names (``["layer1.0"]``, each as
+    ``named_modules()`` gives it, or relative to a module inside ``model`` where that names one module) the modules
+    they name.
 
     Raises:
         TypeError: if ``units`` is of the wrong kind.
-        ValueError: if nothing in the model matches, or a model of a known family refuses checkpointing (a Hugging
-            Face model declaring ``supports_gradient_checkpointing = False``) and ``units`` is ``"auto"``.
+        ValueError: if a name in ``units`` names no module (the closest names said), several, or one inside another
+            block selected; if nothing in the model matches, or a model of a known family refuses checkpointing (a
+            Hugging Face model declaring ``supports_gradient_checkpointing = False``) and ``units`` is ``"auto"``.
     """
     return Layout(model).blocks(units)
