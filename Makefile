@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-floor lint clean
 
 $(STAMP): pyproject.toml tools/pip_indexes.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,7 +30,21 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal --durations=15
 
+# the oldest releases supported (tools/floor.txt: torch, torchvision, lightning, timm, transformers), in a venv of
+# their own, the rest resolved as `make test` resolves it; CI runs it after `make test` (.ci/run)
+FLOOR := .venv-floor
+$(FLOOR)/.installed: pyproject.toml tools/floor.txt tools/pip_indexes.py
+	test -x $(FLOOR)/bin/python || $(PYTHON) -m venv $(FLOOR)
+	$(FLOOR)/bin/python -m pip install -q uv && $(FLOOR)/bin/uv pip install -q --python $(FLOOR)/bin/python \
+	    --index-strategy unsafe-best-match $$($(FLOOR)/bin/python tools/pip_indexes.py) --constraint tools/floor.txt \
+	    -e '.[dev]' || $(FLOOR)/bin/python -m pip install -q --no-compile --constraint tools/floor.txt -e '.[dev]'
+	touch $@
+
+test-floor: $(FLOOR)/.installed
+	$(FLOOR)/bin/python -c "import torch, lightning; print('floor: torch', torch.__version__, 'lightning', lightning.__version__)"
+	$(FLOOR)/bin/python -m pytest -m "not cuda" -n auto --dist worksteal -q
+
 # what make demo and the examples leave here: demo_logs, lightning_logs, the spill checkpoint of an older spill example
 clean:
-	rm -rf $(VENV) demo_logs lightning_logs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(FLOOR) demo_logs lightning_logs .pytest_cache .mypy_cache .ruff_cache
 	rm -f checkpoints/memguard-spill-*.ckpt && { rmdir checkpoints 2>/dev/null || true; }

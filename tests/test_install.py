@@ -8,6 +8,9 @@ import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "pip_indexes.py")
 
@@ -91,3 +94,21 @@ def test_the_documented_install_into_an_existing_environment_installs_the_clone(
     where = subprocess.run([sys.executable, "-S", "-c", f"import site; site.addsitedir({str(dist.parent)!r}); {find}"],
                            cwd=tmp_path, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert where.stdout.strip() == str(clone / "lightning_memguard" / "__init__.py"), where.stderr
+
+
+def test_the_floor_that_make_test_floor_installs_is_the_lower_bound_pyproject_declares():
+    """``make test-floor`` (run by CI after ``make test``) pins tools/floor.txt; each pin is the lower bound that
+    pyproject.toml declares for it, so the range users are promised is the range tested, and the README says it."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    root = Path(__file__).parent.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    declared = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]]
+    lower = {r.name: s.version for r in declared for s in r.specifier if s.operator == ">="}
+    lines = (root / "tools" / "floor.txt").read_text(encoding="utf-8").splitlines()
+    pins = dict(line.split("==") for line in lines if line and not line.startswith("#"))
+    assert pins.keys() == {"torch", "torchvision", "lightning", "timm", "transformers"}
+    assert {name: lower[name] for name in pins} == pins
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    assert f"torch {pins['torch']}" in readme and f"Lightning {pins['lightning']}" in readme
