@@ -17,7 +17,7 @@ from lightning_memguard.forensics.attribution import step_undone
 
 JSON_KEYS = {
     "version", "why", "step", "device", "samples", "scale", "note", "peak", "peak_measured", "split", "top", "fixes",
-    "timeline", "snapshot",
+    "timeline", "snapshot", "capacity", "other_processes", "judged_peak", "batch",
 }  # fmt: skip
 
 
@@ -235,7 +235,7 @@ def test_the_json_has_the_documented_keys(tmp_path):
     ]
     data = json.loads(pathlib.Path(paths[0]).read_text(encoding="utf-8"))
     assert set(data) == JSON_KEYS and data["version"] == 1 and data["why"] == "spill" and data["step"] == 5
-    assert set(data["split"]) == {"weights", "gradients", "optimizer", "activations", "rest"}
+    assert set(data["split"]) == {"weights", "gradients", "optimizer", "activations", "rest", "others"}
     assert set(data["top"][0]) == {"name", "class", "bytes", "share"}
     assert set(data["timeline"][0]) == {"module", "saved", "allocated", "by_module"}
     assert data["timeline"][-1]["saved"] == data["split"]["activations"]

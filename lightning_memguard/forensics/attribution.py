@@ -2,8 +2,10 @@
 
 Every tensor autograd saves for the backward pass is counted once (by its storage and device) and charged to the
 innermost module whose forward is running when it is saved: the modules' stack is kept by forward pre-hooks and
-forward hooks registered on every submodule for the measured step only, and removed in ``finally``. Parameters saved
-for the backward are weights, not activations, and are left out. At each module's forward end the running total is
+forward hooks registered on every submodule for the measured step only, and removed in ``finally``. A view is charged
+for the bytes it spans, once (a micro-batch cut from the batch is charged for its own samples, not the whole batch's
+storage). Parameters saved for the backward, and autocast's low-precision copies of them, are weights, not
+activations, and are left out. At each module's forward end the running total is
 noted (on CUDA with ``torch.cuda.memory_allocated()``, a host counter that does not synchronise): the timeline of the
 step that the report draws.
 
@@ -35,6 +37,42 @@ def storage_key(tensor: torch.Tensor) -> tuple[int, str]:
     """A tensor's storage, as the allocator holds it: its address and device (views of one tensor share it)."""
     local = held(tensor)
     return local.untyped_storage().data_ptr(), str(local.device)
+
+
+def byte_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that ``tensor`` spans, as ``(start, end)``: a view's own, not its base's.
+
+    Example:
+        >>> batch = torch.zeros(16, 8)
+        >>> byte_range(batch[4:8]), byte_range(batch[:, :2])
+        ((128, 256), (0, 488))
+    """
+    size = tensor.element_size()
+    start = tensor.storage_offset() * size
+    if tensor.numel() == 0:
+        return start, start
+    last = sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return start, start + (last + 1) * size
+
+
+def charge(charged: list[tuple[int, int]], start: int, end: int) -> int:
+    """The bytes of ``[start, end)`` not yet in ``charged`` (a storage's ranges charged so far, kept merged and
+    sorted), which are added to it.
+
+    Example:
+        >>> ranges = []
+        >>> charge(ranges, 0, 100), charge(ranges, 50, 150), charge(ranges, 0, 150), ranges
+        (100, 50, 0, [(0, 150)])
+    """
+    new = end - start - sum(max(0, min(hi, end) - max(lo, start)) for lo, hi in charged)
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted([*charged, (start, end)]):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    charged[:] = merged
+    return max(0, new)
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -85,7 +123,7 @@ class SavedTensorRecorder:
         self.names = names if names is not None else {m: n for n, m in model.named_modules()}
         self.forwards: list[Forward] = []
         self._stack: list[str] = []
-        self._seen: set[tuple[int, str]] = set()
+        self._charged: dict[tuple[int, str], list[tuple[int, int]]] = {}  # each storage's byte ranges charged
         self._parameters: set[tuple[int, str]] = set()
         self._handles: list[Any] = []
         self._saved_hooks: Any = None
@@ -93,7 +131,7 @@ class SavedTensorRecorder:
 
     def __enter__(self) -> SavedTensorRecorder:
         self._parameters = {storage_key(p) for p in self.model.parameters()}
-        self._seen = set()
+        self._charged = {}
         self._stack = []
         self._cuda = any(p.device.type == "cuda" for p in self.model.parameters()) and torch.cuda.is_available()
         self.forwards.append(Forward())
@@ -163,10 +201,14 @@ class SavedTensorRecorder:
         if _autograd.in_backward() or tensor.device.type == "meta":
             return
         key = storage_key(tensor)
-        if key in self._seen or key in self._parameters:
+        if key in self._parameters:
             return
-        self._seen.add(key)
-        size = held(tensor).untyped_storage().nbytes()
+        copied = _autograd.copied_leaf(tensor)
+        if copied is not None and storage_key(copied) in self._parameters:  # autocast's copy of a weight
+            return
+        size = charge(self._charged.setdefault(key, []), *byte_range(held(tensor)))
+        if size == 0:
+            return
         module = self._stack[-1] if self._stack else ""
         forward = self.forwards[-1]
         forward.saved[module] = forward.saved.get(module, 0) + size
