@@ -16,6 +16,7 @@ Torch only, no Lightning; the callback hands in the step to measure.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,11 +93,13 @@ class Forward:
         saved: bytes charged to each module (the innermost running; ``""`` for code outside every module: the loss).
         events: ``(module, bytes)`` per storage saved, in order.
         marks: ``(module, events so far, allocated)`` at each module's forward end: the timeline's points.
+        samples: samples in the batch (or micro-batch) this forward ran on, where the caller knows them.
     """
 
     saved: dict[str, int] = field(default_factory=dict)
     events: list[tuple[str, int]] = field(default_factory=list)
     marks: list[tuple[str, int, int | None]] = field(default_factory=list)
+    samples: int | None = None
 
     @property
     def total(self) -> int:
@@ -234,6 +237,8 @@ class StepMemory:
         samples: samples in the measured batch (or part), where known.
         device: where the step ran.
         compiled: the model ran compiled: its graph saves its tensors as one, and modules are not told apart.
+        plain: the names are those of a plain ``nn.Module`` (not a LightningModule's): its blocks are checkpointed
+            with ``checkpoint_blocks(model, units=...)``.
     """
 
     weights: int
@@ -250,9 +255,11 @@ class StepMemory:
     samples: int | None = None
     device: str = "cpu"
     compiled: bool = False
+    plain: bool = False
 
 
 OUTSIDE_LABEL = "(outside any module: the loss)"  # how reports name code outside every module
+MODEL_LABEL = "(the model)"  # how reports name a wrapped model's own forward, outside its submodules
 VOCABULARY = 32_000  # a Linear with this many outputs or more computes a vocabulary's logits
 
 
@@ -269,6 +276,42 @@ def model_facts(model: nn.Module) -> tuple[dict[str, str], list[str], list[str]]
         name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features >= VOCABULARY
     ]
     return classes, blocks, vocabularies
+
+
+def inside(memory: StepMemory, prefix: str) -> StepMemory:
+    """``memory`` named as the model at ``prefix`` names its modules, for a model a wrapper holds (``memguard sweep``
+    wraps a plain model as its LightningModule's ``net``): ``net.layer1.0`` is ``layer1.0``, ``net`` itself
+    :data:`MODEL_LABEL`, the wrapper's own code (the loss) outside every module; the fixes then call
+    ``checkpoint_blocks(model, ...)`` on it.
+
+    Example:
+        >>> memory = StepMemory(0, 0, 0, 8, 8, False, Forward({"net.layer1.0": 8}, [("net.layer1.0", 8)]),
+        ...     {"": "Wrapper", "net": "ResNet", "net.layer1.0": "BasicBlock"}, ["net.layer1.0"], [])
+        >>> moved = inside(memory, "net")
+        >>> moved.forward.saved, moved.blocks, moved.classes[MODEL_LABEL], moved.plain
+        ({'layer1.0': 8}, ['layer1.0'], 'ResNet', True)
+    """
+
+    def name(n: str) -> str:
+        if n == prefix:
+            return MODEL_LABEL
+        if n.startswith(prefix + "."):
+            return n[len(prefix) + 1 :]
+        return "" if n == "" else n
+
+    forward = memory.forward
+    saved: dict[str, int] = {}
+    for module, size in forward.saved.items():
+        saved[name(module)] = saved.get(name(module), 0) + size
+    moved = Forward(
+        saved, [(name(m), b) for m, b in forward.events], [(name(m), n, a) for m, n, a in forward.marks],
+        forward.samples,
+    )  # fmt: skip
+    classes = {name(n): c for n, c in memory.classes.items() if n == prefix or n.startswith(prefix + ".")}
+    return dataclasses.replace(
+        memory, forward=moved, classes=classes, blocks=[name(b) for b in memory.blocks],
+        vocabularies=[name(v) for v in memory.vocabularies], plain=True,
+    )  # fmt: skip
 
 
 def resting_bytes(model: nn.Module, optimizers: list[Any]) -> tuple[int, int, int]:
@@ -371,6 +414,7 @@ def assemble(
             {k: round(v * scale) for k, v in forward.saved.items()},
             [(m, round(b * scale)) for m, b in forward.events],
             [(m, n, a) for m, n, a in forward.marks],
+            forward.samples,
         )
     activations = forward.total
     parts = weights + gradients + optimizer + activations

@@ -31,8 +31,10 @@ def enclosing_blocks(modules: Sequence[str], blocks: Sequence[str]) -> list[str]
     return [b for b in blocks if any(m == b or m.startswith(b + ".") for m in modules)]
 
 
-def checkpoint_fix(top: Sequence[str], blocks: Sequence[str]) -> str | None:
-    """The top modules sit in blocks that ``checkpoint_blocks`` finds: checkpoint those.
+def checkpoint_fix(top: Sequence[str], blocks: Sequence[str], plain: bool = False) -> str | None:
+    """The top modules sit in blocks that ``checkpoint_blocks`` finds: checkpoint those, by the names the model
+    gives them (``plain``: a plain ``nn.Module``'s names, checkpointed with ``checkpoint_blocks``; else a
+    LightningModule's, with ``ActivationCheckpointing``).
 
     Example:
         >>> print(checkpoint_fix(["layer1.0.conv1"], ["layer1.0", "layer1.1"]))  # doctest: +NORMALIZE_WHITESPACE
@@ -40,11 +42,15 @@ def checkpoint_fix(top: Sequence[str], blocks: Sequence[str]) -> str | None:
         with ActivationCheckpointing()
         >>> checkpoint_fix(["head"], ["layer1.0"]) is None
         True
+        >>> checkpoint_fix(["layer1.0.conv1"], ["layer1.0"], plain=True).endswith('units=["layer1.0"])')
+        True
     """
     found = enclosing_blocks(top, blocks)
     if not found:
         return None
     quoted = ", ".join(f'"{b}"' for b in found)
+    if plain:
+        return f"checkpoint the blocks holding them ({', '.join(found)}): checkpoint_blocks(model, units=[{quoted}])"
     return (
         f"checkpoint the blocks holding them ({', '.join(found)}): ActivationCheckpointing(units=[{quoted}]), or"
         " every block with ActivationCheckpointing()"
@@ -152,11 +158,12 @@ def fixes(
     advice: str | None = None,
     shares: Sequence[float] | None = None,
     cause: Sequence[str] = (),
+    plain: bool = False,
 ) -> list[str]:
     """Every fix that applies, the one whose target holds the largest share of the peak first (``shares``: each top
     module's share, in ``top``'s order; without them, in the rules' order); the smaller micro-batch always last.
     ``cause``: :func:`others_fix` and :func:`resting_fix` where they apply, first; where the resting state fills the
-    card, they are the only fixes.
+    card, they are the only fixes. ``plain``: the names are a plain model's (:func:`checkpoint_fix`).
 
     Example:
         >>> fixes(["layer1.0.conv1"], ["layer1.0"], [], 0, 100)[0].startswith("checkpoint the blocks")
@@ -173,7 +180,7 @@ def fixes(
     in_blocks = sum(weight.get(m, 0.0) for m in top if enclosing_blocks([m], blocks))
     at_vocabulary = sum(weight.get(m, 0.0) for m in top if m == OUTSIDE or m in vocabularies)
     found = [
-        (in_blocks, checkpoint_fix(top, blocks)),
+        (in_blocks, checkpoint_fix(top, blocks, plain)),
         (at_vocabulary, vocabulary_fix(top, vocabularies)),
         (optimizer / peak if peak > 0 else 0.0, optimizer_fix(optimizer, peak)),
     ]

@@ -141,10 +141,13 @@ class MemoryReport:
         names = [t["name"] for t in top]
         shares = [t["share"] for t in top]
         resting = memory.weights + memory.gradients + memory.optimizer
-        causes = (rules.others_fix(own, others, situation.capacity), rules.resting_fix(resting, situation.capacity, others))
+        capacity = situation.capacity
+        # this process's part of the peak judged, where the trigger's reading was higher than the step measured again
+        judged_own = max(own, situation.judged - others) if situation.judged is not None else own
+        causes = (rules.others_fix(judged_own, others, capacity), rules.resting_fix(resting, capacity, others))
         found = rules.fixes(
             names, memory.blocks, memory.vocabularies, memory.optimizer, peak, advice, shares,
-            [c for c in causes if c is not None],
+            [c for c in causes if c is not None], memory.plain,
         )  # fmt: skip
         if situation.grew_back is not None:  # the step fits: nothing to fix
             found = []
@@ -207,10 +210,11 @@ class MemoryReport:
         """Whether other processes' memory is the cause: without it this process's peak, or at least its weights,
         gradients and optimizer state, would fit the card."""
         others, capacity = self.split.get("others", 0), self.capacity
-        if not others or capacity is None or self.peak <= capacity:
+        peak = max(self.peak, self.judged_peak or 0)
+        if not others or capacity is None or peak <= capacity:
             return False
         resting = sum(self.split.get(k, 0) for k in ("weights", "gradients", "optimizer"))
-        return self.peak - others <= capacity or resting < capacity
+        return peak - others <= capacity or resting < capacity <= resting + others
 
     def happened(self) -> str | None:
         """What happened on the card, in the figures (and unit) a spill's message gives: the peak judged against
@@ -221,7 +225,7 @@ class MemoryReport:
             >>> MB = 10**6
             >>> MemoryReport("spill", 2, "cpu", 72 * MB, False, {}, [], [], capacity=63_200_000, other_processes=0,
             ...     judged_peak=72_800_000, batch=16).happened()
-            'Spill at step 2: peak 72.8 MB against 63.2 MB of physical memory, 9.6 MB over; batch 16; other processes 0 B'
+            'Spill at step 2: peak 72.8 MB against 63.2 MB of physical memory, 9.6 MB over; batch 16; others 0.0 MB'
         """
         capacity = self.capacity
         if capacity is None:
@@ -231,11 +235,9 @@ class MemoryReport:
         at = f" at step {self.step}" if self.step is not None else ""
         room = f"{size(judged - capacity)} over" if judged > capacity else f"{size(capacity - judged)} free"
         batch = f"; batch {self.batch}" if self.batch is not None else ""
-        others = "unknown" if self.other_processes is None else size_formatter(self.other_processes)(self.other_processes)
-        return (
-            f"{_HAPPENED[self.why]}{at}: peak {size(judged)} against {size(capacity)} of physical memory, {room}{batch};"
-            f" other processes {others}"
-        )
+        others = "unknown" if self.other_processes is None else size(self.other_processes)
+        happened = f"{_HAPPENED[self.why]}{at}: peak {size(judged)} against {size(capacity)} of physical memory"
+        return f"{happened}, {room}{batch}; others {others}"
 
     def write(
         self, folder: str | os.PathLike[str], stem: str, snapshot: Callable[[str], None] | None = None
@@ -274,9 +276,7 @@ class MemoryReport:
             for t in self.top
         )
         fixes = "".join(f"<li>{html.escape(f)}</li>" for f in self.fixes) or "<li>none: nothing to fix</li>"
-        card = "".join(
-            f"<tr><td>{name}</td><td>{html.escape(value)}</td></tr>" for name, value in self._card_rows()
-        )
+        card = "".join(f"<tr><td>{name}</td><td>{html.escape(value)}</td></tr>" for name, value in self._card_rows())
         title = f"MemGuard memory report: {self.why}" + (f" at step {self.step}" if self.step is not None else "")
         return (
             '<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>'
