@@ -49,10 +49,10 @@ def byte_range(tensor: torch.Tensor) -> tuple[int, int]:
         ((128, 256), (0, 488))
     """
     size = tensor.element_size()
-    start = tensor.storage_offset() * size
+    start = int(tensor.storage_offset()) * size
     if tensor.numel() == 0:
         return start, start
-    last = sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    last = int(sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride(), strict=True)))
     return start, start + (last + 1) * size
 
 
