@@ -13,6 +13,8 @@ tensors, and the saved-tensor hooks in force, which torch offers no public way t
 - :func:`version`: a tensor's version counter (``_version``), which in-place changes move: a recipe holds only
   while its tensor is unchanged.
 - :func:`view_root`: the tensor a view was made from (``_base``): the spill emulator counts storage, not views.
+- :func:`copied_leaf`: the leaf a tensor is a dtype copy of, through views (its nodes' ``variable``): autocast's
+  low-precision copy of a weight, which the memory report counts as a weight, not an activation.
 - :func:`in_backward`: whether code runs inside a backward pass (``torch._C._current_graph_task_id``): a forward run
   again there is a checkpoint's recomputation, whose graph backward never runs through.
 - :func:`at_backward_end`: a call queued to run once the backward pass now running is done
@@ -75,6 +77,42 @@ def view_root(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor ``tensor`` is a view of (``_base``), or ``tensor`` itself."""
     base = tensor._base
     return base if base is not None else tensor
+
+
+_VIEWS_AND_COPIES = frozenset(
+    {
+        "ToCopyBackward0", "TBackward0", "ViewBackward0", "UnsafeViewBackward0", "TransposeBackward0",
+        "PermuteBackward0", "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1",
+        "AliasBackward0",
+    }
+)  # fmt: skip
+
+
+def copied_leaf(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The leaf tensor (a parameter) that ``tensor`` is a dtype copy of, through views only (autocast's copy of a
+    weight, transposed for a matmul), or None: a tensor computed from anything else, or a view without a copy.
+
+    Example:
+        >>> weight = torch.nn.Parameter(torch.ones(2, 3))
+        >>> copied_leaf(weight.to(torch.bfloat16).t()) is weight, copied_leaf(weight.t()), copied_leaf(weight * 2)
+        (True, None, None)
+    """
+    node, copied = tensor.grad_fn, False
+    for _ in range(16):
+        if node is None:
+            return None
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            leaf = getattr(node, "variable", None)
+            return leaf if copied and isinstance(leaf, torch.Tensor) else None
+        if name not in _VIEWS_AND_COPIES:
+            return None
+        copied = copied or name == "ToCopyBackward0"
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1:
+            return None
+        node = inputs[0]
+    return None
 
 
 def in_backward() -> bool:

@@ -252,7 +252,9 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
     warmup = _TimeStepsThatRan(cfg.warmup, cfg.steps, cfg.accumulate) if compiled else None
     callbacks: list[Callback] = [c for c in (emu, guard, timer, warmup) if c is not None]
     if cfg.report is not None:  # measured on the first step, a warm-up step (untimed where there is one)
-        callbacks.append(StepReport(cfg.report, f"memguard-report-batch={batch}"))
+        # named as the user's model names its modules, not through the wrapper built here
+        within = "" if source.lightning else "net"
+        callbacks.append(StepReport(cfg.report, f"memguard-report-batch={batch}", within=within))
     trainer = Trainer(
         accelerator="cuda" if cuda else "cpu", devices=1, precision=cfg.precision,  # type: ignore[arg-type]
         max_steps=steps, max_epochs=-1 if source.lightning else 1, accumulate_grad_batches=cfg.accumulate,

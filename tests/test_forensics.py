@@ -17,7 +17,7 @@ from lightning_memguard.forensics.attribution import step_undone
 
 JSON_KEYS = {
     "version", "why", "step", "device", "samples", "scale", "note", "peak", "peak_measured", "split", "top", "fixes",
-    "timeline", "snapshot",
+    "timeline", "snapshot", "capacity", "other_processes", "judged_peak", "batch",
 }  # fmt: skip
 
 
@@ -235,7 +235,7 @@ def test_the_json_has_the_documented_keys(tmp_path):
     ]
     data = json.loads(pathlib.Path(paths[0]).read_text(encoding="utf-8"))
     assert set(data) == JSON_KEYS and data["version"] == 1 and data["why"] == "spill" and data["step"] == 5
-    assert set(data["split"]) == {"weights", "gradients", "optimizer", "activations", "rest"}
+    assert set(data["split"]) == {"weights", "gradients", "optimizer", "activations", "rest", "others"}
     assert set(data["top"][0]) == {"name", "class", "bytes", "share"}
     assert set(data["timeline"][0]) == {"module", "saved", "allocated", "by_module"}
     assert data["timeline"][-1]["saved"] == data["split"]["activations"]
@@ -286,3 +286,80 @@ def test_step_undone_puts_gradients_back_even_when_the_step_fails():
         model(torch.randn(1, 2)).sum().backward()
         raise RuntimeError("boom")
     assert model.weight.grad is grad
+
+
+# ---------------------------------------------------------------- charges, and what happened on the card
+
+
+def test_a_micro_batch_cut_from_the_batch_is_charged_for_its_own_samples():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    batch = torch.randn(16, 8)
+    recorder = SavedTensorRecorder(model)
+    for micro in batch.split(4):  # views of the batch's storage, as a split batch's micro-batches are
+        with recorder:
+            model(micro).sum().backward()
+    assert recorder.forwards[1].saved["0"] == 4 * 8 * 4  # the input Linear: its 4 samples, not the batch's 16
+
+
+def test_autocasts_low_precision_copies_of_weights_are_not_activations():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    recorder = SavedTensorRecorder(model)
+    with recorder, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(4, 8)).float().sum().backward()
+    # the second Linear keeps its bf16 input (4 x 8) for the weight's gradient; the bf16 copy of its weight (8 x 8),
+    # which it keeps for the input's gradient, is the weight, not an activation
+    assert recorder.largest().saved["1"] == 4 * 8 * 2
+
+
+def _situated(capacity, others=0, judged=None, grew_back=None):
+    memory, _ = _measured(OneHugeActivation(), batch=8)
+    from lightning_memguard.forensics.report import Situation
+
+    situation = Situation(capacity, others, judged, 8, grew_back)
+    return memory, MemoryReport.from_step(memory, "spill", step=5, situation=situation)
+
+
+def test_other_processes_holding_the_card_are_in_the_split_and_named_first_where_they_are_the_cause():
+    memory, _ = _situated(None)
+    own = memory.peak
+    others = own // 5  # less than this process's largest part, and still what pushes the step over
+    _, report = _situated(capacity=own + own // 10, others=others)  # this process's peak fits alone, not beside them
+    assert report.split["others"] == others and sum(report.split.values()) == report.peak == own + others
+    assert max(report.split.values()) > others
+    assert report.verdict().splitlines()[1].split("= ")[1].startswith("other processes")
+    assert report.fixes[0].startswith("other processes hold") and "would fit without them" in report.fixes[0]
+    _, small = _situated(capacity=4 * own, others=own // 10)  # fits with them: not the cause, no such fix
+    assert not any(f.startswith("other processes") for f in small.fixes)
+
+
+def test_weights_gradients_and_optimizer_state_filling_the_card_get_only_the_fixes_that_shrink_them():
+    memory, _ = _situated(None)
+    resting = memory.weights + memory.gradients + memory.optimizer
+    _, report = _situated(capacity=resting * 3 // 4)  # as examples/spill_stopped.py: 134.2 MB on a 100 MB card
+    assert len(report.fixes) == 1
+    fix = report.fixes[0]
+    assert fix.startswith("weights, gradients and optimizer state alone hold") and "no micro-batch fits" in fix
+    assert "lighter optimizer state" in fix and "smaller model" in fix and "sharding" in fix
+    assert "ActivationCheckpointing" not in fix and "smaller micro-batch" not in fix
+    _, beside = _situated(capacity=resting * 5 // 4, others=resting // 2)  # fits alone, not beside others
+    assert beside.fixes[0].startswith("other processes hold") or "beside other processes'" in beside.fixes[0]
+    assert not any("ActivationCheckpointing" in f or "smaller micro-batch" in f for f in beside.fixes)
+
+
+def test_the_page_explains_the_spill_on_its_own(tmp_path):
+    _, report = _situated(capacity=63_200_000, others=1_500_000, judged=72_800_000)
+    page = pathlib.Path(report.write(tmp_path, "r")[1]).read_text(encoding="utf-8")
+    # the spill message's own figures: its peak against the capacity, the overflow, the batch, other processes
+    said = "Spill at step 5: peak 72.8 MB against 63.2 MB of physical memory, 9.6 MB over; batch 8; others 1.5 MB"
+    assert said in page
+    assert "What happened on the card" in page and "over the capacity by</td><td>9.6 MB" in page
+    data = json.loads(pathlib.Path(tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert (data["capacity"], data["other_processes"], data["judged_peak"], data["batch"]) == (
+        63_200_000, 1_500_000, 72_800_000, 8,
+    )  # fmt: skip
+
+
+def test_a_grow_back_report_names_no_fix():
+    _, report = _situated(capacity=10**12, grew_back="step 80: memory freed; now 128 x 1")
+    assert report.fixes == [] and "Fix:" not in report.verdict()
+    assert report.verdict().endswith("(step 80: memory freed; now 128 x 1: this step fits, nothing to fix)")

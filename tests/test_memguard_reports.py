@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -106,7 +107,9 @@ def test_a_stopped_spill_writes_a_report_beside_the_checkpoint_and_names_it(tmp_
     assert len(guard.reports) == 1 and os.path.dirname(guard.reports[0]) == os.path.dirname(guard.checkpoint_path)
     report = _report(guard.reports[0])
     _checks_the_top_module(report, "spill")
-    assert report["samples"] is None and report["step"] == 3
+    assert report["samples"] == report["batch"] == 16 and report["step"] == 3
+    page = pathlib.Path(guard.reports[0]).with_suffix(".html").read_text(encoding="utf-8")
+    assert "Spill at step 3: peak 17.00 GB against 16.00 GB of physical memory, 1.00 GB over; batch 16" in page
     message = str(next(w.message for w in caught if "Memory report" in str(w.message)))
     assert "Largest saved activations: huge (Squares)" in message and "Fix:" in message
     assert sorted(os.listdir(os.path.dirname(guard.reports[0]))) == [
@@ -291,10 +294,14 @@ def test_sweep_writes_a_report_per_batch_size(tmp_path, capsys):
         "memguard-report-batch=4.html", "memguard-report-batch=4.json",
     ]  # fmt: skip
     small, large = (_report(reports / f"memguard-report-batch={b}.json") for b in (2, 4))
-    assert small["why"] == "plan" and small["samples"] == 2 and large["samples"] == 4
+    assert small["why"] == "sweep" and small["samples"] == 2 and large["samples"] == 4
+    names = [t["name"] for t in small["top"]]
+    assert names and not any(n.startswith("net.") for n in names)  # the model's own names, not the sweep's wrapper's
+    assert "MemGuard memory report: sweep" in (reports / "memguard-report-batch=2.html").read_text(encoding="utf-8")
     assert large["split"]["activations"] == pytest.approx(2 * small["split"]["activations"], rel=0.05)
     assert small["split"]["weights"] == large["split"]["weights"] > 0
     assert small["fixes"][0].startswith("checkpoint the blocks holding them")  # a ResNet's blocks, found
+    assert 'checkpoint_blocks(model, units=["layer' in small["fixes"][0]
 
 
 def test_plan_writes_a_report_per_micro_batch_tried(tmp_path, capsys):
@@ -433,3 +440,102 @@ def test_fast_dev_run_spilling_from_its_first_step_is_reported(tmp_path, fake_pr
     with pytest.raises(SysmemSpillError, match=r"Memory report: .*step=1-spill\.html"):
         _fit(tmp_path, guard, fast_dev_run=True)
     _checks_the_top_module(_report(guard.reports[0]), "spill")
+
+
+class HeldUntilFreed(HugeActivation):
+    """Runs out of memory while a failed step's activations are still held, as a full card does until they are
+    freed: its step at ``fail_at`` fails on the whole batch, its activations kept by the failed frame."""
+
+    def __init__(self, fail_at: int = 2) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.held: list[weakref.ref] = []
+        self.calls: list[int] = []  # samples of each training_step call from the failure on
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.trainer.global_step >= self.fail_at:
+            self.calls.append(len(x))
+        if any(ref() is not None for ref in self.held):
+            raise torch.OutOfMemoryError("CUDA out of memory (the failed step's activations are still held)")
+        hidden = self(x)
+        if self.trainer.global_step == self.fail_at and len(x) == self.batch_size:
+            self.held.append(weakref.ref(hidden))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return torch.nn.functional.cross_entropy(hidden, y)
+
+
+def test_an_out_of_memory_error_lets_go_of_the_failed_step_before_measuring_and_runs_the_step_once_more(
+    tmp_path, fake_probe
+):
+    model = HeldUntilFreed()
+    guard = _guard(fake_probe, on_spill="raise")  # as with prevent=True, which on the CPU caps nothing
+    with pytest.raises(torch.OutOfMemoryError, match=r"(?s)injected.*Memory report: .*step=2-out_of_memory"):
+        _fit(tmp_path, guard, model=model)
+    assert model.calls == [16, 8]  # the failed step, then one half of its batch, measured
+    report = _report(guard.reports[0])
+    _checks_the_top_module(report, "out_of_memory")
+    assert "training_step ran 1 time more to measure this (8 samples: measured)" in report["note"]
+    assert report["samples"] == 16 and report["batch"] == 16 and report["capacity"] == fake_probe.capacity()
+
+
+def test_an_out_of_memory_error_that_no_part_survives_is_reported_and_each_run_said(tmp_path, fake_probe):
+    model = HugeActivation()
+    model.oom_above, model.oom_from_step = 0, 2  # from step 2 even one sample runs out of memory
+    guard = _guard(fake_probe)
+    with pytest.raises(torch.OutOfMemoryError, match=r"(?s)injected.*Memory report: .*step=2-out_of_memory"):
+        _fit(tmp_path, guard, model=model)
+    report = _report(guard.reports[0])
+    assert report["split"]["activations"] == 0 and report["split"]["weights"] > 0
+    assert "no part of the batch could be measured" in report["note"]
+    assert (
+        "training_step ran 4 times more to measure this (8 samples: out of memory; 4 samples: out of memory;"
+        in (report["note"])
+    )
+
+
+def test_other_processes_pushing_a_step_over_the_card_are_named_first_in_the_report(tmp_path):
+    probe = FakeProbe(peak=GB, other=int(15.5 * GB))  # 16.5 GB on a 16 GB card: this process's own 1 GB would fit
+    guard = _guard(probe, on_spill="raise")
+    with pytest.raises(SysmemSpillError, match=r"(?s)Memory report: .*= other processes 15\.50 GB.*Fix: other proce"):
+        _fit(tmp_path, guard)
+    report = _report(guard.reports[0])
+    assert report["split"]["others"] == int(15.5 * GB) and report["other_processes"] == int(15.5 * GB)
+    assert report["fixes"][0].startswith("other processes hold 15.50 GB of the card's 16.00 GB")
+    assert report["judged_peak"] == GB + 1000 + int(15.5 * GB)  # the spill message's peak: the reserved peak, theirs
+
+
+def test_weights_gradients_and_optimizer_state_above_the_card_are_reported_with_what_shrinks_them(tmp_path):
+    probe = FakeProbe(capacity=200_000, peak=300_000)  # SGD with momentum: about 270 kB before any activation
+    guard = _guard(probe, on_spill="raise")
+    with pytest.raises(SysmemSpillError, match=r"(?s)Memory report: .*Fix: weights, gradients and optimizer state"):
+        _fit(tmp_path, guard)
+    report = _report(guard.reports[0])
+    assert len(report["fixes"]) == 1 and "sharding" in report["fixes"][0]
+    page = pathlib.Path(guard.reports[0]).with_suffix(".html").read_text(encoding="utf-8")
+    assert "peak 301.0 kB against 200.0 kB of physical memory, 101.0 kB over; batch 16; others 0.0 kB" in page
+    assert "ActivationCheckpointing" not in page and "smaller micro-batch" not in page
+
+
+def test_a_grow_back_report_names_no_fix(tmp_path):
+    emulator = SysmemSpillEmulator(capacity=7 * 10**5, sleep=lambda s: None)
+
+    class TakenThenFreed(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 3:
+                emulator.other_processes = 3 * 10**5
+            if trainer.global_step == 5:
+                emulator.other_processes = 0
+
+    guard = MemGuard(
+        on_spill="adapt", probe=emulator.probe, clock=StepClock(), read_every=1, warmup_steps=1, reference_steps=1,
+        grow_every=2,
+    )  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="MemGuard adapted"):
+        _fit(tmp_path, guard, callbacks=[emulator, TakenThenFreed()], max_epochs=1)
+    grown = [i for i, a in enumerate(guard.adaptations) if a.after < a.before]
+    assert grown and len(guard.reports) == len(guard.adaptations)
+    report = _report(guard.reports[grown[0]])
+    assert report["fixes"] == [] and "this step fits, nothing to fix" in report["note"]
+    split = _report(guard.reports[0])
+    assert split["fixes"] and split["other_processes"] == 3 * 10**5  # the spill it adapted to: others named

@@ -10,6 +10,14 @@ Nothing is measured while training goes well: no hook exists until a report is w
   batch in hand (the epoch's last, kept for this), or after an out-of-memory error a part of it (halved until it
   fits, the activations scaled back), runs forward and backward through ``training_step`` with logging off, and the
   gradients, buffers and random generators are put back (:func:`~lightning_memguard.forensics.attribution.step_undone`).
+  Before an out-of-memory error's step is redone, what the failed step held is let go: the frames of the error's
+  traceback drop their local variables (the activations they kept; a post-mortem debugger then sees none), and the
+  allocator's cache is emptied. The report says how often ``training_step`` ran again, and on how many samples, and
+  is written even where no part fits (weights, gradients and optimizer state, no activations).
+
+Each report says what happened on the card (:class:`~lightning_memguard.forensics.report.Situation`): the capacity
+MemGuard judges against, other processes' memory at its latest reading, a spill's peak as its message gives it, and
+the batch.
 
 Every rank measures its own step; under several processes each writes its own report, its rank in the file name.
 A report that cannot be measured or written never hides what it reports on: the message then says why.
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,15 +40,18 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_memguard import _autograd, _compiler
 from lightning_memguard.callbacks._batches import samples_in
 from lightning_memguard.callbacks._files import checkpoint_folder
+from lightning_memguard.core.spill import SpillReport
 from lightning_memguard.forensics.attribution import (
+    Forward,
     SavedTensorRecorder,
     StepMemory,
     assemble,
+    inside,
     measure_step,
     model_facts,
     resting_bytes,
 )
-from lightning_memguard.forensics.report import MemoryReport
+from lightning_memguard.forensics.report import MemoryReport, Situation
 from lightning_memguard.probes.cuda import CudaProbe
 from lightning_memguard.tuning.adapter import free_memory, split_batch
 
@@ -72,6 +84,9 @@ class MemoryReports:
         # which read the same counters, take them into account until MemGuard resets the peak itself
         self.carried: tuple[int, int] | None = None
         self._counts_cuda = False
+        self._probe: Any = None
+        self.capacity: int | None = None  # the memory MemGuard judges against (set at fit start)
+        self.others: int | None = None  # other processes' memory at MemGuard's latest reading
 
     # ------------------------------------------------------------------ fit
 
@@ -79,6 +94,8 @@ class MemoryReports:
         """Fit start: forget the last fit's reports; record the allocator's history where asked. ``probe``:
         MemGuard's; where it reads PyTorch's CUDA counters, a measured step's reset of them is carried over."""
         self._counts_cuda = isinstance(probe, CudaProbe)
+        self._probe = probe
+        self.others = None
         self.carried = None
         self.paths = []
         self._in_flight = self._last = self._armed = None
@@ -134,12 +151,30 @@ class MemoryReports:
 
     # ------------------------------------------------------------------ the triggers
 
-    def arm(self, trainer: Trainer, pl_module: LightningModule, why: str, then: Callable[[str], None]) -> None:
-        """Measure the batch in flight as it trains; ``then(note)`` once the report is written (the note names it)."""
+    def situation(self, batch: Any = None, spill: SpillReport | None = None, grew_back: str | None = None) -> Situation:
+        """What happened on the card: a spill's own figures (those its message gives), else MemGuard's capacity and
+        latest reading of other processes; ``batch``: the batch that ran."""
+        samples = samples_in(batch) if batch is not None else None
+        if spill is not None:
+            return Situation(spill.capacity, spill.other_bytes, spill.used_bytes, samples, grew_back)
+        return Situation(self.capacity, self.others, None, samples, grew_back)
+
+    def arm(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        why: str,
+        then: Callable[[str], None],
+        spill: SpillReport | None = None,
+        grew_back: str | None = None,
+    ) -> None:
+        """Measure the batch in flight as it trains; ``then(note)`` once the report is written (the note names it).
+        ``spill``: the spill reported on; ``grew_back``: an adaptation to fewer micro-batches, in words."""
         if self._armed is not None:
             self._armed.then.append(then)
             return
-        armed = _Armed(why, [then], trainer.global_step, pl_module)
+        flight = self._in_flight[0] if self._in_flight is not None else None
+        armed = _Armed(why, [then], trainer.global_step, pl_module, self.situation(flight, spill, grew_back))
         self._armed = armed
         armed.install()
         if armed.prior is not None:
@@ -168,9 +203,9 @@ class MemoryReports:
             peak_reserved=max(reading.peak_reserved, carried[1]),
         )
 
-    def now(self, trainer: Trainer, pl_module: LightningModule, why: str) -> str:
+    def now(self, trainer: Trainer, pl_module: LightningModule, why: str, spill: SpillReport | None = None) -> str:
         """Measure at once, on the batch in flight or the epoch's last, by redoing its step; the note naming the
-        report (or why there is none)."""
+        report (or why there is none). ``spill``: the spill reported on."""
         if not self.enabled:
             return ""
         held = self._in_flight or self._last
@@ -184,11 +219,12 @@ class MemoryReports:
             memory = _redo(trainer, pl_module, batch, batch_idx)
         except Exception as err:  # a report never hides the spill
             return f"\nNo memory report: its measurement failed ({type(err).__name__}: {err})."
-        return self._write(trainer, memory, why)
+        return self._write(trainer, memory, why, situation=self.situation(batch, spill))
 
     def out_of_memory(self, trainer: Trainer, pl_module: LightningModule, error: BaseException) -> None:
         """An out-of-memory error ended the run: what the failed step held freed, a part of its batch measured and
-        scaled; the error's message names the report."""
+        scaled (halved while it runs out of memory, each run said in the report), the report written even where no
+        part fits; the error's message names the report."""
         if not self.enabled or not isinstance(error, torch.OutOfMemoryError):
             return
         self._disarm()
@@ -196,27 +232,53 @@ class MemoryReports:
         if held is None or not pl_module.automatic_optimization:
             return
         batch, batch_idx = held
+        situation = self._failed_situation(batch)
+        _let_go(error)  # before anything runs again: the failed step's activations, held by its frames
         samples = samples_in(batch) or 1
-        note = "\nNo memory report: even one sample ran out of memory."
-        if samples < 2:
-            note = "\nNo memory report: a batch of one sample has no smaller part to measure."
+        runs: list[str] = []
+        memory, note = None, ""
         chunks = 2
-        while chunks <= samples:
+        while chunks <= samples and memory is None:
             free_memory()
             part = _part(batch, samples, chunks)
+            measured = samples_in(part) or 1
             try:
-                memory = _redo(trainer, pl_module, part, batch_idx, scale=samples / (samples_in(part) or 1))
+                memory = _redo(trainer, pl_module, part, batch_idx, scale=samples / measured)
             except torch.OutOfMemoryError:
+                runs.append(f"{measured} samples: out of memory")
                 chunks = samples + 1 if chunks == samples else min(chunks * 2, samples)  # down to one sample
                 continue
             except Exception as err:
-                note = f"\nNo memory report: its measurement failed ({type(err).__name__}: {err})."
+                runs.append(f"{measured} samples: failed, {type(err).__name__}: {err}")
                 break
-            memory.samples = samples
-            note = self._write(trainer, memory, "out_of_memory")
-            break
+            runs.append(f"{measured} samples: measured")
+        if memory is None:  # what rests on the card, without activations: still the report of this error
+            free_memory()
+            memory = _resting(trainer, pl_module)
+            note = "no part of the batch could be measured: activations unknown"
+        memory.samples = samples
+        again = (
+            f"training_step ran {len(runs)} time{'s' if len(runs) > 1 else ''} more to measure this ({'; '.join(runs)})"
+            if runs
+            else "training_step did not run again"
+        )
+        note = f"{note}; {again}" if note else again
+        said = self._write(trainer, memory, "out_of_memory", note=note, situation=situation)
         if error.args and isinstance(error.args[0], str):
-            error.args = (error.args[0] + "\n" + note.lstrip("\n"), *error.args[1:])
+            error.args = (error.args[0] + "\n" + said.lstrip("\n"), *error.args[1:])
+
+    def _failed_situation(self, batch: Any) -> Situation:
+        """The card when the step failed, read before anything is freed: the failed step's peak (on CUDA, where
+        MemGuard's probe reads PyTorch's counters) with other processes' memory."""
+        situation = self.situation(batch)
+        if self._probe is None:
+            return situation
+        try:
+            reading = self.with_carried(self._probe.read())
+        except Exception:  # a report never hides the error
+            return situation
+        others = reading.other_processes if reading.other_processes is not None else self.others
+        return dataclasses.replace(situation, others=others, judged=reading.used if self._counts_cuda else None)
 
     def retries_grew(self, retries: int | None) -> bool:
         """Whether the allocator retried more allocations (freeing its cache to make room) since the last reading:
@@ -236,21 +298,29 @@ class MemoryReports:
             memory = armed.memory(trainer)
         except Exception as err:  # a report never hides what it reports on
             return f"\nNo memory report: its measurement failed ({type(err).__name__}: {err})."
-        return self._write(trainer, memory, armed.why, armed.step)
+        return self._write(trainer, memory, armed.why, armed.step, situation=armed.situation)
 
-    def _write(self, trainer: Trainer, memory: StepMemory, why: str, step: int | None = None) -> str:
+    def _write(
+        self,
+        trainer: Trainer,
+        memory: StepMemory,
+        why: str,
+        step: int | None = None,
+        note: str = "",
+        situation: Situation | None = None,
+    ) -> str:
         step = trainer.global_step if step is None else step
         chosen = None if isinstance(self.spill_checkpoint, bool) else self.spill_checkpoint
         rank = f"-rank={trainer.global_rank}" if trainer.world_size > 1 else ""
         stem = f"memguard-report-step={step}-{why}{rank}"
-        report = MemoryReport.from_step(memory, why, step)
+        report = MemoryReport.from_step(memory, why, step, note=note, situation=situation)
         snapshot = _autograd.dump_memory_snapshot if self._recording else None
         try:
             paths = report.write(checkpoint_folder(trainer, chosen), stem, snapshot)
         except Exception as err:  # a full disk: the message still carries the verdict
             return f"\nThe memory report could not be written ({type(err).__name__}: {err}):\n{report.verdict()}"
         self.paths.append(paths[0])
-        lines = report.verdict().splitlines()
+        lines = report.verdict(situation=False).splitlines()
         return f"\nMemory report: {paths[1]} (and .json)\n" + "\n".join(lines[:2] + lines[-1:])
 
     def _disarm(self) -> None:
@@ -263,8 +333,16 @@ class _Armed:
     """The LightningModule's ``training_step`` wrapped on the instance for one step: each call is one recorded
     forward pass (a micro-batch's under ``on_spill="adapt"``)."""
 
-    def __init__(self, why: str, then: list[Callable[[str], None]], step: int, pl_module: LightningModule) -> None:
+    def __init__(
+        self,
+        why: str,
+        then: list[Callable[[str], None]],
+        step: int,
+        pl_module: LightningModule,
+        situation: Situation | None = None,
+    ) -> None:
         self.why = why
+        self.situation = situation
         self.then = then
         self.step = step
         self.module = pl_module
@@ -284,6 +362,7 @@ class _Armed:
             if not self.active:  # removed, while another wrapper set after this one still calls it
                 return step(*args, **kwargs)
             with recorder:
+                recorder.forwards[-1].samples = samples_in(args[0]) if args else None
                 return step(*args, **kwargs)
 
         self.wrapper = training_step
@@ -312,6 +391,7 @@ class _Armed:
         forward = self.recorder.largest()
         peak = torch.cuda.max_memory_allocated() if self.prior is not None else None
         memory = assemble(forward, weights, gradients, optimizer, peak, classes, blocks, vocabularies)
+        memory.samples = forward.samples
         memory.device = str(module.device)
         memory.compiled = self.compiled
         return memory
@@ -353,6 +433,27 @@ def _logging_off(pl_module: LightningModule) -> Iterator[None]:
                 pl_module.__dict__.pop(name, None)
 
 
+def _let_go(error: BaseException) -> None:
+    """The frames of ``error``'s traceback, and of the errors it arose from, drop their local variables (a failed
+    step's activations); the frames still running keep theirs."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+    free_memory()
+
+
+def _resting(trainer: Trainer, pl_module: LightningModule) -> StepMemory:
+    """The step without its activations: the weights, gradients and optimizer state held now."""
+    classes, blocks, vocabularies = model_facts(pl_module)
+    weights, gradients, optimizer = resting_bytes(pl_module, list(trainer.optimizers))
+    memory = assemble(Forward(), weights, gradients, optimizer, None, classes, blocks, vocabularies)
+    memory.device = str(pl_module.device)
+    return memory
+
+
 def _part(batch: Any, samples: int, chunks: int) -> Any:
     return split_batch(batch, samples, chunks)[0][0]
 
@@ -378,16 +479,18 @@ def resized(batch: Any, samples: int, size: int) -> Any:
 
 class StepReport(Callback):
     """``memguard sweep --report``: the run's training batch ``at`` measured as it trains (one of the sweep's untimed
-    warm-up steps), its report (``why="plan"``) written to ``folder`` as ``<stem>.json`` and ``.html``."""
+    warm-up steps), its report (``why="sweep"``) written to ``folder`` as ``<stem>.json`` and ``.html``. ``within``:
+    the attribute of the LightningModule that holds the user's own model (the sweep's wrapper's ``net``): modules are
+    named as that model names them."""
 
-    def __init__(self, folder: str, stem: str, at: int = 0) -> None:
-        self.folder, self.stem, self.at = folder, stem, at
+    def __init__(self, folder: str, stem: str, at: int = 0, within: str = "") -> None:
+        self.folder, self.stem, self.at, self.within = folder, stem, at, within
         self.paths: list[str] = []
         self._armed: _Armed | None = None
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx == self.at and not self.paths and self._armed is None:
-            self._armed = _Armed("plan", [], trainer.global_step, pl_module)
+            self._armed = _Armed("sweep", [], trainer.global_step, pl_module)
             self._armed.install()
 
     def on_train_batch_end(
@@ -398,8 +501,10 @@ class StepReport(Callback):
             return
         armed.remove()
         memory = armed.memory(trainer)
-        memory.samples = samples_in(batch)
-        self.paths = MemoryReport.from_step(memory, "plan").write(self.folder, self.stem)
+        if self.within:
+            memory = inside(memory, self.within)
+        situation = Situation(batch=samples_in(batch))
+        self.paths = MemoryReport.from_step(memory, "sweep", situation=situation).write(self.folder, self.stem)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._armed is not None:

@@ -290,6 +290,7 @@ class MemGuard(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         probe = self._require_probe()
         capacity = judged_capacity(self.capacity, probe.capacity())
+        self._reports.capacity = capacity
         detector = self._new_detector(capacity)
         detector.load_state_dict(self._restored_detector)
         self._timeline = StepTimeline(detector=detector, read_every=self.read_every)
@@ -333,14 +334,16 @@ class MemGuard(Callback):
             if vote.cast(stop) if vote.distributed else stop:
                 if not self._adapted(trainer, pl_module, batch):
                     if self._response.on_spill == "stop" and self._reports.can_arm:  # measured as the batch trains
-                        self._reports.arm(trainer, pl_module, "spill", self._response_noted)
+                        self._reports.arm(trainer, pl_module, "spill", self._response_noted, spill=self.spill)
                     self._response.agreed(trainer, self.spill, vote, self._batch())  # "raise" now, "stop" at batch end
             elif self._adapter is not None:
                 self._grow(trainer)
         if self._adapter is not None and len(self._adapter.adaptations) > self._reports.adaptations_seen:
             self._reports.adaptations_seen = len(self._adapter.adaptations)
             if self._reports.can_arm:  # the first step in the new configuration
-                self._reports.arm(trainer, pl_module, "adaptation", _adapted_step_said)
+                latest = self._adapter.adaptations[-1]
+                grew_back = latest.line() if latest.after < latest.before else None  # fits: nothing to fix
+                self._reports.arm(trainer, pl_module, "adaptation", _adapted_step_said, grew_back=grew_back)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -440,18 +443,20 @@ class MemGuard(Callback):
 
     def _report_now(self, trainer: Trainer) -> str:
         """A spill stops the run and no report was armed on a training batch: measure the batch in hand now."""
-        return self._reports.now(trainer, trainer.lightning_module, "spill")
+        return self._reports.now(trainer, trainer.lightning_module, "spill", spill=self.spill)
 
     def _response_noted(self, note: str) -> None:
         self._response.report_note = note
 
-    def _report(self, trainer: Trainer, why: str, then: Callable[[str], None]) -> None:
+    def _report(
+        self, trainer: Trainer, why: str, then: Callable[[str], None], spill: SpillReport | None = None
+    ) -> None:
         """A report on the batch in flight as it trains, else on the batch in hand now; ``then(note)`` when
-        written (at once, with no note, where reports are off)."""
+        written (at once, with no note, where reports are off). ``spill``: the spill reported on."""
         if self._reports.can_arm:
-            self._reports.arm(trainer, trainer.lightning_module, why, then)
+            self._reports.arm(trainer, trainer.lightning_module, why, then, spill=spill)
         else:
-            then(self._reports.now(trainer, trainer.lightning_module, why))
+            then(self._reports.now(trainer, trainer.lightning_module, why, spill=spill))
 
     def _new_adapter(self) -> RunAdapter | None:
         if self.on_spill != "adapt":
@@ -524,6 +529,7 @@ class MemGuard(Callback):
         reading = self._reports.with_carried(self._require_probe().read())
         if reading.allocated_now is not None:  # read between steps: what the next step starts from
             self._response.allocated_now = reading.allocated_now
+        self._reports.others = reading.other_processes  # what the next report says other processes hold
         if self._reports.retries_grew(reading.alloc_retries):
             self._report(trainer, "thrash", lambda note: _thrash_said(reading, note))
         timeline = self._timeline
@@ -534,7 +540,7 @@ class MemGuard(Callback):
                 if response.acts:
                     response.found(report, batch)
                 else:  # "warn": the warning names the report
-                    self._report(trainer, "spill", lambda note: response.found(report, batch, note))
+                    self._report(trainer, "spill", lambda note: response.found(report, batch, note), spill=report)
         return reading
 
     def _batch(self) -> int | None:

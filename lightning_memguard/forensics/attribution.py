@@ -2,8 +2,10 @@
 
 Every tensor autograd saves for the backward pass is counted once (by its storage and device) and charged to the
 innermost module whose forward is running when it is saved: the modules' stack is kept by forward pre-hooks and
-forward hooks registered on every submodule for the measured step only, and removed in ``finally``. Parameters saved
-for the backward are weights, not activations, and are left out. At each module's forward end the running total is
+forward hooks registered on every submodule for the measured step only, and removed in ``finally``. A view is charged
+for the bytes it spans, once (a micro-batch cut from the batch is charged for its own samples, not the whole batch's
+storage). Parameters saved for the backward, and autocast's low-precision copies of them, are weights, not
+activations, and are left out. At each module's forward end the running total is
 noted (on CUDA with ``torch.cuda.memory_allocated()``, a host counter that does not synchronise): the timeline of the
 step that the report draws.
 
@@ -14,6 +16,7 @@ Torch only, no Lightning; the callback hands in the step to measure.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +40,42 @@ def storage_key(tensor: torch.Tensor) -> tuple[int, str]:
     return local.untyped_storage().data_ptr(), str(local.device)
 
 
+def byte_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that ``tensor`` spans, as ``(start, end)``: a view's own, not its base's.
+
+    Example:
+        >>> batch = torch.zeros(16, 8)
+        >>> byte_range(batch[4:8]), byte_range(batch[:, :2])
+        ((128, 256), (0, 488))
+    """
+    size = tensor.element_size()
+    start = int(tensor.storage_offset()) * size
+    if tensor.numel() == 0:
+        return start, start
+    last = int(sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride(), strict=True)))
+    return start, start + (last + 1) * size
+
+
+def charge(charged: list[tuple[int, int]], start: int, end: int) -> int:
+    """The bytes of ``[start, end)`` not yet in ``charged`` (a storage's ranges charged so far, kept merged and
+    sorted), which are added to it.
+
+    Example:
+        >>> ranges = []
+        >>> charge(ranges, 0, 100), charge(ranges, 50, 150), charge(ranges, 0, 150), ranges
+        (100, 50, 0, [(0, 150)])
+    """
+    new = end - start - sum(max(0, min(hi, end) - max(lo, start)) for lo, hi in charged)
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted([*charged, (start, end)]):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    charged[:] = merged
+    return max(0, new)
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages among ``tensors``, each counted once."""
     seen: dict[tuple[int, str], int] = {}
@@ -54,11 +93,13 @@ class Forward:
         saved: bytes charged to each module (the innermost running; ``""`` for code outside every module: the loss).
         events: ``(module, bytes)`` per storage saved, in order.
         marks: ``(module, events so far, allocated)`` at each module's forward end: the timeline's points.
+        samples: samples in the batch (or micro-batch) this forward ran on, where the caller knows them.
     """
 
     saved: dict[str, int] = field(default_factory=dict)
     events: list[tuple[str, int]] = field(default_factory=list)
     marks: list[tuple[str, int, int | None]] = field(default_factory=list)
+    samples: int | None = None
 
     @property
     def total(self) -> int:
@@ -85,7 +126,7 @@ class SavedTensorRecorder:
         self.names = names if names is not None else {m: n for n, m in model.named_modules()}
         self.forwards: list[Forward] = []
         self._stack: list[str] = []
-        self._seen: set[tuple[int, str]] = set()
+        self._charged: dict[tuple[int, str], list[tuple[int, int]]] = {}  # each storage's byte ranges charged
         self._parameters: set[tuple[int, str]] = set()
         self._handles: list[Any] = []
         self._saved_hooks: Any = None
@@ -93,7 +134,7 @@ class SavedTensorRecorder:
 
     def __enter__(self) -> SavedTensorRecorder:
         self._parameters = {storage_key(p) for p in self.model.parameters()}
-        self._seen = set()
+        self._charged = {}
         self._stack = []
         self._cuda = any(p.device.type == "cuda" for p in self.model.parameters()) and torch.cuda.is_available()
         self.forwards.append(Forward())
@@ -163,10 +204,14 @@ class SavedTensorRecorder:
         if _autograd.in_backward() or tensor.device.type == "meta":
             return
         key = storage_key(tensor)
-        if key in self._seen or key in self._parameters:
+        if key in self._parameters:
             return
-        self._seen.add(key)
-        size = held(tensor).untyped_storage().nbytes()
+        copied = _autograd.copied_leaf(tensor)
+        if copied is not None and storage_key(copied) in self._parameters:  # autocast's copy of a weight
+            return
+        size = charge(self._charged.setdefault(key, []), *byte_range(held(tensor)))
+        if size == 0:
+            return
         module = self._stack[-1] if self._stack else ""
         forward = self.forwards[-1]
         forward.saved[module] = forward.saved.get(module, 0) + size
@@ -192,6 +237,8 @@ class StepMemory:
         samples: samples in the measured batch (or part), where known.
         device: where the step ran.
         compiled: the model ran compiled: its graph saves its tensors as one, and modules are not told apart.
+        plain: the names are those of a plain ``nn.Module`` (not a LightningModule's): its blocks are checkpointed
+            with ``checkpoint_blocks(model, units=...)``.
     """
 
     weights: int
@@ -208,9 +255,11 @@ class StepMemory:
     samples: int | None = None
     device: str = "cpu"
     compiled: bool = False
+    plain: bool = False
 
 
 OUTSIDE_LABEL = "(outside any module: the loss)"  # how reports name code outside every module
+MODEL_LABEL = "(the model)"  # how reports name a wrapped model's own forward, outside its submodules
 VOCABULARY = 32_000  # a Linear with this many outputs or more computes a vocabulary's logits
 
 
@@ -227,6 +276,42 @@ def model_facts(model: nn.Module) -> tuple[dict[str, str], list[str], list[str]]
         name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features >= VOCABULARY
     ]
     return classes, blocks, vocabularies
+
+
+def inside(memory: StepMemory, prefix: str) -> StepMemory:
+    """``memory`` named as the model at ``prefix`` names its modules, for a model a wrapper holds (``memguard sweep``
+    wraps a plain model as its LightningModule's ``net``): ``net.layer1.0`` is ``layer1.0``, ``net`` itself
+    :data:`MODEL_LABEL`, the wrapper's own code (the loss) outside every module; the fixes then call
+    ``checkpoint_blocks(model, ...)`` on it.
+
+    Example:
+        >>> memory = StepMemory(0, 0, 0, 8, 8, False, Forward({"net.layer1.0": 8}, [("net.layer1.0", 8)]),
+        ...     {"": "Wrapper", "net": "ResNet", "net.layer1.0": "BasicBlock"}, ["net.layer1.0"], [])
+        >>> moved = inside(memory, "net")
+        >>> moved.forward.saved, moved.blocks, moved.classes[MODEL_LABEL], moved.plain
+        ({'layer1.0': 8}, ['layer1.0'], 'ResNet', True)
+    """
+
+    def name(n: str) -> str:
+        if n == prefix:
+            return MODEL_LABEL
+        if n.startswith(prefix + "."):
+            return n[len(prefix) + 1 :]
+        return "" if n == "" else n
+
+    forward = memory.forward
+    saved: dict[str, int] = {}
+    for module, size in forward.saved.items():
+        saved[name(module)] = saved.get(name(module), 0) + size
+    moved = Forward(
+        saved, [(name(m), b) for m, b in forward.events], [(name(m), n, a) for m, n, a in forward.marks],
+        forward.samples,
+    )  # fmt: skip
+    classes = {name(n): c for n, c in memory.classes.items() if n == prefix or n.startswith(prefix + ".")}
+    return dataclasses.replace(
+        memory, forward=moved, classes=classes, blocks=[name(b) for b in memory.blocks],
+        vocabularies=[name(v) for v in memory.vocabularies], plain=True,
+    )  # fmt: skip
 
 
 def resting_bytes(model: nn.Module, optimizers: list[Any]) -> tuple[int, int, int]:
@@ -329,6 +414,7 @@ def assemble(
             {k: round(v * scale) for k, v in forward.saved.items()},
             [(m, round(b * scale)) for m, b in forward.events],
             [(m, n, a) for m, n, a in forward.marks],
+            forward.samples,
         )
     activations = forward.total
     parts = weights + gradients + optimizer + activations

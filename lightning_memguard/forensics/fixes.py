@@ -4,11 +4,18 @@ A rule looks at the step's split and its top modules and answers a sentence, or 
 report lists every rule that applies, the one whose target holds most of the peak first: checkpoint the blocks
 holding the activations; compute a large vocabulary's logits and loss in chunks; a lighter optimizer state or
 sharding; then a smaller micro-batch (always, last).
+
+Where the card's capacity is known two causes come before them all, since no change to the batch or the activations
+helps: other processes holding the memory the step would fit in without them (:func:`others_fix`), and weights,
+gradients and optimizer state that alone, or beside other processes' memory, fill the card (:func:`resting_fix`:
+then it is the only fix with :func:`others_fix`, never checkpointing or a smaller micro-batch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from lightning_memguard.core.units import size_formatter
 
 OPTIMIZER_SHARE = 1 / 3  # optimizer state above this share of the peak is the thing to shrink
 OUTSIDE = ""  # the name of code outside every module (the loss, functional code in training_step)
@@ -24,8 +31,10 @@ def enclosing_blocks(modules: Sequence[str], blocks: Sequence[str]) -> list[str]
     return [b for b in blocks if any(m == b or m.startswith(b + ".") for m in modules)]
 
 
-def checkpoint_fix(top: Sequence[str], blocks: Sequence[str]) -> str | None:
-    """The top modules sit in blocks that ``checkpoint_blocks`` finds: checkpoint those.
+def checkpoint_fix(top: Sequence[str], blocks: Sequence[str], plain: bool = False) -> str | None:
+    """The top modules sit in blocks that ``checkpoint_blocks`` finds: checkpoint those, by the names the model
+    gives them (``plain``: a plain ``nn.Module``'s names, checkpointed with ``checkpoint_blocks``; else a
+    LightningModule's, with ``ActivationCheckpointing``).
 
     Example:
         >>> print(checkpoint_fix(["layer1.0.conv1"], ["layer1.0", "layer1.1"]))  # doctest: +NORMALIZE_WHITESPACE
@@ -33,11 +42,15 @@ def checkpoint_fix(top: Sequence[str], blocks: Sequence[str]) -> str | None:
         with ActivationCheckpointing()
         >>> checkpoint_fix(["head"], ["layer1.0"]) is None
         True
+        >>> checkpoint_fix(["layer1.0.conv1"], ["layer1.0"], plain=True).endswith('units=["layer1.0"])')
+        True
     """
     found = enclosing_blocks(top, blocks)
     if not found:
         return None
     quoted = ", ".join(f'"{b}"' for b in found)
+    if plain:
+        return f"checkpoint the blocks holding them ({', '.join(found)}): checkpoint_blocks(model, units=[{quoted}])"
     return (
         f"checkpoint the blocks holding them ({', '.join(found)}): ActivationCheckpointing(units=[{quoted}]), or"
         " every block with ActivationCheckpointing()"
@@ -77,6 +90,54 @@ def optimizer_fix(optimizer: int, peak: int) -> str | None:
     )
 
 
+def resting_fix(resting: int, capacity: int | None, others: int = 0) -> str | None:
+    """Weights, gradients and optimizer state (``resting``) that alone, or beside other processes' ``others``, fill
+    the card: no micro-batch fits and checkpointing frees nothing they hold; a lighter state, a smaller model or
+    sharding.
+
+    Example:
+        >>> print(resting_fix(134, 100))  # doctest: +NORMALIZE_WHITESPACE
+        weights, gradients and optimizer state alone hold 134 B of the card's 100 B, before any activation: no
+        micro-batch fits and checkpointing frees none of it. Shrink what holds it: a lighter optimizer state (SGD
+        without momentum, 8-bit Adam: bitsandbytes), a smaller model or weights in lower precision, or sharding
+        weights, gradients and optimizer state over several GPUs (FSDPStrategy, ModelParallelStrategy)
+        >>> resting_fix(60, 100) is None, resting_fix(60, 100, others=40) is None, resting_fix(60, None) is None
+        (True, False, True)
+    """
+    if capacity is None or resting + others < capacity:
+        return None
+    size = size_formatter(capacity, 2)
+    beside = f", beside other processes' {size(others)}," if others and resting < capacity else ""
+    return (
+        f"weights, gradients and optimizer state alone hold {size(resting)}{beside} of the card's {size(capacity)},"
+        " before any activation: no micro-batch fits and checkpointing frees none of it. Shrink what holds it: a"
+        " lighter optimizer state (SGD without momentum, 8-bit Adam: bitsandbytes), a smaller model or weights in"
+        " lower precision, or sharding weights, gradients and optimizer state over several GPUs (FSDPStrategy,"
+        " ModelParallelStrategy)"
+    )
+
+
+def others_fix(own: int, others: int, capacity: int | None) -> str | None:
+    """Other processes hold memory without which this process's peak (``own``) would fit the card: theirs is the
+    cause.
+
+    Example:
+        >>> print(others_fix(40, 70, 100))  # doctest: +NORMALIZE_WHITESPACE
+        other processes hold 70 B of the card's 100 B: this process's peak of 40 B would fit without them. Free
+        that memory (end those processes, see nvidia-smi) or run on a GPU of its own (CUDA_VISIBLE_DEVICES)
+        >>> others_fix(40, 50, 100) is None, others_fix(120, 70, 100) is None
+        (True, True)
+    """
+    if capacity is None or others <= 0 or own + others <= capacity or own > capacity:
+        return None
+    size = size_formatter(capacity, 2)
+    return (
+        f"other processes hold {size(others)} of the card's {size(capacity)}: this process's peak of {size(own)}"
+        " would fit without them. Free that memory (end those processes, see nvidia-smi) or run on a GPU of its"
+        " own (CUDA_VISIBLE_DEVICES)"
+    )
+
+
 def micro_batch_fix(advice: str | None = None) -> str:
     """A smaller micro-batch, with MemGuard's own figures where a run gave them.
 
@@ -96,9 +157,13 @@ def fixes(
     peak: int,
     advice: str | None = None,
     shares: Sequence[float] | None = None,
+    cause: Sequence[str] = (),
+    plain: bool = False,
 ) -> list[str]:
     """Every fix that applies, the one whose target holds the largest share of the peak first (``shares``: each top
     module's share, in ``top``'s order; without them, in the rules' order); the smaller micro-batch always last.
+    ``cause``: :func:`others_fix` and :func:`resting_fix` where they apply, first; where the resting state fills the
+    card, they are the only fixes. ``plain``: the names are a plain model's (:func:`checkpoint_fix`).
 
     Example:
         >>> fixes(["layer1.0.conv1"], ["layer1.0"], [], 0, 100)[0].startswith("checkpoint the blocks")
@@ -109,13 +174,15 @@ def fixes(
         >>> first.startswith("compute the logits")  # the loss's 60 % before a block's 2 %
         True
     """
+    if any(c.startswith("weights, gradients and optimizer state alone") for c in cause):
+        return list(cause)
     weight = dict(zip(top, shares, strict=True)) if shares is not None else {}
     in_blocks = sum(weight.get(m, 0.0) for m in top if enclosing_blocks([m], blocks))
     at_vocabulary = sum(weight.get(m, 0.0) for m in top if m == OUTSIDE or m in vocabularies)
     found = [
-        (in_blocks, checkpoint_fix(top, blocks)),
+        (in_blocks, checkpoint_fix(top, blocks, plain)),
         (at_vocabulary, vocabulary_fix(top, vocabularies)),
         (optimizer / peak if peak > 0 else 0.0, optimizer_fix(optimizer, peak)),
     ]
     ranked = sorted((f for f in found if f[1] is not None), key=lambda f: -f[0]) if shares is not None else found
-    return [f for _, f in ranked if f is not None] + [micro_batch_fix(advice)]
+    return [*cause, *(f for _, f in ranked if f is not None), micro_batch_fix(advice)]
