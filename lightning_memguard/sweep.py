@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import difflib
 import importlib
 import os
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -54,7 +57,8 @@ def model_source(text: str) -> ModelSource:
         return _own_model(text)
     import torchvision
 
-    if text in torchvision.models.list_models(module=torchvision.models):
+    names = torchvision.models.list_models(module=torchvision.models)
+    if text in names:
         try:  # the smallest size its weights were trained for: vit_b_16's only size, Inception's minimum
             sizes = [w.meta.get("min_size") for w in torchvision.models.get_model_weights(text)]
         except ValueError:  # a model without weights names none
@@ -70,12 +74,18 @@ def model_source(text: str) -> ModelSource:
         ) from None
     if not timm.is_model(text):
         raise ValueError(
-            f"unknown model {text!r}: neither a torchvision nor a timm classification model (such as resnet50, or"
-            " resnet10t); or give your own as package.module:Callable"
+            f"unknown model {text!r}{_did_you_mean(text, [*names, *timm.list_models()])}: neither a torchvision nor a"
+            " timm classification model (such as resnet50, or resnet10t); or give your own as package.module:Callable"
         )
     cfg = timm.get_pretrained_cfg(text)
     own = (cfg.min_input_size or cfg.input_size)[-1] if cfg is not None else None
     return ModelSource(text, "timm", partial(timm.create_model, text, pretrained=False, num_classes=1000), own)
+
+
+def _did_you_mean(text: str, names: Sequence[str]) -> str:
+    """ " (did you mean resnet50?)" where one of ``names`` is close to a mistyped ``text`` (restnet50), else ""."""
+    close = difflib.get_close_matches(text.lower(), names, n=1, cutoff=0.8)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 @contextlib.contextmanager
@@ -226,6 +236,30 @@ class _TimeStepsThatRan(Callback):
             trainer.should_stop = True
 
 
+class _CtrlC(Callback):
+    """Ctrl+C during a run, given back to the sweep as the ``KeyboardInterrupt`` it was: Lightning answers it inside
+    ``fit`` with ``sys.exit(1)``, and ignores Ctrl+C from then on, which would end the command with no table."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.pressed |= isinstance(exception, KeyboardInterrupt)
+
+    @contextlib.contextmanager
+    def given_back(self) -> Iterator[None]:
+        handler = signal.getsignal(signal.SIGINT)
+        try:
+            yield
+        except SystemExit:
+            if not self.pressed:
+                raise
+            raise KeyboardInterrupt from None
+        finally:
+            if self.pressed and handler is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, handler)  # Ctrl+C works again, as before the run
+
+
 def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
     """Train at ``batch``; return its row and the capacity in GB. Eager: ``warmup + steps`` optimizer steps, the
     first ``warmup`` untimed. Compiled: a fresh static graph for this size (``dynamic=False``), ``warmup`` steps, then
@@ -253,6 +287,8 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
     callbacks: list[Callback] = [c for c in (emu, guard, timer, warmup) if c is not None]
     if cfg.report is not None:  # measured on the first step, a warm-up step (untimed where there is one)
         callbacks.append(StepReport(cfg.report, f"memguard-report-batch={batch}"))
+    interrupt = _CtrlC()
+    callbacks.append(interrupt)
     trainer = Trainer(
         accelerator="cuda" if cuda else "cpu", devices=1, precision=cfg.precision,  # type: ignore[arg-type]
         max_steps=steps, max_epochs=-1 if source.lightning else 1, accumulate_grad_batches=cfg.accumulate,
@@ -261,7 +297,7 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
         default_root_dir=root,
     )  # fmt: skip
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), interrupt.given_back():
             warnings.simplefilter("ignore")
             trainer.fit(model)
     except torch.OutOfMemoryError:

@@ -552,3 +552,101 @@ def test_help_names_the_forms_of_model(monkeypatch, capsys):
             "a torchvision classification model's name (resnet50), else a timm model's (resnet10t; needs timm)" in text
         )
         assert "or your own as package.module:Callable" in text and "or a LightningModule" in text
+
+
+# ---------------------------------------------------------------- a mistyped argument answers before torch loads
+
+REFUSE_TORCH = (
+    "import sys\n"
+    "class Refuse:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name.split('.')[0] in ('torch', 'lightning', 'torchvision'):\n"
+    "            raise ImportError(f'{name} is being imported')\n"
+    "sys.meta_path.insert(0, Refuse())\n"
+    "from lightning_memguard.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["sweep", "--batch-sizes", "a,b"], "--batch-sizes must be integers separated by commas, got 'a,b'"),
+        (["sweep", "--batch-sizes", "0,32"], "--batch-sizes must be integers >= 1, got '0,32'"),
+        (["sweep", "--steps", "0"], "--steps must be >= 1, got 0"),
+        (["sweep", "--accumulate", "0"], "--accumulate must be >= 1, got 0"),
+        (["sweep", "--image-size", "-3"], "--image-size must be >= 1, got -3"),
+        (["sweep", "--emulate-capacity", "16XB"], "--emulate-capacity must be a number of bytes"),
+        (["sweep", "--compile-backend", "eager"], "--compile-backend needs --compile"),
+        (["sweep", "--compile", "--report", "reports"], "--report measures each module's memory through hooks"),
+        (["plan", "--effective-batch", "0"], "--effective-batch must be >= 1, got 0"),
+        (["plan", "--effective-batch", "8", "--min-micro-batch", "16"], "--min-micro-batch 16 is larger than"),
+        (["plan", "--effective-batch", "8", "--steps", "0"], "--steps must be >= 1, got 0"),
+    ],
+)
+def test_argument_errors_answer_without_importing_torch(tmp_path, argv, message):
+    # torch and Lightning cannot be imported in this process: the error must come before they would be
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", REFUSE_TORCH, *argv, "--out" if argv[0] == "sweep" else "--device",
+                           str(tmp_path / "out") if argv[0] == "sweep" else "cpu"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=60)  # fmt: skip
+    assert "is being imported" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2
+    assert message in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_a_mistyped_model_name_is_answered_with_the_name_meant(no_training, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _one_line_error(["sweep", "--model", "restnet50", "--device", "cpu"], capsys)
+    assert "unknown model 'restnet50' (did you mean resnet50?): neither a torchvision nor a timm" in err
+    err = _one_line_error(["sweep", "--model", "vit_tiny_patch16_22", "--device", "cpu"], capsys)  # a timm name
+    assert "(did you mean vit_tiny_patch16_224?)" in err
+
+
+# ---------------------------------------------------------------- Ctrl+C keeps what was measured
+
+
+def test_ctrl_c_during_a_sweep_keeps_the_rows_measured_and_says_so(monkeypatch, tmp_path, capsys):
+    from lightning_memguard import sweep
+    from lightning_memguard.core.report import SweepRow
+
+    def run_one(cfg, batch, root):
+        if batch == 32:
+            raise KeyboardInterrupt
+        return SweepRow(batch, 10.0, 0.1, batch * 100.0, "ok"), 1.0
+
+    monkeypatch.setattr(sweep, "run_one", run_one)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "sweep"
+    assert main(["sweep", *TINY, "--batch-sizes", "8,16,32,64", "--out", str(out)]) == 130
+    captured = capsys.readouterr()
+    assert "memguard sweep: interrupted (Ctrl+C) while measuring batch size 32; the table and sweep.csv hold the 2" \
+           " batch sizes measured before it" in captured.err  # fmt: skip
+    table = captured.out.splitlines()
+    assert [line.split()[0] for line in table[1:3]] == ["8", "16"]
+    assert [int(r["batch"]) for r in _csv_rows(out)] == [8, 16]
+    assert (out / "sweep.png").stat().st_size > 10_000
+
+
+def test_ctrl_c_inside_a_training_run_reaches_the_sweep_as_an_interrupt(tmp_path):
+    # Lightning turns Ctrl+C inside fit into sys.exit(1) and ignores Ctrl+C from then on: run_one gives it back
+    import signal
+
+    from lightning_memguard.sweep import ModelSource, SweepConfig, run_one
+    from lightning_memguard.testing import ImageClassifier
+
+    class PressesCtrlC(ImageClassifier):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                raise KeyboardInterrupt
+            return super().training_step(batch, batch_idx)
+
+    def build():
+        return PressesCtrlC("resnet18", num_classes=4, image_size=16, batch_size=2, steps_per_epoch=8)
+
+    source = ModelSource("tests:PressesCtrlC", "LightningModule", build)
+    cfg = SweepConfig("tests:PressesCtrlC", (2,), 16, "32-true", steps=3, warmup=1, device="cpu", source=source)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        run_one(cfg, 2, str(tmp_path))
+    assert signal.getsignal(signal.SIGINT) is before
