@@ -28,6 +28,7 @@ from lightning_memguard.callbacks import MemGuard
 from lightning_memguard.callbacks._memory_report import StepReport
 from lightning_memguard.core.files import written_atomically
 from lightning_memguard.core.report import SweepRow
+from lightning_memguard.core.units import GB, size_formatter, size_unit
 from lightning_memguard.testing import ImageClassifier, StepTimer, SysmemSpillEmulator
 
 
@@ -341,6 +342,9 @@ def plot(rows: Sequence[SweepRow], capacity_gb: float, path: str, title: str) ->
     import matplotlib.pyplot as plt
 
     ran = [r for r in rows if r.samples_per_sec is not None]
+    known = [capacity_gb] if capacity_gb > 0 else [r.peak_gb or 0.0 for r in ran]
+    unit, scale, _ = size_unit(max(known, default=1.0) * GB)
+    size = size_formatter(capacity_gb * GB, gb_digits=1)
     fig, ax = plt.subplots(figsize=(8, 4.8))
     ax.plot([r.batch for r in ran], [r.samples_per_sec or 0.0 for r in ran], "o-", color="tab:blue", label="samples/s")
     ax.set_xscale("log", base=2)
@@ -349,9 +353,10 @@ def plot(rows: Sequence[SweepRow], capacity_gb: float, path: str, title: str) ->
     ax.set_xlabel("batch size")
     ax.set_ylabel("samples/s", color="tab:blue")
     mem = ax.twinx()
-    mem.plot([r.batch for r in ran], [r.peak_gb or 0.0 for r in ran], "s--", color="tab:orange", label="peak memory")
-    mem.axhline(capacity_gb, color="tab:red", linewidth=1, label=f"capacity {capacity_gb:.1f} GB")
-    mem.set_ylabel("peak memory (GB)", color="tab:orange")
+    peaks = [(r.peak_gb or 0.0) * GB / scale for r in ran]
+    mem.plot([r.batch for r in ran], peaks, "s--", color="tab:orange", label="peak memory")
+    mem.axhline(capacity_gb * GB / scale, color="tab:red", linewidth=1, label=f"capacity {size(capacity_gb * GB)}")
+    mem.set_ylabel(f"peak memory ({unit})", color="tab:orange")
     bad = [r for r in rows if r.status != "ok"]
     if bad:
         ax.axvspan(min(r.batch for r in bad) / 1.2, max(r.batch for r in rows) * 1.2, color="tab:red", alpha=0.08)
@@ -380,7 +385,8 @@ def sweep_title(cfg: SweepConfig, device: str) -> str:
     if cfg.compile:
         extras.append(f"torch.compile ({cfg.compile}, one static graph per batch size)")
     if cfg.emulate_capacity:
-        extras.append(f"emulated {cfg.emulate_capacity / 1e9:.3g} GB card with sysmem fallback")
+        unit, scale, _ = size_unit(cfg.emulate_capacity)
+        extras.append(f"emulated {cfg.emulate_capacity / scale:.4g} {unit} card with sysmem fallback")
     return f"{cfg.model} on {device}: " + ", ".join(extras)
 
 

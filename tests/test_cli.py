@@ -357,8 +357,8 @@ def test_plan_prints_a_progress_line_per_trial_as_it_goes(monkeypatch, capsys):
     for i, lines in enumerate(progress[1:]):  # before the next trial starts, the last one's line is out
         assert len(lines) == 1, seen_before_each_trial
         size, accumulate = 4 * 2**i, 4 // 2**i
-        assert re.match(rf"memguard plan: +{size} x {accumulate} +ok +[\d.]+ samples/s  peak [\d.]+ GB  \([\d.]+ s\)$",
-                        lines[0])  # fmt: skip
+        row = rf"memguard plan: +{size} x {accumulate} +ok +[\d.]+ samples/s  peak [\d.]+ [kMG]?B  \([\d.]+ s\)$"
+        assert re.match(row, lines[0])
 
 
 # ---------------------------------------------------------------- the demo is never silent for long
@@ -650,3 +650,47 @@ def test_ctrl_c_inside_a_training_run_reaches_the_sweep_as_an_interrupt(tmp_path
     with pytest.raises(KeyboardInterrupt):
         run_one(cfg, 2, str(tmp_path))
     assert signal.getsignal(signal.SIGINT) is before
+
+
+# ---------------------------------------------------------------- sizes in the unit that fits a small or emulated card
+
+
+def test_a_sweep_on_a_small_emulated_card_writes_its_sizes_in_mb(monkeypatch, tmp_path, capsys):
+    import matplotlib.pyplot as plt
+
+    from lightning_memguard import sweep
+    from lightning_memguard.core.report import SweepRow
+
+    def run_one(cfg, batch, root):  # a card of 150 MB: 4 fits at 70 MB, 8 spills
+        row = SweepRow(batch, 10.0, 0.0703, 400.0, "ok") if batch == 4 else SweepRow(batch, 90.0, 0.1603, 89.0, "spill")
+        return row, 0.15
+
+    figures = []
+    monkeypatch.setattr(sweep, "run_one", run_one)
+    monkeypatch.setattr(plt, "close", figures.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["sweep", *TINY, "--batch-sizes", "4,8", "--emulate-capacity", "150MB", "--out", str(tmp_path)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[:4] == [
+        "batch    step ms    peak MB    samples/s  status",
+        "    4       10.0       70.3        400.0  ok",
+        "    8       90.0      160.3         89.0  spill",
+        "capacity: 150.0 MB",
+    ]
+    (figure,) = figures
+    ax, mem = figure.axes
+    assert ax.get_title() == "resnet18 on the CPU: 32-true, emulated 150 MB card with sysmem fallback"
+    assert mem.get_ylabel() == "peak memory (MB)"
+    assert [round(y, 1) for y in mem.lines[0].get_ydata()] == [70.3, 160.3]
+    assert "capacity 150.0 MB" in [t.get_text() for t in ax.get_legend().get_texts()]
+    plt.close(figure)
+
+
+def test_plan_writes_peaks_in_the_unit_of_the_emulated_card(monkeypatch):
+    from lightning_memguard.plan import PlanConfig, _size, trial_row
+    from lightning_memguard.tuning.search import TrialResult
+
+    cfg = PlanConfig(None, 10, 32, 16, 4, False, "32-true", False, None, 150_000_000, 1, 1)  # type: ignore[arg-type]
+    row = trial_row(TrialResult(8, 20.0, 70_312_000, 400.0, "ok", accumulate=2), _size(cfg))
+    assert row.endswith("400.0 samples/s  peak 70.3 MB")
+    assert trial_row(TrialResult(8, 20.0, 70_312_000, 400.0, "ok")).endswith("peak 70.3 MB")  # the CPU: its own unit

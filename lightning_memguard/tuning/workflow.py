@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memguard.callbacks._agreement import gather_rows
 from lightning_memguard.checkpointing import checkpoint_blocks, is_checkpointed
+from lightning_memguard.core.units import format_size
 from lightning_memguard.tuning.cache import ResultCache
 from lightning_memguard.tuning.cache_key import cache_key
 from lightning_memguard.tuning.epoch import EpochLength
@@ -375,7 +376,7 @@ def search(
                         row = sizes.results[i] = replace(row, accumulate=accumulate_for(row.size))
                     rank_zero_info(
                         f"{_name(tuner)}: size {row.size} not run: predicted peak"
-                        f" {(row.peak_bytes or 0) / 1e9:.2f} GB, clearly above the capacity"
+                        f" {format_size(row.peak_bytes or 0)}, clearly above the capacity"
                         f"{f'; trying {size} instead' if size is not None else ''}"
                     )
             said = len(sizes.results)
@@ -392,7 +393,7 @@ def search(
             noise = f" (±{result.spread * 100:.1f} %)" if result.spread is not None else ""
             rank_zero_info(
                 f"{_name(tuner)}: size {size} x {accumulate}: {result.outcome}, "
-                f"{result.samples_per_sec or 0:.1f} samples/s{noise}, peak {(result.peak_bytes or 0) / 1e9:.2f} GB"
+                f"{result.samples_per_sec or 0:.1f} samples/s{noise}, peak {format_size(result.peak_bytes or 0)}"
             )
     tuner._sigint = None
     tuner.margin = sizes.margin  # kept in the cache with the choice
@@ -459,10 +460,10 @@ def still_fits(trainer: Trainer, tuner: Tuner, samples_per_epoch: int | None) ->
     with _session(trainer, tuner.settings) as trials:
         check = _trial(trainer, tuner, trials, tuner.batch_size, tuner.accumulate_grad_batches or 1, steps=1)
     if not check.fits:
-        peak = (check.peak_bytes or 0) / 1e9
+        peak = format_size(check.peak_bytes or 0)
         rank_zero_warn(
             f"{_name(tuner)}: the earlier choice (batch size {tuner.batch_size} x"
-            f" {tuner.accumulate_grad_batches or 1}) no longer fits: {check.outcome}, peak {peak:.2f} GB on its"
+            f" {tuner.accumulate_grad_batches or 1}) no longer fits: {check.outcome}, peak {peak} on its"
             " first step; measuring again"
         )
     return check.fits
