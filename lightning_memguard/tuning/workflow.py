@@ -192,11 +192,14 @@ def choose_accumulation(trainer: Trainer, pl_module: LightningModule, tuner: Acc
         forget(tuner)
         tuner._restored = False
 
+    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules())
+
     def micro_batches() -> AccumulationSearch:
         settings = tuner.settings
         return AccumulationSearch(
-            [m for m, _ in pairs], settings.min_gain, settings.tolerance, forecast(trainer, tuner)
-        )
+            [m for m, _ in pairs], settings.min_gain, settings.tolerance, forecast(trainer, tuner),
+            batch_statistics=has_bn,
+        )  # fmt: skip
 
     def run_search() -> None:
         chosen = search(trainer, tuner, micro_batches(), steps_for.get)
@@ -221,13 +224,11 @@ def choose_accumulation(trainer: Trainer, pl_module: LightningModule, tuner: Acc
         "epoch": _epoch_fields(epoch),
     }
     decide(trainer, pl_module, tuner, extra, run_search, (1, tuner.per_device_batch))
-    if tuner.accumulate_grad_batches and tuner.accumulate_grad_batches > 1:
-        has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules())
-        if has_bn:
-            rank_zero_warn(
-                f"AccumulationTuner: the model has BatchNorm, whose statistics are now per micro-batch of"
-                f" {tuner.batch_size}, not per {tuner.per_device_batch}: not the same training as the direct batch"
-            )
+    if tuner.accumulate_grad_batches and tuner.accumulate_grad_batches > 1 and has_bn:
+        rank_zero_warn(
+            f"AccumulationTuner: the model has BatchNorm, whose statistics are now per micro-batch of"
+            f" {tuner.batch_size}, not per {tuner.per_device_batch}: not the same training as the direct batch"
+        )
     rank_zero_info(
         f"AccumulationTuner: micro-batch {tuner.batch_size} x accumulate_grad_batches"
         f" {tuner.accumulate_grad_batches} = {tuner.effective_batch_size} samples per optimizer step"
