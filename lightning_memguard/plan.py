@@ -16,8 +16,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_memguard.callbacks import AccumulationTuner
 from lightning_memguard.callbacks._memory_report import report_sizes
 from lightning_memguard.core.units import format_size, size_formatter
-from lightning_memguard.sweep import ModelSource, run_folders, training_module
-from lightning_memguard.testing import SysmemSpillEmulator
+from lightning_memguard.sweep import ModelSource, emulated_card, run_folders, training_module
 from lightning_memguard.tuning.search import TrialResult
 
 
@@ -81,7 +80,7 @@ class _Progress(Callback):
 def run_plan(cfg: PlanConfig, smallest: int) -> int:
     """Measures, then prints the choice, what it is expected to run at, every trial and the lines to paste; 1 (with
     the reason on stderr) where nothing fits. ``smallest``: the smallest micro-batch the search may try."""
-    emu = SysmemSpillEmulator(capacity=cfg.capacity) if cfg.capacity else None
+    emu = emulated_card(cfg.capacity, cfg.cuda)
     progress = _Progress()
     tuner = AccumulationTuner(cfg.effective_batch, min_micro_batch=cfg.min_micro_batch, allow_checkpointing=True,
                               probe=emu.probe if emu is not None else None, cache=False, warmup_steps=cfg.warmup,

@@ -191,6 +191,19 @@ class SweepConfig:
     report: str | None = None  # a folder for a memory report per batch size (None: none)
 
 
+CPU_SPILL_COST = 5  # on the CPU a spilled byte costs, each way, 5x the step's time per byte saved: see emulated_card
+
+
+def emulated_card(capacity: int | None, cuda: bool) -> SysmemSpillEmulator | None:
+    """The card ``--emulate-capacity`` names (None: none). On CUDA its spilled tensors cross PCIe for real; on the
+    CPU their round trip is charged relative to the step's own time (``spill_cost``), as a spill slows a card: at a
+    fixed 25 GB/s it would vanish in the CPU's slow compute, and a larger batch, spilling, would still look faster
+    beside its "cliff: spill" mark."""
+    if not capacity:
+        return None
+    return SysmemSpillEmulator(capacity=capacity, spill_cost=None if cuda else CPU_SPILL_COST)
+
+
 MAX_COMPILE_STEPS = 20  # a compiled run that keeps compiling is timed on what it has after this many more steps
 
 
@@ -278,7 +291,7 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
     if cfg.compile is not None:
         _compiler.forget_compiled()  # this size's own graph, compiled (and timed) here
         model = torch.compile(model, backend=cfg.compile, dynamic=False)  # type: ignore[assignment]
-    emu = SysmemSpillEmulator(capacity=cfg.emulate_capacity) if cfg.emulate_capacity else None
+    emu = emulated_card(cfg.emulate_capacity, cuda)
     guard = MemGuard(
         probe=emu.probe if emu is not None else None, on_spill="warn", warmup_steps=1, reference_steps=2,
         memory_report=False,

@@ -694,3 +694,25 @@ def test_plan_writes_peaks_in_the_unit_of_the_emulated_card(monkeypatch):
     row = trial_row(TrialResult(8, 20.0, 70_312_000, 400.0, "ok", accumulate=2), _size(cfg))
     assert row.endswith("400.0 samples/s  peak 70.3 MB")
     assert trial_row(TrialResult(8, 20.0, 70_312_000, 400.0, "ok")).endswith("peak 70.3 MB")  # the CPU: its own unit
+
+
+def test_a_cpu_sweep_on_an_emulated_card_shows_the_spill_as_a_slowdown():
+    """On the CPU a fixed 25 GB/s transfer vanished in the compute and the spilling size ran faster per sample under
+    its "cliff: spill" mark; charged relative to the step's own time, the spill slows it down as on a card (8 samples
+    spilling most of their activations: about 9x slower a step, more than a larger batch gains on any CPU)."""
+    from torch import nn
+
+    from lightning_memguard.sweep import ModelSource, SweepConfig, run_one
+
+    def build():
+        return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))  # fmt: skip
+
+    source = ModelSource("tests:convnet", "network", build)
+    cfg = SweepConfig("tests:convnet", (2, 16), 32, "32-true", steps=2, warmup=1, emulate_capacity=2 * 10**6,
+                      device="cpu", num_classes=10, source=source)  # fmt: skip
+    with tempfile.TemporaryDirectory() as root:
+        fits, _ = run_one(cfg, 2, root)
+        spills, _ = run_one(cfg, 16, root)
+    assert (fits.status, spills.status) == ("ok", "spill")
+    assert spills.samples_per_sec < fits.samples_per_sec
