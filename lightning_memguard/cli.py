@@ -45,6 +45,9 @@ def _on_both(field: str, unit: str = "") -> str:
     return f"default: {getattr(CUDA_DEFAULTS, field)}{unit} on CUDA, {getattr(CPU_DEFAULTS, field)}{unit} on the CPU"
 
 
+INTERRUPTED = 130  # the exit code of a command stopped by Ctrl+C, as a shell gives it
+
+
 class UsageError(Exception):
     """Bad input: reported on one line with exit code 2."""
 
@@ -385,6 +388,30 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_before_torch(args: argparse.Namespace) -> None:
+    """Sweep's and plan's input that can be checked without torch, checked first: importing torch takes seconds, and a
+    mistyped argument should answer at once. The model, the device and the compile backend need torch, and come
+    after."""
+    if getattr(args, "batch_sizes", None) is not None:
+        _batch_sizes(args.batch_sizes)
+    for flag, name in (("--image-size", "image_size"), ("--accumulate", "accumulate"), ("--steps", "steps"),
+                       ("--steps", "trial_steps"), ("--effective-batch", "effective_batch"),
+                       ("--min-micro-batch", "min_micro_batch")):  # fmt: skip
+        if getattr(args, name, None) is not None:
+            _positive(flag, getattr(args, name))
+    if args.command == "plan" and args.min_micro_batch > args.effective_batch:
+        raise UsageError(
+            f"--min-micro-batch {args.min_micro_batch} is larger than --effective-batch {args.effective_batch}: no"
+            f" micro-batch can be; lower --min-micro-batch to at most {args.effective_batch}"
+        )
+    _capacity(args.emulate_capacity)
+    if args.compile_backend is not None and not args.compile:
+        raise UsageError("--compile-backend needs --compile")
+    if args.command == "sweep":
+        _writable(args.out)
+    _report_folder(args.report, "--compile" if args.compile else None)
+
+
 def _sweep(args: argparse.Namespace) -> int:
     cuda = _use_cuda(args.device)
     given_size = args.image_size is not None
@@ -418,11 +445,23 @@ def _sweep(args: argparse.Namespace) -> int:
                       args.accumulate, args.steps, warmup, capacity, args.device, backend, model.num_classes,
                       source, report)  # fmt: skip
     rows, capacity_gb = [], 0.0
+    interrupted: int | None = None  # the batch size being measured when Ctrl+C came
     with run_folders() as root, tqdm(sizes, desc="memguard sweep", unit="batch size", file=sys.stderr) as bar:
-        for batch in bar:
-            bar.set_postfix_str(f"batch {batch}")  # the size being measured, shown while it trains
-            row, capacity_gb = run_one(cfg, batch, root)
-            rows.append(row)
+        try:
+            for batch in bar:
+                bar.set_postfix_str(f"batch {batch}")  # the size being measured, shown while it trains
+                interrupted = batch
+                row, capacity_gb = run_one(cfg, batch, root)
+                rows.append(row)
+            interrupted = None
+        except KeyboardInterrupt:  # keep what was measured: the rows so far are the table
+            pass
+    if interrupted is not None:
+        kept = f"the table and sweep.csv hold the {_steps(len(rows), 'batch size')} measured before it"
+        print(f"memguard sweep: interrupted (Ctrl+C) while measuring batch size {interrupted}; "
+              + (kept if rows else "nothing was measured, nothing written"), file=sys.stderr, flush=True)  # fmt: skip
+        if not rows:
+            return INTERRUPTED
     print(format_sweep_table(rows, capacity_gb))
     write_csv(rows, os.path.join(out, "sweep.csv"))
     device = torch.cuda.get_device_name() if cuda else "the CPU"
@@ -431,7 +470,7 @@ def _sweep(args: argparse.Namespace) -> int:
         print(f"wrote {os.path.join(out, 'sweep.csv')} and {png}")
     else:
         print(f"wrote {os.path.join(out, 'sweep.csv')} (install matplotlib for the plot)")
-    return 0
+    return 0 if interrupted is None else INTERRUPTED
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -490,13 +529,15 @@ def _quiet_lightning(quiet: bool) -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    with _quiet_lightning(args.command in ("sweep", "plan") and not args.verbose):
-        return _run(args)
+    return _run(build_parser().parse_args(argv))
 
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        if args.command in ("sweep", "plan"):
+            _check_before_torch(args)
+            with _quiet_lightning(not args.verbose):
+                return _sweep(args) if args.command == "sweep" else _plan(args)
         if args.command == "demo":
             if args.epochs is not None:
                 _positive("--epochs", args.epochs)
@@ -511,11 +552,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"memguard demo: imported in {time.perf_counter() - started:.1f} s", flush=True)
             run_demo(args.device, args.epochs, args.out)
             return 0
-        if args.command == "doctor":
-            return _doctor(args)
-        if args.command == "sweep":
-            return _sweep(args)
-        return _plan(args)
+        return _doctor(args)
     except UsageError as err:
         print(f"memguard: error: {err}", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +15,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_memguard.callbacks import AccumulationTuner
 from lightning_memguard.callbacks._memory_report import report_sizes
-from lightning_memguard.sweep import ModelSource, run_folders, training_module
-from lightning_memguard.testing import SysmemSpillEmulator
+from lightning_memguard.core.units import format_size, size_formatter
+from lightning_memguard.sweep import ModelSource, emulated_card, run_folders, training_module
 from lightning_memguard.tuning.search import TrialResult
 
 
@@ -64,6 +64,7 @@ class _Progress(Callback):
     takes a while, and would otherwise be silent until the end."""
 
     tuner: AccumulationTuner
+    size: Callable[[float], str] | None = None  # writes a peak in bytes
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.started = time.perf_counter()
@@ -71,19 +72,20 @@ class _Progress(Callback):
     def __call__(self, result: TrialResult) -> None:
         took = time.perf_counter() - self.started
         checkpointed = ", activation checkpointing on" if self.tuner.checkpointing else ""
-        print(f"memguard plan: {trial_row(result)}  ({took:.1f} s{checkpointed})", file=sys.stderr, flush=True)
+        print(f"memguard plan: {trial_row(result, self.size)}  ({took:.1f} s{checkpointed})", file=sys.stderr,
+              flush=True)  # fmt: skip
         self.started = time.perf_counter()
 
 
 def run_plan(cfg: PlanConfig, smallest: int) -> int:
     """Measures, then prints the choice, what it is expected to run at, every trial and the lines to paste; 1 (with
     the reason on stderr) where nothing fits. ``smallest``: the smallest micro-batch the search may try."""
-    emu = SysmemSpillEmulator(capacity=cfg.capacity) if cfg.capacity else None
+    emu = emulated_card(cfg.capacity, cfg.cuda)
     progress = _Progress()
     tuner = AccumulationTuner(cfg.effective_batch, min_micro_batch=cfg.min_micro_batch, allow_checkpointing=True,
                               probe=emu.probe if emu is not None else None, cache=False, warmup_steps=cfg.warmup,
                               timed_steps=cfg.steps, on_trial=progress)  # fmt: skip
-    progress.tuner = tuner
+    progress.tuner, progress.size = tuner, _size(cfg)
     module = training_module(cfg.source, cfg.num_classes, cfg.image_size or 0, cfg.effective_batch, 64,
                              cfg.channels_last)  # fmt: skip
     stop = _StopBeforeTraining(tuner, cfg.report)
@@ -110,14 +112,15 @@ def run_plan(cfg: PlanConfig, smallest: int) -> int:
     extra = ", with activation checkpointing" if tuner.checkpointing else ""
     print(f"effective batch {cfg.effective_batch}: micro-batch {tuner.batch_size} x accumulate_grad_batches "
           f"{tuner.accumulate_grad_batches}{extra}")  # fmt: skip
-    print(f"expected: {chosen.samples_per_sec:.1f} samples/s, peak {(chosen.peak_bytes or 0) / 1e9:.2f} GB")
+    size = _size(cfg)
+    print(f"expected: {chosen.samples_per_sec:.1f} samples/s, peak {size(chosen.peak_bytes or 0)}")
     if cfg.backend is not None:
         print(
             f"compiled ({cfg.backend}): the search took {tuner.search_s:.1f} s, {tuner.compile_s:.1f} s of it compiling"
         )
     print("measured:")
     for r in tuner.results:
-        print(f"  {trial_row(r)}")
+        print(f"  {trial_row(r, size)}")
     print("paste:")
     print(f"  model.batch_size = {tuner.batch_size}")
     lines = f"Trainer(accumulate_grad_batches={tuner.accumulate_grad_batches}, callbacks=[MemGuard()"
@@ -128,11 +131,22 @@ def run_plan(cfg: PlanConfig, smallest: int) -> int:
     return 0
 
 
-def trial_row(r: Any) -> str:
-    """One trial of plan's search: micro-batch x accumulation, outcome, throughput, peak memory."""
+def _size(cfg: PlanConfig) -> Callable[[float], str]:
+    """Peak memory in the unit that fits the card (an emulated one's capacity, the GPU's memory): "70.3 MB" on a card
+    of 150 MB, not "0.07 GB"; on the CPU, each figure in its own."""
+    capacity = cfg.capacity or (torch.cuda.get_device_properties(0).total_memory if cfg.cuda else None)
+    if capacity is not None:
+        return size_formatter(capacity, gb_digits=2)
+    return format_size
+
+
+def trial_row(r: Any, size: Callable[[float], str] | None = None) -> str:
+    """One trial of plan's search: micro-batch x accumulation, outcome, throughput, peak memory (``size`` writes it;
+    by default in the unit that fits it)."""
+    size = size or format_size
     compiled = f"  compiled, {r.compile_s:.1f} s compiling" if r.compiled else ""
     return (f"{r.size:>5} x {r.accumulate:<3} {r.outcome:<13} {r.samples_per_sec or 0:>10.1f} samples/s"
-            f"  peak {(r.peak_bytes or 0) / 1e9:.2f} GB{compiled}")  # fmt: skip
+            f"  peak {size(r.peak_bytes or 0)}{compiled}")  # fmt: skip
 
 
 def _nothing_fits(cfg: PlanConfig, results: Sequence[Any], smallest: int) -> str:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import difflib
 import importlib
 import os
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ from lightning_memguard.callbacks import MemGuard
 from lightning_memguard.callbacks._memory_report import StepReport
 from lightning_memguard.core.files import written_atomically
 from lightning_memguard.core.report import SweepRow
+from lightning_memguard.core.units import GB, size_formatter, size_unit
 from lightning_memguard.testing import ImageClassifier, StepTimer, SysmemSpillEmulator
 
 
@@ -54,7 +58,8 @@ def model_source(text: str) -> ModelSource:
         return _own_model(text)
     import torchvision
 
-    if text in torchvision.models.list_models(module=torchvision.models):
+    names = torchvision.models.list_models(module=torchvision.models)
+    if text in names:
         try:  # the smallest size its weights were trained for: vit_b_16's only size, Inception's minimum
             sizes = [w.meta.get("min_size") for w in torchvision.models.get_model_weights(text)]
         except ValueError:  # a model without weights names none
@@ -70,12 +75,18 @@ def model_source(text: str) -> ModelSource:
         ) from None
     if not timm.is_model(text):
         raise ValueError(
-            f"unknown model {text!r}: neither a torchvision nor a timm classification model (such as resnet50, or"
-            " resnet10t); or give your own as package.module:Callable"
+            f"unknown model {text!r}{_did_you_mean(text, [*names, *timm.list_models()])}: neither a torchvision nor a"
+            " timm classification model (such as resnet50, or resnet10t); or give your own as package.module:Callable"
         )
     cfg = timm.get_pretrained_cfg(text)
     own = (cfg.min_input_size or cfg.input_size)[-1] if cfg is not None else None
     return ModelSource(text, "timm", partial(timm.create_model, text, pretrained=False, num_classes=1000), own)
+
+
+def _did_you_mean(text: str, names: Sequence[str]) -> str:
+    """ " (did you mean resnet50?)" where one of ``names`` is close to a mistyped ``text`` (restnet50), else ""."""
+    close = difflib.get_close_matches(text.lower(), names, n=1, cutoff=0.8)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 @contextlib.contextmanager
@@ -180,6 +191,19 @@ class SweepConfig:
     report: str | None = None  # a folder for a memory report per batch size (None: none)
 
 
+CPU_SPILL_COST = 5  # on the CPU a spilled byte costs, each way, 5x the step's time per byte saved: see emulated_card
+
+
+def emulated_card(capacity: int | None, cuda: bool) -> SysmemSpillEmulator | None:
+    """The card ``--emulate-capacity`` names (None: none). On CUDA its spilled tensors cross PCIe for real; on the
+    CPU their round trip is charged relative to the step's own time (``spill_cost``), as a spill slows a card: at a
+    fixed 25 GB/s it would vanish in the CPU's slow compute, and a larger batch, spilling, would still look faster
+    beside its "cliff: spill" mark."""
+    if not capacity:
+        return None
+    return SysmemSpillEmulator(capacity=capacity, spill_cost=None if cuda else CPU_SPILL_COST)
+
+
 MAX_COMPILE_STEPS = 20  # a compiled run that keeps compiling is timed on what it has after this many more steps
 
 
@@ -226,6 +250,30 @@ class _TimeStepsThatRan(Callback):
             trainer.should_stop = True
 
 
+class _CtrlC(Callback):
+    """Ctrl+C during a run, given back to the sweep as the ``KeyboardInterrupt`` it was: Lightning answers it inside
+    ``fit`` with ``sys.exit(1)``, and ignores Ctrl+C from then on, which would end the command with no table."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.pressed |= isinstance(exception, KeyboardInterrupt)
+
+    @contextlib.contextmanager
+    def given_back(self) -> Iterator[None]:
+        handler = signal.getsignal(signal.SIGINT)
+        try:
+            yield
+        except SystemExit:
+            if not self.pressed:
+                raise
+            raise KeyboardInterrupt from None
+        finally:
+            if self.pressed and handler is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, handler)  # Ctrl+C works again, as before the run
+
+
 def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
     """Train at ``batch``; return its row and the capacity in GB. Eager: ``warmup + steps`` optimizer steps, the
     first ``warmup`` untimed. Compiled: a fresh static graph for this size (``dynamic=False``), ``warmup`` steps, then
@@ -243,7 +291,7 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
     if cfg.compile is not None:
         _compiler.forget_compiled()  # this size's own graph, compiled (and timed) here
         model = torch.compile(model, backend=cfg.compile, dynamic=False)  # type: ignore[assignment]
-    emu = SysmemSpillEmulator(capacity=cfg.emulate_capacity) if cfg.emulate_capacity else None
+    emu = emulated_card(cfg.emulate_capacity, cuda)
     guard = MemGuard(
         probe=emu.probe if emu is not None else None, on_spill="warn", warmup_steps=1, reference_steps=2,
         memory_report=False,
@@ -255,6 +303,8 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
         # named as the user's model names its modules, not through the wrapper built here
         within = "" if source.lightning else "net"
         callbacks.append(StepReport(cfg.report, f"memguard-report-batch={batch}", within=within))
+    interrupt = _CtrlC()
+    callbacks.append(interrupt)
     trainer = Trainer(
         accelerator="cuda" if cuda else "cpu", devices=1, precision=cfg.precision,  # type: ignore[arg-type]
         max_steps=steps, max_epochs=-1 if source.lightning else 1, accumulate_grad_batches=cfg.accumulate,
@@ -263,7 +313,7 @@ def run_one(cfg: SweepConfig, batch: int, root: str) -> tuple[SweepRow, float]:
         default_root_dir=root,
     )  # fmt: skip
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), interrupt.given_back():
             warnings.simplefilter("ignore")
             trainer.fit(model)
     except torch.OutOfMemoryError:
@@ -307,6 +357,9 @@ def plot(rows: Sequence[SweepRow], capacity_gb: float, path: str, title: str) ->
     import matplotlib.pyplot as plt
 
     ran = [r for r in rows if r.samples_per_sec is not None]
+    known = [capacity_gb] if capacity_gb > 0 else [r.peak_gb or 0.0 for r in ran]
+    unit, scale, _ = size_unit(max(known, default=1.0) * GB)
+    size = size_formatter(capacity_gb * GB, gb_digits=1)
     fig, ax = plt.subplots(figsize=(8, 4.8))
     ax.plot([r.batch for r in ran], [r.samples_per_sec or 0.0 for r in ran], "o-", color="tab:blue", label="samples/s")
     ax.set_xscale("log", base=2)
@@ -315,9 +368,10 @@ def plot(rows: Sequence[SweepRow], capacity_gb: float, path: str, title: str) ->
     ax.set_xlabel("batch size")
     ax.set_ylabel("samples/s", color="tab:blue")
     mem = ax.twinx()
-    mem.plot([r.batch for r in ran], [r.peak_gb or 0.0 for r in ran], "s--", color="tab:orange", label="peak memory")
-    mem.axhline(capacity_gb, color="tab:red", linewidth=1, label=f"capacity {capacity_gb:.1f} GB")
-    mem.set_ylabel("peak memory (GB)", color="tab:orange")
+    peaks = [(r.peak_gb or 0.0) * GB / scale for r in ran]
+    mem.plot([r.batch for r in ran], peaks, "s--", color="tab:orange", label="peak memory")
+    mem.axhline(capacity_gb * GB / scale, color="tab:red", linewidth=1, label=f"capacity {size(capacity_gb * GB)}")
+    mem.set_ylabel(f"peak memory ({unit})", color="tab:orange")
     bad = [r for r in rows if r.status != "ok"]
     if bad:
         ax.axvspan(min(r.batch for r in bad) / 1.2, max(r.batch for r in rows) * 1.2, color="tab:red", alpha=0.08)
@@ -346,7 +400,8 @@ def sweep_title(cfg: SweepConfig, device: str) -> str:
     if cfg.compile:
         extras.append(f"torch.compile ({cfg.compile}, one static graph per batch size)")
     if cfg.emulate_capacity:
-        extras.append(f"emulated {cfg.emulate_capacity / 1e9:.3g} GB card with sysmem fallback")
+        unit, scale, _ = size_unit(cfg.emulate_capacity)
+        extras.append(f"emulated {cfg.emulate_capacity / scale:.4g} {unit} card with sysmem fallback")
     return f"{cfg.model} on {device}: " + ", ".join(extras)
 
 

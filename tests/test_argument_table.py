@@ -163,6 +163,8 @@ ROWS = [
     *each(BLOCKS, {"compile_settings": (1.5,)}, ValueError, r"`compile_settings` must be fractions in \(0, 1\]"),
     ("checkpoint_blocks", {"compile_settings": (math.nan,)}, ValueError, r"`compile_settings` must be a finite number"),
     ("SysmemSpillEmulator", {"sleep": 3}, TypeError, r"`sleep` must be a callable taking seconds, got 3"),
+    ("SysmemSpillEmulator", {"clock": 3}, TypeError, r"`clock` must be a callable returning seconds, got 3"),
+    ("SysmemSpillEmulator", {"spill_cost": 0}, ValueError, r"`spill_cost` must be a number > 0, got 0"),
     *each(GUARD_AND_TUNERS, {"clock": 3}, TypeError, r"`clock` must be .*callable.*got 3"),
     *each(
         GUARD_AND_TUNERS,

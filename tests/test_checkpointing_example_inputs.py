@@ -282,3 +282,34 @@ def test_the_refusal_names_both_ways_when_no_inputs_can_be_had(tmp_path, model, 
         warnings.simplefilter("ignore")
         trainer.fit(model)
     assert not _checkpointed(model)
+
+
+class NoBlocks(LightningModule):
+    """One linear layer: nothing to checkpoint, whatever the inputs."""
+
+    def __init__(self, example: bool) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 2)
+        if example:
+            self.example_input_array = torch.randn(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(list(zip(torch.randn(8, 8), torch.randint(0, 2, (8,)), strict=True)), batch_size=4)
+
+
+@pytest.mark.parametrize("example", [False, True], ids=["first-batch", "example_input_array"])
+def test_a_budget_on_a_model_without_blocks_says_no_blocks_found_first(tmp_path, example):
+    """Nothing to checkpoint: the error says so, and does not send the user to set inputs that would not help."""
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[ActivationCheckpointing(memory_budget=0.5)]))
+    with pytest.raises(ValueError, match=r"^ActivationCheckpointing: no blocks to checkpoint found in NoBlocks") as err:
+        trainer.fit(NoBlocks(example))
+    assert "example_input_array" not in str(err.value)

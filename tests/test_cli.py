@@ -357,8 +357,8 @@ def test_plan_prints_a_progress_line_per_trial_as_it_goes(monkeypatch, capsys):
     for i, lines in enumerate(progress[1:]):  # before the next trial starts, the last one's line is out
         assert len(lines) == 1, seen_before_each_trial
         size, accumulate = 4 * 2**i, 4 // 2**i
-        assert re.match(rf"memguard plan: +{size} x {accumulate} +ok +[\d.]+ samples/s  peak [\d.]+ GB  \([\d.]+ s\)$",
-                        lines[0])  # fmt: skip
+        row = rf"memguard plan: +{size} x {accumulate} +ok +[\d.]+ samples/s  peak [\d.]+ [kMG]?B  \([\d.]+ s\)$"
+        assert re.match(row, lines[0])
 
 
 # ---------------------------------------------------------------- the demo is never silent for long
@@ -552,3 +552,167 @@ def test_help_names_the_forms_of_model(monkeypatch, capsys):
             "a torchvision classification model's name (resnet50), else a timm model's (resnet10t; needs timm)" in text
         )
         assert "or your own as package.module:Callable" in text and "or a LightningModule" in text
+
+
+# ---------------------------------------------------------------- a mistyped argument answers before torch loads
+
+REFUSE_TORCH = (
+    "import sys\n"
+    "class Refuse:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name.split('.')[0] in ('torch', 'lightning', 'torchvision'):\n"
+    "            raise ImportError(f'{name} is being imported')\n"
+    "sys.meta_path.insert(0, Refuse())\n"
+    "from lightning_memguard.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["sweep", "--batch-sizes", "a,b"], "--batch-sizes must be integers separated by commas, got 'a,b'"),
+        (["sweep", "--batch-sizes", "0,32"], "--batch-sizes must be integers >= 1, got '0,32'"),
+        (["sweep", "--steps", "0"], "--steps must be >= 1, got 0"),
+        (["sweep", "--accumulate", "0"], "--accumulate must be >= 1, got 0"),
+        (["sweep", "--image-size", "-3"], "--image-size must be >= 1, got -3"),
+        (["sweep", "--emulate-capacity", "16XB"], "--emulate-capacity must be a number of bytes"),
+        (["sweep", "--compile-backend", "eager"], "--compile-backend needs --compile"),
+        (["sweep", "--compile", "--report", "reports"], "--report measures each module's memory through hooks"),
+        (["plan", "--effective-batch", "0"], "--effective-batch must be >= 1, got 0"),
+        (["plan", "--effective-batch", "8", "--min-micro-batch", "16"], "--min-micro-batch 16 is larger than"),
+        (["plan", "--effective-batch", "8", "--steps", "0"], "--steps must be >= 1, got 0"),
+    ],
+)
+def test_argument_errors_answer_without_importing_torch(tmp_path, argv, message):
+    # torch and Lightning cannot be imported in this process: the error must come before they would be
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", REFUSE_TORCH, *argv, "--out" if argv[0] == "sweep" else "--device",
+                           str(tmp_path / "out") if argv[0] == "sweep" else "cpu"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=60)  # fmt: skip
+    assert "is being imported" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2
+    assert message in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_a_mistyped_model_name_is_answered_with_the_name_meant(no_training, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _one_line_error(["sweep", "--model", "restnet50", "--device", "cpu"], capsys)
+    assert "unknown model 'restnet50' (did you mean resnet50?): neither a torchvision nor a timm" in err
+    err = _one_line_error(["sweep", "--model", "vit_tiny_patch16_22", "--device", "cpu"], capsys)  # a timm name
+    assert "(did you mean vit_tiny_patch16_224?)" in err
+
+
+# ---------------------------------------------------------------- Ctrl+C keeps what was measured
+
+
+def test_ctrl_c_during_a_sweep_keeps_the_rows_measured_and_says_so(monkeypatch, tmp_path, capsys):
+    from lightning_memguard import sweep
+    from lightning_memguard.core.report import SweepRow
+
+    def run_one(cfg, batch, root):
+        if batch == 32:
+            raise KeyboardInterrupt
+        return SweepRow(batch, 10.0, 0.1, batch * 100.0, "ok"), 1.0
+
+    monkeypatch.setattr(sweep, "run_one", run_one)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "sweep"
+    assert main(["sweep", *TINY, "--batch-sizes", "8,16,32,64", "--out", str(out)]) == 130
+    captured = capsys.readouterr()
+    assert "memguard sweep: interrupted (Ctrl+C) while measuring batch size 32; the table and sweep.csv hold the 2" \
+           " batch sizes measured before it" in captured.err  # fmt: skip
+    table = captured.out.splitlines()
+    assert [line.split()[0] for line in table[1:3]] == ["8", "16"]
+    assert [int(r["batch"]) for r in _csv_rows(out)] == [8, 16]
+    assert (out / "sweep.png").stat().st_size > 10_000
+
+
+def test_ctrl_c_inside_a_training_run_reaches_the_sweep_as_an_interrupt(tmp_path):
+    # Lightning turns Ctrl+C inside fit into sys.exit(1) and ignores Ctrl+C from then on: run_one gives it back
+    import signal
+
+    from lightning_memguard.sweep import ModelSource, SweepConfig, run_one
+    from lightning_memguard.testing import ImageClassifier
+
+    class PressesCtrlC(ImageClassifier):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                raise KeyboardInterrupt
+            return super().training_step(batch, batch_idx)
+
+    def build():
+        return PressesCtrlC("resnet18", num_classes=4, image_size=16, batch_size=2, steps_per_epoch=8)
+
+    source = ModelSource("tests:PressesCtrlC", "LightningModule", build)
+    cfg = SweepConfig("tests:PressesCtrlC", (2,), 16, "32-true", steps=3, warmup=1, device="cpu", source=source)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        run_one(cfg, 2, str(tmp_path))
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+# ---------------------------------------------------------------- sizes in the unit that fits a small or emulated card
+
+
+def test_a_sweep_on_a_small_emulated_card_writes_its_sizes_in_mb(monkeypatch, tmp_path, capsys):
+    import matplotlib.pyplot as plt
+
+    from lightning_memguard import sweep
+    from lightning_memguard.core.report import SweepRow
+
+    def run_one(cfg, batch, root):  # a card of 150 MB: 4 fits at 70 MB, 8 spills
+        row = SweepRow(batch, 10.0, 0.0703, 400.0, "ok") if batch == 4 else SweepRow(batch, 90.0, 0.1603, 89.0, "spill")
+        return row, 0.15
+
+    figures = []
+    monkeypatch.setattr(sweep, "run_one", run_one)
+    monkeypatch.setattr(plt, "close", figures.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["sweep", *TINY, "--batch-sizes", "4,8", "--emulate-capacity", "150MB", "--out", str(tmp_path)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[:4] == [
+        "batch    step ms    peak MB    samples/s  status",
+        "    4       10.0       70.3        400.0  ok",
+        "    8       90.0      160.3         89.0  spill",
+        "capacity: 150.0 MB",
+    ]
+    (figure,) = figures
+    ax, mem = figure.axes
+    assert ax.get_title() == "resnet18 on the CPU: 32-true, emulated 150 MB card with sysmem fallback"
+    assert mem.get_ylabel() == "peak memory (MB)"
+    assert [round(y, 1) for y in mem.lines[0].get_ydata()] == [70.3, 160.3]
+    assert "capacity 150.0 MB" in [t.get_text() for t in ax.get_legend().get_texts()]
+    plt.close(figure)
+
+
+def test_plan_writes_peaks_in_the_unit_of_the_emulated_card(monkeypatch):
+    from lightning_memguard.plan import PlanConfig, _size, trial_row
+    from lightning_memguard.tuning.search import TrialResult
+
+    cfg = PlanConfig(None, 10, 32, 16, 4, False, "32-true", False, None, 150_000_000, 1, 1)  # type: ignore[arg-type]
+    row = trial_row(TrialResult(8, 20.0, 70_312_000, 400.0, "ok", accumulate=2), _size(cfg))
+    assert row.endswith("400.0 samples/s  peak 70.3 MB")
+    assert trial_row(TrialResult(8, 20.0, 70_312_000, 400.0, "ok")).endswith("peak 70.3 MB")  # the CPU: its own unit
+
+
+def test_a_cpu_sweep_on_an_emulated_card_shows_the_spill_as_a_slowdown():
+    """On the CPU a fixed 25 GB/s transfer vanished in the compute and the spilling size ran faster per sample under
+    its "cliff: spill" mark; charged relative to the step's own time, the spill slows it down as on a card (8 samples
+    spilling most of their activations: about 9x slower a step, more than a larger batch gains on any CPU)."""
+    from torch import nn
+
+    from lightning_memguard.sweep import ModelSource, SweepConfig, run_one
+
+    def build():
+        return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))  # fmt: skip
+
+    source = ModelSource("tests:convnet", "network", build)
+    cfg = SweepConfig("tests:convnet", (2, 16), 32, "32-true", steps=2, warmup=1, emulate_capacity=2 * 10**6,
+                      device="cpu", num_classes=10, source=source)  # fmt: skip
+    with tempfile.TemporaryDirectory() as root:
+        fits, _ = run_one(cfg, 2, root)
+        spills, _ = run_one(cfg, 16, root)
+    assert (fits.status, spills.status) == ("ok", "spill")
+    assert spills.samples_per_sec < fits.samples_per_sec

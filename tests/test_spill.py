@@ -64,6 +64,34 @@ class StepAtStop(Callback):
 # ---------------------------------------------------------------- the emulator itself
 
 
+def test_emulator_charges_a_spill_in_proportion_to_the_steps_own_time_on_the_cpu():
+    """With `spill_cost`, the CPU's spill costs what it would on a card relative to the step: a step that took 0.2 s
+    and spilled half of the bytes it saved sleeps 2 x 10 x 0.2 x 0.5 = 2 s more, an 11x slower step, whatever the
+    CPU's speed; a step that spilled nothing sleeps not at all."""
+    now, slept = [100.0], []
+
+    def clock():
+        return now[0]
+
+    def sleep(seconds):
+        slept.append(seconds)
+        now[0] += seconds
+
+    x = torch.randn(512, 1024, requires_grad=True)  # 2 MB
+    emu = SysmemSpillEmulator(
+        capacity=3 * 2**20, sleep=sleep, spill_cost=10, clock=clock
+    )  # room for one of the two activations
+    with emu:
+        a, b = x * 2, x * 3  # each saved by the products below, and a 2 MB activation
+        now[0] += 0.2  # the step's own compute
+        (a * a + b * b).sum().backward()
+    assert emu.spilled_bytes == 2 * 2**20
+    assert slept == [pytest.approx(2.0)]
+    with SysmemSpillEmulator(capacity="1GB", sleep=slept.append, spill_cost=10, clock=clock):
+        (x * 2).pow(2).sum().backward()
+    assert len(slept) == 1
+
+
 def test_emulator_charges_transfer_time_both_ways_on_the_cpu():
     slept: list[float] = []
     emu = SysmemSpillEmulator(capacity="1MB", bandwidth="1GB", sleep=slept.append)

@@ -366,3 +366,31 @@ def test_the_pure_tuning_modules_do_not_import_lightning():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_with_batchnorm_a_micro_batch_within_the_machines_noise_of_the_direct_batch_keeps_the_direct_batch():
+    """A busy machine: 32 x 4 measured ±12 %, the others ±2 %. 64 x 2 is 10 % faster than 128 x 1, beyond those
+    two's own spreads but within the machine's noise. Without BatchNorm, 64 x 2 is chosen (weighed against 32 x 4,
+    the fastest other); with it, 64 x 2 and 128 are weighed against each other and the machine's ±12 %, measured again,
+    and the direct batch is kept: the micro-batch would change BatchNorm's statistics for a gain within the noise."""
+    first = {32: 1050.0, 64: 1100.0, 128: 1000.0}
+    spreads = {32: 0.12, 64: 0.02, 128: 0.02}
+
+    def card(size, nth):
+        rate = first[size]
+        return TrialResult(size, size / rate * 1e3, size * 10**6, rate, "ok", spread=spreads[size])
+
+    search = AccumulationSearch([32, 64, 128], min_gain=0.05)
+    assert drive(search, card) == [32, 64, 128, 32, 64] and search.result.size == 64
+    search = AccumulationSearch([32, 64, 128], min_gain=0.05, batch_statistics=True)
+    assert drive(search, card) == [32, 64, 128, 64, 128]
+    assert search.result.size == 128
+    assert search.margin == Margin(128, 1, 64, 1, gap=-0.0909, noise=0.12, remeasured=True)
+
+
+def test_with_batchnorm_a_micro_batch_beyond_the_machines_noise_is_still_chosen():
+    first = {32: 900.0, 64: 1300.0, 128: 1000.0}  # 64 x 2 is 23 % faster than 128 x 1, the noise ±8 %
+
+    search = AccumulationSearch([32, 64, 128], min_gain=0.05, batch_statistics=True)
+    assert drive(search, measured_twice(first)) == [32, 64, 128] and search.result.size == 64
+    assert search.margin == Margin(64, 1, 128, 1, gap=0.2308, noise=0.08)

@@ -18,7 +18,7 @@ from lightning_memguard.callbacks._private import (
     fsdp_checkpoints_itself,
     train_loader,
 )
-from lightning_memguard.checkpointing.families import Units
+from lightning_memguard.checkpointing.families import Units, find_units
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy, inputs_from_batch
 from lightning_memguard.checkpointing.rebuild import RebuildConfig
 from lightning_memguard.checkpointing.result import CheckpointPlan
@@ -181,7 +181,8 @@ class ActivationCheckpointing(Callback):
         self._planned = True
         resumed = self.runs is not None
         strategy = trainer.strategy
-        example, from_batch = (None, None) if resumed else example_for_budget(trainer, "ActivationCheckpointing")
+        who = "ActivationCheckpointing"
+        example, from_batch = (None, None) if resumed else example_for_budget(trainer, who, self.units)
         with measuring_said(from_batch, "ActivationCheckpointing"):
             self.policy.apply(
                 pl_module,
@@ -222,10 +223,10 @@ _SET_IT = (
 )
 
 
-def example_for_budget(trainer: Trainer, who: str) -> tuple[Any, str | None]:
+def example_for_budget(trainer: Trainer, who: str, units: Units) -> tuple[Any, str | None]:
     """The real batch a budget is measured on, on the strategy's device, and where it came from (None: the module's
     ``example_input_array``; else what part of the first training batch, as :func:`inputs_from_batch` read it, said
-    in one rank-zero info line).
+    in one rank-zero info line). A model in which ``units`` finds no blocks is told so first: no input would help.
 
     Without ``example_input_array`` the train loader is built as the run builds it and its first batch taken from a
     fresh iterator, handed through the batch hooks as ``training_step`` gets it; every random number generator is
@@ -235,11 +236,15 @@ def example_for_budget(trainer: Trainer, who: str) -> tuple[Any, str | None]:
     in the strategies' ``setup`` before the model is wrapped (the same).
 
     Raises:
-        ValueError: no ``example_input_array`` and no first training batch (no train loader, an empty one, several
-            train loaders), or none whose model inputs :func:`inputs_from_batch` can tell; the message names both
-            ways.
+        ValueError: no blocks found (said first, with ``who``); no ``example_input_array`` and no first training batch
+            (no train loader, an empty one, several train loaders), or none whose model inputs
+            :func:`inputs_from_batch` can tell; the message names both ways.
     """
     module, strategy = trainer.lightning_module, trainer.strategy
+    try:
+        find_units(module, units)
+    except ValueError as err:
+        raise ValueError(f"{who}: {err}") from None
     if module.example_input_array is not None:
         return move_data_to_device(module.example_input_array, strategy.root_device), None
     batch, why = _first_training_batch(trainer)

@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from lightning_memguard.core.units import GB, size_unit
+
 
 def figure(merge: Callable[[Sequence[float]], float], unit: str) -> Any:
     """A logged figure of :class:`EpochRecord`: how ranks merge it (``max``, ``min``, ``sum``) and its unit. Its
@@ -73,17 +75,32 @@ def merge_epoch_records(records: Sequence[EpochRecord]) -> EpochRecord:
     return EpochRecord(records[0].epoch, **merged)
 
 
+def _memory_unit(capacities_gb: Sequence[float | None], peaks_gb: Sequence[float | None]) -> tuple[str, float, int]:
+    """The unit a table's memory columns are written in (its name, GB per unit, decimals): the one that fits the
+    capacity (else the largest peak), as :func:`~lightning_memguard.core.units.size_formatter` picks it, so that a
+    small or emulated card reads "70.3 / 150.0" in MB, not "0.07 / 0.15" in GB."""
+    known = [c for c in capacities_gb if c is not None and math.isfinite(c) and c > 0]
+    peaks = [p for p in peaks_gb if p is not None and math.isfinite(p)]
+    reference = min(known) if known else max(peaks, default=1.0)
+    unit, scale, digits = size_unit(reference * GB, gb_digits=2)
+    return unit, scale / GB, digits
+
+
 def format_epoch_table(records: Sequence[EpochRecord]) -> str:
-    """A fixed-width table, one row per epoch.
+    """A fixed-width table, one row per epoch; memory in the unit that fits the capacity, named in the header.
 
     Example:
         >>> print(format_epoch_table([EpochRecord(0, 54.3, 11.8, 12.4, 150.0, 4712.0)]))
         epoch  step ms  peak GB / capacity GB  samples/s
             0     54.3         11.80 / 150.00     4712.0
+        >>> print(format_epoch_table([EpochRecord(0, 8.1, 0.0703, 0.08, 0.15, 990.0)]))  # an emulated 150 MB card
+        epoch  step ms  peak MB / capacity MB  samples/s
+            0      8.1           70.3 / 150.0      990.0
     """
-    lines = [f"{'epoch':>5}  {'step ms':>7}  {'peak GB / capacity GB':>21}  {'samples/s':>9}"]
+    unit, scale, digits = _memory_unit([r.capacity_gb for r in records], [r.peak_allocated_gb for r in records])
+    lines = [f"{'epoch':>5}  {'step ms':>7}  {f'peak {unit} / capacity {unit}':>21}  {'samples/s':>9}"]
     for r in records:
-        memory = f"{r.peak_allocated_gb:.2f} / {r.capacity_gb:.2f}"
+        memory = f"{r.peak_allocated_gb / scale:.{digits}f} / {r.capacity_gb / scale:.{digits}f}"
         lines.append(f"{r.epoch:>5}  {r.step_ms:>7.1f}  {memory:>21}  {r.samples_per_sec:>9.1f}")
     return "\n".join(lines)
 
@@ -110,7 +127,7 @@ class SweepRow:
 
 def format_sweep_table(rows: Sequence[SweepRow], capacity_gb: float | None = None) -> str:
     """Batch, step time, peak memory, throughput and status, one line per batch size; where rows were compiled, the
-    compile time and the backend too.
+    compile time and the backend too. Memory in the unit that fits the capacity, named in the header.
 
     Example:
         >>> rows = [SweepRow(256, 234.0, 10.9, 1094.0, "ok"), SweepRow(448, None, None, None, "oom")]
@@ -121,7 +138,12 @@ def format_sweep_table(rows: Sequence[SweepRow], capacity_gb: float | None = Non
         >>> print(format_sweep_table([SweepRow(256, 150.0, 10.4, 1706.7, "ok", "inductor", 41.2)]))
         batch    step ms    peak GB    samples/s  compile s  compiled  status
           256      150.0      10.40       1706.7       41.2  inductor  ok
+        >>> print(format_sweep_table([SweepRow(8, 5.2, 0.0412, 1538.5, "ok")], capacity_gb=0.1))  # 100 MB emulated
+        batch    step ms    peak MB    samples/s  status
+            8        5.2       41.2       1538.5  ok
+        capacity: 100.0 MB
     """
+    unit, scale, digits = _memory_unit([capacity_gb], [r.peak_gb for r in rows])
 
     def cell(value: float | None, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
@@ -129,13 +151,14 @@ def format_sweep_table(rows: Sequence[SweepRow], capacity_gb: float | None = Non
     compiled = any(r.compiled for r in rows)
     width = max([len("compiled"), *(len(r.compiled or "") for r in rows)])
     extra = f"  {'compile s':>9}  {'compiled':<{width}}" if compiled else ""
-    lines = [f"{'batch':>5}  {'step ms':>9}  {'peak GB':>9}  {'samples/s':>11}{extra}  status"]
+    lines = [f"{'batch':>5}  {'step ms':>9}  {f'peak {unit}':>9}  {'samples/s':>11}{extra}  status"]
     for r in rows:
         extra = f"  {cell(r.compile_s, '.1f'):>9}  {r.compiled or 'eager':<{width}}" if compiled else ""
+        peak = None if r.peak_gb is None else r.peak_gb / scale
         lines.append(
-            f"{r.batch:>5}  {cell(r.step_ms, '.1f'):>9}  {cell(r.peak_gb, '.2f'):>9}  "
+            f"{r.batch:>5}  {cell(r.step_ms, '.1f'):>9}  {cell(peak, f'.{digits}f'):>9}  "
             f"{cell(r.samples_per_sec, '.1f'):>11}{extra}  {r.status}"
         )
     if capacity_gb is not None:
-        lines.append(f"capacity: {capacity_gb:.2f} GB")
+        lines.append(f"capacity: {capacity_gb / scale:.{digits}f} {unit}")
     return "\n".join(lines)

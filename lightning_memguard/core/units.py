@@ -93,10 +93,32 @@ def size_formatter(reference: float, gb_digits: int = 3) -> Callable[[float], st
         >>> size(160_296_440), size(16_000_000_000), size_formatter(16 * 10**9, gb_digits=2)(17 * 10**9)
         ('160.3 MB', '16000.0 MB', '17.00 GB')
     """
+    unit, scale, digits = size_unit(reference, gb_digits)
+    return lambda n: f"{n / scale:.{digits}f} {unit}"
+
+
+def format_size(num_bytes: float, gb_digits: int = 2) -> str:
+    """One size alone, in the unit that fits it (:func:`size_formatter` read against itself).
+
+    Example:
+        >>> format_size(70_312_000), format_size(12_400_000_000)
+        ('70.3 MB', '12.40 GB')
+    """
+    return size_formatter(num_bytes, gb_digits)(num_bytes)
+
+
+def size_unit(reference: float, gb_digits: int = 3) -> tuple[str, int, int]:
+    """The unit :func:`size_formatter` writes sizes in, read against ``reference``: its name, its bytes and the
+    decimals it takes. For a table whose header names the unit once (``peak MB / capacity MB``).
+
+    Example:
+        >>> size_unit(16 * 10**9, gb_digits=2), size_unit(150_000_000), size_unit(2_000), size_unit(900)
+        (('GB', 1000000000, 2), ('MB', 1000000, 1), ('kB', 1000, 1), ('B', 1, 0))
+    """
     for scale, unit, digits in ((GB, "GB", gb_digits), (10**6, "MB", 1), (10**3, "kB", 1)):
         if reference >= scale:
-            return lambda n, scale=scale, unit=unit, digits=digits: f"{n / scale:.{digits}f} {unit}"  # type: ignore[misc]
-    return lambda n: f"{n:.0f} B"
+            return unit, scale, digits
+    return "B", 1, 0
 
 
 def to_gb(num_bytes: float) -> float:

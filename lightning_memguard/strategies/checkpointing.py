@@ -37,7 +37,7 @@ def _checkpoint_before_wrapping(strategy: Strategy, policy: CheckpointingPolicy)
     who = type(strategy).__name__
     example, from_batch = None, None
     if policy.settings.memory_budget is not None and policy.runs is None:
-        example, from_batch = example_for_budget(module.trainer, who)
+        example, from_batch = example_for_budget(module.trainer, who, policy.settings.units)
     with measuring_said(from_batch, who):
         policy.apply(
             module,

@@ -12,7 +12,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_memguard import _autograd, _compiler
-from lightning_memguard.core.checks import check_callable, check_size
+from lightning_memguard.core.checks import check_callable, check_greater, check_size
 from lightning_memguard.probes.base import MemoryReading
 
 _DEFAULT_BANDWIDTH = 25e9  # bytes/s, about PCIe 4.0 x16 in practice
@@ -31,6 +31,7 @@ class _Step:
         self.spilled = 0  # saved activations moved to the host (or, on CUDA, a compiled graph's: see _to_host)
         self.spilled_kept = 0  # of those, a compiled graph's on CUDA: their round trip is real, they stay allocated
         self.seen: dict[tuple[int, int], bool] = {}  # storage -> spilled?
+        self.started = 0.0  # the clock when the step began (the CPU's charge for its spill is relative to its time)
         self.saw_compiled = False  # a compiled graph saved tensors (its parameters at least)
         self.compiles = _compiler.CompileWatch()  # moved by the step's end: the step compiled
         self._existing = existing
@@ -56,7 +57,12 @@ class SysmemSpillEmulator(Callback):
 
     - on CUDA they really go to pinned host memory and come back for the backward pass, crossing PCIe twice, as
       the Windows driver's fallback does;
-    - on the CPU the transfer time of the spilled bytes at ``bandwidth`` is charged (as a sleep) both ways.
+    - on the CPU the transfer time of the spilled bytes at ``bandwidth`` is charged (as a sleep) both ways; with
+      ``spill_cost``, in proportion to the step's own time instead, at the step's end: each spilled byte, each way,
+      costs ``spill_cost`` times what the step spent per byte it saved. At 25 GB/s a spill's time vanishes in a
+      CPU's slow compute (a larger batch, spilling, still looks faster); with ``spill_cost=5`` a step that spills
+      half of what it saves runs about 6x slower, one that spills all about 11x, however fast this CPU is, as a
+      spill shows on a card (7x to 45x seen): ``memguard sweep`` and ``plan`` emulate a card on the CPU so.
 
     Its :attr:`probe` reports what PyTorch reports on such a card: the step's peak *plus* the spilled bytes, and
     ``capacity`` as the physical memory. Use it as a callback (put it before :class:`~lightning_memguard.MemGuard`)
@@ -80,6 +86,10 @@ class SysmemSpillEmulator(Callback):
             allowed here: a card on which every activation spills).
         bandwidth: host-device bytes per second for the CPU emulation (default 25 GB/s), or a string ``"25GB"``.
         sleep: the CPU emulation's way to spend time; a test may inject a fake.
+        spill_cost: on the CPU, charge a spill relative to the step's own time instead (see above); None: by
+            ``bandwidth``.
+        clock: the CPU emulation's clock with ``spill_cost``, in seconds (``time.perf_counter``); a test may inject a
+            fake.
 
     Attributes:
         other_processes: bytes another application holds on the emulated card (0 at first); set it in the middle of
@@ -111,11 +121,16 @@ class SysmemSpillEmulator(Callback):
         capacity: int | str,
         bandwidth: int | float | str = _DEFAULT_BANDWIDTH,
         sleep: Callable[[float], None] = time.sleep,
+        spill_cost: float | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.capacity = check_size("capacity", capacity)  # a card of 1 byte is allowed here: everything spills
         self.bandwidth = check_size("bandwidth", bandwidth)
+        self.spill_cost = None if spill_cost is None else check_greater("spill_cost", spill_cost, 0)
         check_callable("sleep", sleep, "a callable taking seconds")
+        check_callable("clock", clock, "a callable returning seconds")
         self._sleep = sleep
+        self._clock = clock
         self._step: _Step | None = None
         self._hooks: Any = None
         self._module: LightningModule | None = None
@@ -216,6 +231,7 @@ class SysmemSpillEmulator(Callback):
         else:
             base = self._cpu_base(trainer)
         self._step = _Step(device, base, self._transient, self._existing_storages)
+        self._step.started = self._clock()
         self.step_base = base
         self.spilled_bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -232,6 +248,9 @@ class SysmemSpillEmulator(Callback):
             return
         if step.device is None:
             self.peak = max(self.peak, step.base + step.resident + step.spilled)
+            if self.spill_cost is not None and step.spilled:  # the round trip, relative to the step's own time
+                elapsed = max(0.0, self._clock() - step.started)
+                self._sleep(2 * self.spill_cost * elapsed * step.spilled / (step.resident + step.spilled))
         elif step.compiles.moved():
             # dynamo compiled during this step (the first step, a recompile for the last short batch): the real peak
             # holds the compiler's work, which training does not repeat, so this step counts what it saved
@@ -284,7 +303,7 @@ class SysmemSpillEmulator(Callback):
             # round trip writes them back in place for the backward pass.
             step.spilled_kept += nbytes
             return ("spilled", host, tensor)
-        if nbytes:
+        if nbytes and self.spill_cost is None:
             self._sleep(nbytes / self.bandwidth)
         return ("spilled", tensor, tensor.untyped_storage().nbytes())
 
@@ -298,7 +317,8 @@ class SysmemSpillEmulator(Callback):
             with torch.no_grad():
                 where.copy_(data, non_blocking=True)
             return where
-        self._sleep(where / self.bandwidth)
+        if self.spill_cost is None:
+            self._sleep(where / self.bandwidth)
         return data
 
 

@@ -228,10 +228,12 @@ class Margin:
 
     Attributes:
         size, accumulate: the choice.
-        runner_up, runner_up_accumulate: the fastest other size that fit, and its accumulation.
+        runner_up, runner_up_accumulate: the fastest other size that fit, and its accumulation (where BatchNorm
+            makes the micro-batch matter and the choice accumulates more: the largest micro-batch that fit).
         gap: the choice's throughput less the runner-up's, as a fraction of the faster of the two (negative: the
             choice is the slower one, taken by the search's rule: less memory, or less accumulation).
-        noise: the larger of the two measurements' spreads (0.0 where neither is known: one timed step each).
+        noise: the larger of the two measurements' spreads (0.0 where neither is known: one timed step each); where
+            BatchNorm makes the micro-batch matter, the machine's: the largest spread of any size the search measured.
         remeasured: both were measured once more, and are compared on their combined measurements.
 
     Example:
@@ -346,6 +348,14 @@ class _Climb:
         """Of two sizes within the noise, the one the tie rule takes."""
         raise NotImplementedError
 
+    def _runner_up(self, choice: TrialResult, others: list[TrialResult]) -> TrialResult:
+        """What the choice is weighed against: the fastest other size that fit."""
+        return max(others, key=lambda r: (r.samples_per_sec, -r.size))
+
+    def _noise(self, choice: TrialResult, other: TrialResult) -> float:
+        """How well two throughputs are known: the larger of the two measurements' spreads."""
+        return max(choice.spread or 0.0, other.spread or 0.0)
+
     def measured(self) -> list[TrialResult]:
         """One row per size run, its measurements combined (:func:`combine`), in the order first measured."""
         by_size: dict[int, list[TrialResult]] = {}
@@ -363,7 +373,7 @@ class _Climb:
             other.size,
             other.accumulate,
             gap=round((a - b) / max(a, b), 4) if max(a, b) > 0 else 0.0,
-            noise=max(choice.spread or 0.0, other.spread or 0.0),
+            noise=self._noise(choice, other),
             remeasured=runs.count(choice.size) > 1 and runs.count(other.size) > 1,
         )
 
@@ -375,7 +385,7 @@ class _Climb:
         others = [r for r in fits if r.size != choice.size]
         if not others or not self._decides_by_throughput():
             return choice, None
-        other = max(others, key=lambda r: (r.samples_per_sec, -r.size))
+        other = self._runner_up(choice, others)
         margin = self._margin(choice, other)
         if margin.within_noise:
             chosen = self._tie(choice, other)
@@ -567,6 +577,12 @@ class AccumulationSearch(_Climb):
     and the choice is made on the combined measurements; if they still are, the larger micro-batch is taken
     (``tie_rule``): it is the nearer to the direct batch, and the rule within ``min_gain`` already prefers it.
 
+    With ``batch_statistics`` (the model has BatchNorm layers, whose statistics a micro-batch changes), a choice that
+    accumulates more than the largest micro-batch that fit is weighed against that one instead, and against the
+    machine's noise: the largest ``spread`` of any micro-batch measured in the search, not only of the two (on a busy
+    machine one quiet trial can look steady and fast). Within it, both are measured again and, still within it, the
+    larger micro-batch is taken: a gain the machine cannot tell from its noise does not change what training sees.
+
     ``propose()``, ``observe(result)``, ``result``, ``results`` and ``best_rate`` as for :class:`SizeSearch`; it
     never returns a size it did not run.
 
@@ -576,6 +592,8 @@ class AccumulationSearch(_Climb):
         tolerance: throughputs within this fraction of each other count as equal.
         forecast: micro-batches it puts clearly above the capacity are not run.
         remeasures: how many times at most a pair within the noise is measured again.
+        batch_statistics: the model's training depends on the micro-batch (BatchNorm): a choice that accumulates more
+            must stand beyond the machine's noise against the largest micro-batch that fit.
 
     Example:
         >>> def search(rates):
@@ -598,8 +616,22 @@ class AccumulationSearch(_Climb):
         tolerance: float = 0.01,
         forecast: Forecast | None = None,
         remeasures: int = 1,
+        batch_statistics: bool = False,
     ) -> None:
         super().__init__(candidates, min_gain, tolerance, forecast, remeasures)
+        self.batch_statistics = batch_statistics
+
+    def _runner_up(self, choice: TrialResult, others: list[TrialResult]) -> TrialResult:
+        largest = max(others, key=lambda r: r.size)
+        if self.batch_statistics and largest.size > choice.size:
+            return largest  # the micro-batch nearest to the direct batch that fit, which the choice changes
+        return super()._runner_up(choice, others)
+
+    def _noise(self, choice: TrialResult, other: TrialResult) -> float:
+        if not self.batch_statistics:
+            return super()._noise(choice, other)
+        fits = [r for r in self.measured() if r.fits and r.samples_per_sec is not None]
+        return max((r.spread or 0.0 for r in fits), default=0.0)  # the machine's: the noisiest trial's
 
     def _choosable(self, rate: float, best: float) -> bool:
         return rate * (1 + self.min_gain) >= best * (1 - self.tolerance)

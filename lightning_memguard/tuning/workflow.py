@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memguard.callbacks._agreement import gather_rows
 from lightning_memguard.checkpointing import checkpoint_blocks, is_checkpointed
+from lightning_memguard.core.units import format_size
 from lightning_memguard.tuning.cache import ResultCache
 from lightning_memguard.tuning.cache_key import cache_key
 from lightning_memguard.tuning.epoch import EpochLength
@@ -191,11 +192,14 @@ def choose_accumulation(trainer: Trainer, pl_module: LightningModule, tuner: Acc
         forget(tuner)
         tuner._restored = False
 
+    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules())
+
     def micro_batches() -> AccumulationSearch:
         settings = tuner.settings
         return AccumulationSearch(
-            [m for m, _ in pairs], settings.min_gain, settings.tolerance, forecast(trainer, tuner)
-        )
+            [m for m, _ in pairs], settings.min_gain, settings.tolerance, forecast(trainer, tuner),
+            batch_statistics=has_bn,
+        )  # fmt: skip
 
     def run_search() -> None:
         chosen = search(trainer, tuner, micro_batches(), steps_for.get)
@@ -220,13 +224,11 @@ def choose_accumulation(trainer: Trainer, pl_module: LightningModule, tuner: Acc
         "epoch": _epoch_fields(epoch),
     }
     decide(trainer, pl_module, tuner, extra, run_search, (1, tuner.per_device_batch))
-    if tuner.accumulate_grad_batches and tuner.accumulate_grad_batches > 1:
-        has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules())
-        if has_bn:
-            rank_zero_warn(
-                f"AccumulationTuner: the model has BatchNorm, whose statistics are now per micro-batch of"
-                f" {tuner.batch_size}, not per {tuner.per_device_batch}: not the same training as the direct batch"
-            )
+    if tuner.accumulate_grad_batches and tuner.accumulate_grad_batches > 1 and has_bn:
+        rank_zero_warn(
+            f"AccumulationTuner: the model has BatchNorm, whose statistics are now per micro-batch of"
+            f" {tuner.batch_size}, not per {tuner.per_device_batch}: not the same training as the direct batch"
+        )
     rank_zero_info(
         f"AccumulationTuner: micro-batch {tuner.batch_size} x accumulate_grad_batches"
         f" {tuner.accumulate_grad_batches} = {tuner.effective_batch_size} samples per optimizer step"
@@ -375,7 +377,7 @@ def search(
                         row = sizes.results[i] = replace(row, accumulate=accumulate_for(row.size))
                     rank_zero_info(
                         f"{_name(tuner)}: size {row.size} not run: predicted peak"
-                        f" {(row.peak_bytes or 0) / 1e9:.2f} GB, clearly above the capacity"
+                        f" {format_size(row.peak_bytes or 0)}, clearly above the capacity"
                         f"{f'; trying {size} instead' if size is not None else ''}"
                     )
             said = len(sizes.results)
@@ -392,7 +394,7 @@ def search(
             noise = f" (±{result.spread * 100:.1f} %)" if result.spread is not None else ""
             rank_zero_info(
                 f"{_name(tuner)}: size {size} x {accumulate}: {result.outcome}, "
-                f"{result.samples_per_sec or 0:.1f} samples/s{noise}, peak {(result.peak_bytes or 0) / 1e9:.2f} GB"
+                f"{result.samples_per_sec or 0:.1f} samples/s{noise}, peak {format_size(result.peak_bytes or 0)}"
             )
     tuner._sigint = None
     tuner.margin = sizes.margin  # kept in the cache with the choice
@@ -459,10 +461,10 @@ def still_fits(trainer: Trainer, tuner: Tuner, samples_per_epoch: int | None) ->
     with _session(trainer, tuner.settings) as trials:
         check = _trial(trainer, tuner, trials, tuner.batch_size, tuner.accumulate_grad_batches or 1, steps=1)
     if not check.fits:
-        peak = (check.peak_bytes or 0) / 1e9
+        peak = format_size(check.peak_bytes or 0)
         rank_zero_warn(
             f"{_name(tuner)}: the earlier choice (batch size {tuner.batch_size} x"
-            f" {tuner.accumulate_grad_batches or 1}) no longer fits: {check.outcome}, peak {peak:.2f} GB on its"
+            f" {tuner.accumulate_grad_batches or 1}) no longer fits: {check.outcome}, peak {peak} on its"
             " first step; measuring again"
         )
     return check.fits
