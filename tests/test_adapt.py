@@ -100,10 +100,10 @@ def _samples(batch) -> int:
 
 
 def _run(tmp_path, others=None, model_changes=None, guard_kwargs=None, model=None, max_epochs=2, callbacks=(),
-         ckpt_path=None, expect_adapting=None, **trainer_kw):  # fmt: skip
+         ckpt_path=None, expect_adapting=None, capacity=None, **trainer_kw):  # fmt: skip
     torch.manual_seed(0)
     model = Wide() if model is None else model()  # made after the seed, as the plain run's
-    emulator = SysmemSpillEmulator(capacity=_capacity(), sleep=lambda s: None)
+    emulator = SysmemSpillEmulator(capacity=capacity or _capacity(), sleep=lambda s: None)
     events = Events(emulator, others, model_changes)
     guard = MemGuard(
         on_spill="adapt", probe=emulator.probe, clock=StepClock(), read_every=1, warmup_steps=1, reference_steps=1,
@@ -526,3 +526,45 @@ def test_an_out_of_memory_error_that_cannot_be_redone_says_why(tmp_path):
     with pytest.raises(torch.OutOfMemoryError, match="could not adapt to it: this batch is not the first of its"):
         # at accumulation 2 the error comes at batch 5, the second of its accumulation
         _run(tmp_path, callbacks=[FailFromBatch(5)], accumulate_grad_batches=2, expect_adapting=False)
+
+
+def _warnings_of(record) -> str:
+    return "\n".join(str(w.message) for w in record if "MemGuard" in str(w.message))
+
+
+def test_where_other_processes_leave_no_room_for_one_sample_it_stops_at_once_naming_them(tmp_path):
+    # another application takes 1.3 MB of the 2 MB card: what a step starts from (0.93 MB) does not fit beside it, so no
+    # micro-batch can; before, the run split 1 -> 2 -> ... -> 32 over 5 spilled steps, then stopped
+    with pytest.warns(RuntimeWarning, match="MemGuard stopped the Trainer") as record:
+        trainer, guard, events, _ = _run(tmp_path, others={4: 1_300_000}, expect_adapting=False)
+    said = _warnings_of(record)
+    assert guard.adaptations == [] and "MemGuard adapted" not in said
+    assert all(len(m) == 1 for m in events.micro_batches) and trainer.global_step <= 7  # no split, no further try
+    assert "could not adapt: other processes hold 1.3 MB of the card's 2.0 MB, and what a step starts from" in said
+    assert "close the other application" in said and "a lighter optimizer state" in said
+
+
+def test_where_weights_gradients_and_optimizer_state_alone_exceed_the_card_it_stops_at_once(tmp_path):
+    # a 0.9 MB card: what a step starts from (0.93 MB) alone exceeds it; checkpointing cannot help either (before, the
+    # run split 1 -> 2 -> ... -> 32, then stopped advising activation checkpointing)
+    with pytest.warns(RuntimeWarning, match="MemGuard stopped the Trainer") as record:
+        trainer, guard, events, _ = _run(tmp_path, capacity=900_000, expect_adapting=False)
+    said = _warnings_of(record)
+    assert guard.adaptations == [] and all(len(m) == 1 for m in events.micro_batches)
+    assert (
+        "could not adapt: what a step starts from (the weights, gradients and optimizer state: 933.9 kB) alone"
+        " exceeds the card's 900.0 kB" in said
+    )
+    assert "make what a step starts from smaller: a lighter optimizer state" in said and "sharded" in said
+    assert "ActivationCheckpointing" not in said  # no advice that cannot help
+
+
+def test_where_not_even_one_sample_fits_beside_what_is_held_it_does_not_split(tmp_path):
+    # 0.96 MB taken: 6 kB is left beside what a step starts from, and each sample adds 16 kB; a split cannot help
+    # (before: 1 -> 2 -> ... -> 32 over 5 spilled steps), checkpointing could, but this MLP has no blocks
+    with pytest.warns(RuntimeWarning, match="MemGuard stopped the Trainer") as record:
+        trainer, guard, events, _ = _run(tmp_path, others={4: 960_000}, expect_adapting=False)
+    said = _warnings_of(record)
+    assert guard.adaptations == [] and all(len(m) == 1 for m in events.micro_batches)
+    assert "could not adapt: not even one sample fits (6.1 kB is left beside what a step starts from" in said
+    assert "and activation checkpointing found no blocks" in said

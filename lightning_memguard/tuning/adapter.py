@@ -358,12 +358,24 @@ class RunAdapter:
         batch: Any = None,
     ) -> str | None:
         """Every rank agreed on a spill at this batch's start: adapt from this batch on (the spilling steps trained
-        correctly, only slowly: they are kept). None: adapted; else why adapting is not possible."""
+        correctly, only slowly: they are kept). None: adapted; else why adapting is not possible: at once where the
+        run's readings say no micro-batch fits beside what is held (what a step starts from, other processes'
+        memory), since no split or checkpointing can help there and each further try is one more spilled step."""
         advice = None
         if spill is not None and allocated_now is not None:
             micro = micro_batch(samples, self.chunks)
             advice = FitAdvice.from_run(
                 spill.used_bytes, allocated_now, spill.other_bytes or 0, spill.capacity, self.headroom, micro
+            )
+        holder = advice.holder() if advice is not None else None
+        if _agreed_max(trainer, int(holder is not None)):  # every rank stops with the one where nothing fits
+            return holder or "on another rank no micro-batch fits beside what a step starts from and others hold"
+        no_split = None  # not even one sample's activations fit the room left: checkpointing may, a split cannot
+        if advice is not None and advice.largest_batch < 1:
+            left, adds = max((advice.usable or 0) - advice.resting - advice.others, 0), advice.per_sample
+            no_split = (
+                f"not even one sample fits ({size_formatter(left, 2)(left)} is left beside what a step starts from"
+                f" and other processes' memory, and each sample adds {size_formatter(adds, 2)(adds)})"
             )
         wanted = chunks_to_fit(samples, self.chunks, advice)
         wanted = _agreed_max(trainer, wanted)
@@ -381,7 +393,7 @@ class RunAdapter:
         room = None  # what a checkpointing plan's activations may use: the card less its headroom, others' memory and
         if spill is not None and allocated_now is not None:  # what a step starts from (weights, gradients, optimizer)
             room = int(spill.capacity * (1 - self.headroom)) - (spill.other_bytes or 0) - allocated_now
-        return self._lever(trainer, pl_module, samples, wanted, why, batch, room)
+        return self._lever(trainer, pl_module, samples, wanted, why, batch, room, no_split)
 
     def _after_oom(self, chunks: int, samples: int, error: BaseException) -> int | None:
         """An out-of-memory error inside a training step: the split to redo it with, or None (raised)."""
@@ -423,12 +435,15 @@ class RunAdapter:
         why: str,
         batch: Any = None,
         room: int | None = None,
+        no_split: str | None = None,
     ) -> str | None:
+        """The next lever, said and recorded (None), or why none is left. ``no_split``: why the run's readings say
+        no split fits (then checkpointing is the only lever)."""
         before = self.chunks
         self.grow.restart(trainer.global_step)  # the next try with fewer micro-batches comes an interval later
         if batch is None and self._micro is not None:
             batch = self._micro.batch
-        cannot = self._cannot_split(pl_module, samples, batch)
+        cannot = self._cannot_split(pl_module, samples, batch) or no_split
         if cannot is None and wanted > self.chunks:
             self._set_chunks(wanted)
             self._said(
