@@ -568,3 +568,36 @@ def test_where_not_even_one_sample_fits_beside_what_is_held_it_does_not_split(tm
     assert guard.adaptations == [] and all(len(m) == 1 for m in events.micro_batches)
     assert "could not adapt: not even one sample fits (6.1 kB is left beside what a step starts from" in said
     assert "and activation checkpointing found no blocks" in said
+
+
+@pytest.mark.parametrize("last", [1, 5])
+def test_a_short_last_batch_is_not_the_runs_batch(tmp_path, last):
+    # 12 batches of 32 and a last of 1 (or 5); the spill is read at the epoch's end, or at the last batch's start.
+    # Before: with a last of 1, "not even a batch of one fits" and a stop at step 13 of 26; with a last of 5,
+    # "5 x 1 spilled; now 2 x 3, the same 5 samples"
+    def model():
+        return Wide(n=32 * 12 + last)
+
+    trainer, guard, events, adapted = _run(tmp_path, others={11: TAKEN}, model=model)
+    assert [a.line().split(" (")[0] for a in guard.adaptations] == ["step 13: 32 x 1 spilled"]
+    assert guard.adaptations[0].line().endswith("now 16 x 2, the same 32 samples per optimizer step")
+    assert trainer.global_step == 26 and events.micro_batches[13:25] == [[16, 16]] * 12
+    torch.manual_seed(0)
+    plain = model()
+    Trainer(**trainer_kwargs(tmp_path / "plain", max_epochs=2)).fit(plain)
+    assert _close(adapted, [p.detach() for p in plain.parameters()])
+
+
+def test_a_stop_at_an_epochs_end_after_a_short_last_batch_advises_from_the_full_batches(tmp_path):
+    emulator = SysmemSpillEmulator(capacity=_capacity(), sleep=lambda s: None)
+    guard = MemGuard(
+        on_spill="stop", probe=emulator.probe, clock=StepClock(), read_every=1, warmup_steps=1, reference_steps=1,
+        spill_checkpoint=False,
+    )  # fmt: skip
+    events = Events(emulator, {11: TAKEN})
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, callbacks=[emulator, guard, events]))
+    with pytest.warns(RuntimeWarning, match=r"at training step 13 \(batch size 32\)") as record:
+        trainer.fit(Wide(n=32 * 12 + 1))
+    said = _warnings_of(record)
+    # before: "(batch size 1)", "each sample adds 524.5 kB: not even a batch of one fits"
+    assert "each sample adds 16.4 kB): a batch of at most 16 fits" in said and trainer.global_step == 13

@@ -525,8 +525,9 @@ class MemGuard(Callback):
         return reading
 
     def _batch(self) -> int | None:
-        """The batch size of the latest step (None before one)."""
-        return (self._timeline.batch if self._timeline is not None else 0) or None
+        """The run's batch size, judged and advised from: the largest batch of the epoch so far, the one in flight
+        included (a short last batch is not the run's: its peak is the full batches'); None before one."""
+        return (self._timeline.full_batch if self._timeline is not None else 0) or None
 
     def _batch_size(self, batch: Any) -> int:
         """Samples in a training batch: every loader's, where several make one (a CombinedLoader; one that has run
