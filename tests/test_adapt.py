@@ -192,12 +192,10 @@ def test_an_out_of_memory_error_in_forward_or_backward_redoes_the_step_split(tmp
 def test_a_resumed_run_continues_in_the_adapted_configuration(tmp_path):
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
     _, first, _, _ = _run(tmp_path, others={4: TAKEN}, callbacks=[saver], enable_checkpointing=True)
-    # resumed after its first epoch by a new Trainer and a new MemGuard, in the same card's full memory
-    guard_kwargs = {"grow_every": 1000}  # no check whether the whole batch fits again within this epoch
+    # resumed after its first epoch by a new Trainer and a new MemGuard, with the other application still there
     trainer, guard, events, model = _run(
-        tmp_path / "resumed", ckpt_path=tmp_path / "ckpt" / "epoch=0.ckpt", guard_kwargs=guard_kwargs,
-        expect_adapting=False,
-    )  # fmt: skip
+        tmp_path / "resumed", ckpt_path=tmp_path / "ckpt" / "epoch=0.ckpt", others={12: TAKEN}, expect_adapting=False
+    )
     assert guard.adaptations == first.adaptations[:1] and trainer.global_step == 24
     assert events.micro_batches == [[16, 16]] * 12  # where the first run had got to, from its first batch
     assert _close(model, _plain(tmp_path, ckpt_path=tmp_path / "ckpt" / "epoch=0.ckpt"))  # as the plain run resumed
@@ -601,3 +599,43 @@ def test_a_stop_at_an_epochs_end_after_a_short_last_batch_advises_from_the_full_
     said = _warnings_of(record)
     # before: "(batch size 1)", "each sample adds 524.5 kB: not even a batch of one fits"
     assert "each sample adds 16.4 kB): a batch of at most 16 fits" in said and trainer.global_step == 13
+
+
+def test_a_resumed_split_run_on_a_card_free_again_grows_back_after_its_first_step(tmp_path):
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
+    _run(tmp_path, others={4: TAKEN}, callbacks=[saver], enable_checkpointing=True)
+    # resumed after its first epoch, the other application gone: before, it stayed split for `grow_every` steps
+    trainer, guard, events, model = _run(tmp_path / "resumed", ckpt_path=tmp_path / "ckpt" / "epoch=0.ckpt")
+    assert events.micro_batches == [[16, 16]] + [[32]] * 11 and trainer.global_step == 24
+    grown = guard.adaptations[-1]
+    assert (grown.step, grown.before, grown.after) == (13, 2, 1) and grown.why.startswith("memory freed")
+    assert _close(model, _plain(tmp_path, ckpt_path=tmp_path / "ckpt" / "epoch=0.ckpt"))
+
+
+def test_the_doubled_wait_after_a_growth_that_spilled_again_is_kept_in_the_checkpoint():
+    from lightning_memguard.tuning.adapter import RunAdapter
+
+    adapter = RunAdapter(allow_batchnorm=False, grow_every=100, headroom=0.05)
+    adapter.chunks = 2
+    adapter.grow.tried(300, undone=True)  # the card stayed full: the next attempt 200 steps later
+    resumed = RunAdapter(allow_batchnorm=False, grow_every=100, headroom=0.05)
+    resumed.load_state_dict(adapter.state_dict())
+    assert resumed.grow.interval == 200  # before: back to 100, the full card tried twice as often
+    resumed.grow.resumed(1000)  # a resumed run checks after its first step, then every 200
+    assert resumed.grow.due(1001) and (resumed.grow.tried(1001, undone=True), resumed.grow.interval)[1] == 400
+
+
+def test_a_changed_accumulation_leaves_the_split_training_the_same_and_each_line_true_at_its_step(tmp_path):
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    def schedule():
+        return GradientAccumulationScheduler({0: 1, 1: 2})  # 2 batches per optimizer step from the second epoch
+
+    trainer, guard, events, model = _run(tmp_path, others={4: TAKEN}, callbacks=[schedule()])
+    (adapted,) = guard.adaptations  # said at its step, with the accumulation then: a record, not the state now
+    assert adapted.accumulate == 1 and adapted.line().endswith("now 16 x 2, the same 32 samples per optimizer step")
+    assert events.micro_batches[-1] == [16, 16] and trainer.global_step == 12 + 6
+    torch.manual_seed(0)
+    plain = Wide()
+    Trainer(**trainer_kwargs(tmp_path / "plain", max_epochs=2, callbacks=[schedule()])).fit(plain)
+    assert _close(model, [p.detach() for p in plain.parameters()])  # weighted by the accumulation of each step

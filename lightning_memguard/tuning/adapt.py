@@ -121,6 +121,9 @@ class GrowBack:
         >>> grow.tried(100, undone=True)
         >>> grow.due(250), grow.due(300)
         (False, True)
+        >>> grow.resumed(1000)
+        >>> grow.due(1000), grow.due(1001), grow.interval
+        (False, True, 200)
     """
 
     def __init__(self, every: int, start: int = 0) -> None:
@@ -133,6 +136,11 @@ class GrowBack:
     def restart(self, step: int) -> None:
         """A new split took effect at ``step``: the next attempt comes one interval later."""
         self.last = step
+
+    def resumed(self, step: int) -> None:
+        """A run resumed at ``step`` (a new process, perhaps on another card, or on this one freed): the next attempt
+        comes after its first step, which gives the reading it is judged by; the interval stays as it was."""
+        self.last = step + 1 - self.interval
 
     def due(self, step: int) -> bool:
         return step - self.last >= self.interval

@@ -324,13 +324,18 @@ class RunAdapter:
         self._micro: MicroBatches | None = None
         self._trainer: Trainer | None = None
         self._grew_at: int | None = None  # the step of the last growth, while it may still be undone
+        self._resumed = False  # split by a checkpoint: fewer micro-batches are tried after the first step
 
     # ------------------------------------------------------------------ fit
 
     def start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Install on the training step (a resumed run continues in its adapted configuration)."""
         self._trainer = trainer
-        self.grow.restart(trainer.global_step)
+        if self._resumed:  # memory may have freed while the run was away: tried after its first step
+            self.grow.resumed(trainer.global_step)
+            self._resumed = False
+        else:
+            self.grow.restart(trainer.global_step)
         if self.checkpointing and not any(is_checkpointed(m) for m in pl_module.modules()):
             checkpoint_blocks(pl_module)
         if not pl_module.automatic_optimization:
@@ -561,6 +566,7 @@ class RunAdapter:
             "chunks": self.chunks,
             "validation_chunks": self._micro.validation_chunks if self._micro is not None else self.validation_chunks,
             "checkpointing": self.checkpointing,
+            "grow_interval": self.grow.interval,  # doubled by growths that spilled again: the card stayed full
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -568,6 +574,8 @@ class RunAdapter:
         self._set_chunks(int(state.get("chunks", 1)))
         self.validation_chunks = int(state.get("validation_chunks", 1))
         self.checkpointing = bool(state.get("checkpointing", False))
+        self.grow.interval = int(state.get("grow_interval", self.grow.every))
+        self._resumed = self.chunks > 1
 
 
 def _agreed_max(trainer: Trainer, value: int) -> int:
