@@ -128,7 +128,9 @@ class MemGuard(Callback):
     same data order, the same optimizer and scheduler steps; each micro-batch's loss weighted by its share, as
     Lightning's accumulation does); then activation checkpointing, planned for the memory free now on the batch in
     hand (every block where it cannot be planned). Where neither is left (manual optimization, a model with training
-    BatchNorm and no blocks, micro-batches of one sample) the run stops as ``"stop"`` does, saying why. Every
+    BatchNorm and no blocks, micro-batches of one sample) the run stops as ``"stop"`` does, saying why; so it does at
+    once where this run's readings say no micro-batch can fit (what a step starts from, alone or with other
+    processes' memory, above the card), naming what holds the memory. Every
     ``grow_every`` steps, fewer micro-batches are tried again where this run's readings say they fit what is free
     now. Each change is said in one line, logged (``memguard/micro_batches``, ``memguard/checkpointing``), kept in
     :attr:`adaptations` and in the checkpoint: a resumed run starts adapted. Under DDP, FSDP and

@@ -302,8 +302,10 @@ class RunAdapter:
     training the same, the record of every change, and growing back when memory frees.
 
     Levers: split each batch into more micro-batches (not for a model whose BatchNorm layers train, unless
-    ``allow_batchnorm``; not below one sample); then activation checkpointing of every block (BatchNorm-exact). When
-    neither is left, :meth:`after_spill` says why and the caller stops the run as ``"stop"`` does.
+    ``allow_batchnorm``; not below one sample, nor where one sample does not fit); then activation checkpointing
+    (BatchNorm-exact). When neither is left, or at once where the run's readings say no micro-batch can fit beside
+    what is held (what a step starts from, other processes' memory), :meth:`after_spill` says why and the caller
+    stops the run as ``"stop"`` does.
 
     Args:
         allow_batchnorm: split batches of a model whose BatchNorm layers train (their statistics then come from each
