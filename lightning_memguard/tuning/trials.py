@@ -162,7 +162,7 @@ def require_batch_size_attribute(trainer: Trainer, batch_arg_name: str) -> None:
             f"no `{batch_arg_name}` attribute on the model, its hparams or the datamodule; the tuner sets the batch"
             " size there, as Lightning's BatchSizeFinder does (use `batch_arg_name` to name another attribute)"
         )
-    for holder in (trainer.lightning_module, trainer.datamodule):  # where lightning_setattr would set it
+    for holder in (trainer.lightning_module, getattr(trainer, "datamodule", None)):  # where lightning_setattr sets it
         found = getattr(type(holder), batch_arg_name, None) if holder is not None else None
         if isinstance(found, property) and found.fset is None:
             raise ValueError(
