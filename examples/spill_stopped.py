@@ -1,4 +1,6 @@
-"""See MemGuard stop a run that spills, on any machine: an emulated card too small for the batch.
+"""See MemGuard stop a run that spills, on any machine: an emulated card too small for the run. On a GPU the batch
+does not fit it; on the CPU (100 MB) not even the weights, gradients and momentum do, and the message says what can
+help there (a lighter optimizer state, a smaller model, sharding), not a smaller batch or checkpointing.
 
 python examples/spill_stopped.py              # CPU or GPU, whichever is here
 python examples/spill_stopped.py --capacity 16GB --batch 384   # the write-up's cliff, on a large GPU

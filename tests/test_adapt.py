@@ -101,10 +101,10 @@ def _samples(batch) -> int:
 
 
 def _run(tmp_path, others=None, model_changes=None, guard_kwargs=None, model=None, max_epochs=2, callbacks=(),
-         ckpt_path=None, expect_adapting=None, **trainer_kw):  # fmt: skip
+         ckpt_path=None, expect_adapting=None, capacity=None, **trainer_kw):  # fmt: skip
     torch.manual_seed(0)
     model = Wide() if model is None else model()  # made after the seed, as the plain run's
-    emulator = SysmemSpillEmulator(capacity=_capacity(), sleep=lambda s: None)
+    emulator = SysmemSpillEmulator(capacity=capacity or _capacity(), sleep=lambda s: None)
     events = Events(emulator, others, model_changes)
     guard = MemGuard(
         on_spill="adapt", probe=emulator.probe, clock=StepClock(), read_every=1, warmup_steps=1, reference_steps=1,
@@ -193,12 +193,10 @@ def test_an_out_of_memory_error_in_forward_or_backward_redoes_the_step_split(tmp
 def test_a_resumed_run_continues_in_the_adapted_configuration(tmp_path):
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
     _, first, _, _ = _run(tmp_path, others={4: TAKEN}, callbacks=[saver], enable_checkpointing=True)
-    # resumed after its first epoch by a new Trainer and a new MemGuard, in the same card's full memory
-    guard_kwargs = {"grow_every": 1000}  # no check whether the whole batch fits again within this epoch
+    # resumed after its first epoch by a new Trainer and a new MemGuard, with the other application still there
     trainer, guard, events, model = _run(
-        tmp_path / "resumed", ckpt_path=tmp_path / "ckpt" / "epoch=0.ckpt", guard_kwargs=guard_kwargs,
-        expect_adapting=False,
-    )  # fmt: skip
+        tmp_path / "resumed", ckpt_path=tmp_path / "ckpt" / "epoch=0.ckpt", others={12: TAKEN}, expect_adapting=False
+    )
     assert guard.adaptations == first.adaptations[:1] and trainer.global_step == 24
     assert events.micro_batches == [[16, 16]] * 12  # where the first run had got to, from its first batch
     assert _close(model, _plain(tmp_path, ckpt_path=tmp_path / "ckpt" / "epoch=0.ckpt"))  # as the plain run resumed
@@ -527,3 +525,118 @@ def test_an_out_of_memory_error_that_cannot_be_redone_says_why(tmp_path):
     with pytest.raises(torch.OutOfMemoryError, match="could not adapt to it: this batch is not the first of its"):
         # at accumulation 2 the error comes at batch 5, the second of its accumulation
         _run(tmp_path, callbacks=[FailFromBatch(5)], accumulate_grad_batches=2, expect_adapting=False)
+
+
+def _warnings_of(record) -> str:
+    return "\n".join(str(w.message) for w in record if "MemGuard" in str(w.message))
+
+
+def test_where_other_processes_leave_no_room_for_one_sample_it_stops_at_once_naming_them(tmp_path):
+    # another application takes 1.3 MB of the 2 MB card: what a step starts from (0.93 MB) does not fit beside it, so no
+    # micro-batch can; before, the run split 1 -> 2 -> ... -> 32 over 5 spilled steps, then stopped
+    with pytest.warns(RuntimeWarning, match="MemGuard stopped the Trainer") as record:
+        trainer, guard, events, _ = _run(tmp_path, others={4: 1_300_000}, expect_adapting=False)
+    said = _warnings_of(record)
+    assert guard.adaptations == [] and "MemGuard adapted" not in said
+    assert all(len(m) == 1 for m in events.micro_batches) and trainer.global_step <= 7  # no split, no further try
+    assert "could not adapt: other processes hold 1.3 MB of the card's 2.0 MB, and what a step starts from" in said
+    assert "close the other application" in said and "a lighter optimizer state" in said
+
+
+def test_where_weights_gradients_and_optimizer_state_alone_exceed_the_card_it_stops_at_once(tmp_path):
+    # a 0.9 MB card: what a step starts from (0.93 MB) alone exceeds it; checkpointing cannot help either (before, the
+    # run split 1 -> 2 -> ... -> 32, then stopped advising activation checkpointing)
+    with pytest.warns(RuntimeWarning, match="MemGuard stopped the Trainer") as record:
+        trainer, guard, events, _ = _run(tmp_path, capacity=900_000, expect_adapting=False)
+    said = _warnings_of(record)
+    assert guard.adaptations == [] and all(len(m) == 1 for m in events.micro_batches)
+    assert (
+        "could not adapt: what a step starts from (the weights, gradients and optimizer state: 933.9 kB) alone"
+        " exceeds the card's 900.0 kB" in said
+    )
+    assert "make what a step starts from smaller: a lighter optimizer state" in said and "sharded" in said
+    assert "ActivationCheckpointing" not in said  # no advice that cannot help
+
+
+def test_where_not_even_one_sample_fits_beside_what_is_held_it_does_not_split(tmp_path):
+    # 0.96 MB taken: 6 kB is left beside what a step starts from, and each sample adds 16 kB; a split cannot help
+    # (before: 1 -> 2 -> ... -> 32 over 5 spilled steps), checkpointing could, but this MLP has no blocks
+    with pytest.warns(RuntimeWarning, match="MemGuard stopped the Trainer") as record:
+        trainer, guard, events, _ = _run(tmp_path, others={4: 960_000}, expect_adapting=False)
+    said = _warnings_of(record)
+    assert guard.adaptations == [] and all(len(m) == 1 for m in events.micro_batches)
+    assert "could not adapt: not even one sample fits (6.1 kB is left beside what a step starts from" in said
+    assert "and activation checkpointing found no blocks" in said
+
+
+@pytest.mark.parametrize("last", [1, 5])
+def test_a_short_last_batch_is_not_the_runs_batch(tmp_path, last):
+    # 12 batches of 32 and a last of 1 (or 5); the spill is read at the epoch's end, or at the last batch's start.
+    # Before: with a last of 1, "not even a batch of one fits" and a stop at step 13 of 26; with a last of 5,
+    # "5 x 1 spilled; now 2 x 3, the same 5 samples"
+    def model():
+        return Wide(n=32 * 12 + last)
+
+    trainer, guard, events, adapted = _run(tmp_path, others={11: TAKEN}, model=model)
+    assert [a.line().split(" (")[0] for a in guard.adaptations] == ["step 13: 32 x 1 spilled"]
+    assert guard.adaptations[0].line().endswith("now 16 x 2, the same 32 samples per optimizer step")
+    assert trainer.global_step == 26 and events.micro_batches[13:25] == [[16, 16]] * 12
+    torch.manual_seed(0)
+    plain = model()
+    Trainer(**trainer_kwargs(tmp_path / "plain", max_epochs=2)).fit(plain)
+    assert _close(adapted, [p.detach() for p in plain.parameters()])
+
+
+def test_a_stop_at_an_epochs_end_after_a_short_last_batch_advises_from_the_full_batches(tmp_path):
+    emulator = SysmemSpillEmulator(capacity=_capacity(), sleep=lambda s: None)
+    guard = MemGuard(
+        on_spill="stop", probe=emulator.probe, clock=StepClock(), read_every=1, warmup_steps=1, reference_steps=1,
+        spill_checkpoint=False,
+    )  # fmt: skip
+    events = Events(emulator, {11: TAKEN})
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, callbacks=[emulator, guard, events]))
+    with pytest.warns(RuntimeWarning, match=r"at training step 13 \(batch size 32\)") as record:
+        trainer.fit(Wide(n=32 * 12 + 1))
+    said = _warnings_of(record)
+    # before: "(batch size 1)", "each sample adds 524.5 kB: not even a batch of one fits"
+    assert "each sample adds 16.4 kB): a batch of at most 16 fits" in said and trainer.global_step == 13
+
+
+def test_a_resumed_split_run_on_a_card_free_again_grows_back_after_its_first_step(tmp_path):
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
+    _run(tmp_path, others={4: TAKEN}, callbacks=[saver], enable_checkpointing=True)
+    # resumed after its first epoch, the other application gone: before, it stayed split for `grow_every` steps
+    trainer, guard, events, model = _run(tmp_path / "resumed", ckpt_path=tmp_path / "ckpt" / "epoch=0.ckpt")
+    assert events.micro_batches == [[16, 16]] + [[32]] * 11 and trainer.global_step == 24
+    grown = guard.adaptations[-1]
+    assert (grown.step, grown.before, grown.after) == (13, 2, 1) and grown.why.startswith("memory freed")
+    assert _close(model, _plain(tmp_path, ckpt_path=tmp_path / "ckpt" / "epoch=0.ckpt"))
+
+
+def test_the_doubled_wait_after_a_growth_that_spilled_again_is_kept_in_the_checkpoint():
+    from lightning_memguard.tuning.adapter import RunAdapter
+
+    adapter = RunAdapter(allow_batchnorm=False, grow_every=100, headroom=0.05)
+    adapter.chunks = 2
+    adapter.grow.tried(300, undone=True)  # the card stayed full: the next attempt 200 steps later
+    resumed = RunAdapter(allow_batchnorm=False, grow_every=100, headroom=0.05)
+    resumed.load_state_dict(adapter.state_dict())
+    assert resumed.grow.interval == 200  # before: back to 100, the full card tried twice as often
+    resumed.grow.resumed(1000)  # a resumed run checks after its first step, then every 200
+    assert resumed.grow.due(1001) and (resumed.grow.tried(1001, undone=True), resumed.grow.interval)[1] == 400
+
+
+def test_a_changed_accumulation_leaves_the_split_training_the_same_and_each_line_true_at_its_step(tmp_path):
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    def schedule():
+        return GradientAccumulationScheduler({0: 1, 1: 2})  # 2 batches per optimizer step from the second epoch
+
+    trainer, guard, events, model = _run(tmp_path, others={4: TAKEN}, callbacks=[schedule()])
+    (adapted,) = guard.adaptations  # said at its step, with the accumulation then: a record, not the state now
+    assert adapted.accumulate == 1 and adapted.line().endswith("now 16 x 2, the same 32 samples per optimizer step")
+    assert events.micro_batches[-1] == [16, 16] and trainer.global_step == 12 + 6
+    torch.manual_seed(0)
+    plain = Wide()
+    Trainer(**trainer_kwargs(tmp_path / "plain", max_epochs=2, callbacks=[schedule()])).fit(plain)
+    assert _close(model, [p.detach() for p in plain.parameters()])  # weighted by the accumulation of each step

@@ -23,6 +23,14 @@ def _run(name: str, *args: str, cwd: str) -> str:
 def test_spill_example_stops_the_run(tmp_path):
     out = _run("spill_stopped.py", cwd=tmp_path)
     assert "stopped at step" in out and "spilling into system RAM" in out
+    # on the CPU the 100 MB card is smaller than the weights, gradients and momentum alone: the advice says so, and
+    # what can help (before: "activation checkpointing ... is needed", which cannot)
+    (advice,) = [line for line in out.splitlines() if line.startswith("From this run's readings")]
+    assert "alone exceeds the card's 100.0 MB" in advice and "a lighter optimizer state" in advice
+    assert (
+        "ActivationCheckpointing" not in advice
+        and "ActivationCheckpointing" not in out.split("Fixes")[1].split(advice)[0]
+    )
     # its checkpoint went to a temporary folder, removed, and the output says so: nothing is left where it ran
     (checkpoint,) = re.findall(r"a checkpoint was saved to (\S+\.ckpt)", out)
     assert not os.path.exists(checkpoint) and not any(tmp_path.iterdir())

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from conftest import FakeProbe, TinyModel, trainer_kwargs
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from tuner_helpers import BatchClock
 
 from lightning_memguard import AccumulationTuner, BatchSizeTuner
@@ -138,6 +138,27 @@ def test_missing_batch_size_attribute_is_a_clear_error(tmp_path):
     trainer = Trainer(**trainer_kwargs(tmp_path, callbacks=[BatchSizeTuner(cache=False)]))
     with pytest.raises(ValueError, match="no `batch_size` attribute on the model, its hparams or the datamodule"):
         trainer.fit(model)
+
+
+class ReadOnlyBatchSize(TinyModel):
+    """TinyModel whose batch size is a property without a setter, read from a config it keeps."""
+
+    def __init__(self) -> None:
+        LightningModule.__init__(self)
+        self.config, self.n, self.val = {"batch_size": 8}, 64, False
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+        self.x, self.y = torch.randn(64, 16), torch.randint(0, 2, (64,))
+
+    @property
+    def batch_size(self) -> int:  # type: ignore[override]
+        return self.config["batch_size"]
+
+
+def test_a_read_only_batch_size_property_is_refused_saying_what_to_do(tmp_path):
+    trainer = Trainer(**trainer_kwargs(tmp_path, callbacks=[BatchSizeTuner(cache=False)]))
+    # before: Python's bare "property 'batch_size' of 'ReadOnlyBatchSize' object has no setter", mid-search
+    with pytest.raises(ValueError, match="`batch_size` on ReadOnlyBatchSize is a read-only property: the tuner sets"):
+        trainer.fit(ReadOnlyBatchSize())
 
 
 def test_resume_reapplies_without_searching_and_cache_skips_the_search(tmp_path):

@@ -99,8 +99,9 @@ class SpillResponse:
             self.checkpoint_error = None if error is None else f"the checkpoint could not be written: {error}"
         spilling = self._spilling_rank(spill, vote)
         if spill is not None:
-            message = format_spill_message(spill, batch, self.checkpoint_path)
             advice = self._advice(spill, batch, trainer.accumulate_grad_batches)
+            batch_helps = advice is None or advice.held_by is None  # else no batch or checkpointing fits: not said
+            message = format_spill_message(spill, batch, self.checkpoint_path, batch_helps)
             if advice is not None:
                 message += "\n" + advice.sentence()
         elif spilling is not None:  # the numbers of the rank that spilled, on every rank (and in rank zero's warning)

@@ -137,7 +137,8 @@ class MemGuard(Callback):
     the batch's); then activation checkpointing, planned for the memory free now on the batch in hand (every block
     where it cannot be planned). Where neither is left (manual optimization, a model with training BatchNorm and no
     blocks, a loss that couples the samples of a batch and no blocks, micro-batches of one sample) the run stops as
-    ``"stop"`` does, saying why. Every
+    ``"stop"`` does, saying why; so it does at once where this run's readings say no micro-batch can fit (what a
+    step starts from, alone or with other processes' memory, above the card), naming what holds the memory. Every
     ``grow_every`` steps, fewer micro-batches are tried again where this run's readings say they fit what is free
     now. Each change is said in one line, logged (``memguard/micro_batches``, ``memguard/checkpointing``), kept in
     :attr:`adaptations` and in the checkpoint: a resumed run starts adapted. Under DDP, FSDP and
@@ -544,8 +545,9 @@ class MemGuard(Callback):
         return reading
 
     def _batch(self) -> int | None:
-        """The batch size of the latest step (None before one)."""
-        return (self._timeline.batch if self._timeline is not None else 0) or None
+        """The run's batch size, judged and advised from: the largest batch of the epoch so far, the one in flight
+        included (a short last batch is not the run's: its peak is the full batches'); None before one."""
+        return (self._timeline.full_batch if self._timeline is not None else 0) or None
 
     def _batch_size(self, batch: Any) -> int:
         """Samples in a training batch: every loader's, where several make one (a CombinedLoader; one that has run

@@ -6,20 +6,28 @@ from lightning_memguard.core.platform import CONTROL_PANEL, WSL2_SETTING
 from lightning_memguard.core.spill import SpillReport
 from lightning_memguard.core.units import size_formatter
 
-FIXES = (
-    "Fixes, most direct first:\n"
-    f"  - Windows: {CONTROL_PANEL} (then an overflow raises a real OOM at once);\n"
-    f"  - WSL2: {WSL2_SETTING};\n"
+_DRIVER_FIXES = (
+    f"  - Windows: {CONTROL_PANEL} (then an overflow raises a real OOM at once);\n  - WSL2: {WSL2_SETTING};\n"
+)
+_BATCH_FIXES = (
     "  - keep the effective batch with less memory: `AccumulationTuner(effective_batch_size=...)`;\n"
     "  - activation checkpointing: `ActivationCheckpointing()` or `checkpoint_resnet(model)`;\n"
     "  - a smaller batch size (`BatchSizeTuner()` measures the fastest one that fits);\n"
-    "  - `MemGuard(prevent=True)` turns any future overflow into an immediate out-of-memory error."
+)
+_PREVENT = "  - `MemGuard(prevent=True)` turns any future overflow into an immediate out-of-memory error."
+FIXES = "Fixes, most direct first:\n" + _DRIVER_FIXES + _BATCH_FIXES + _PREVENT
+# where what a step starts from, or other processes' memory, leaves no room for one sample: no batch fix can help
+HELD_FIXES = (
+    "Fixes, most direct first (no batch size or checkpointing can fit here: see below):\n" + _DRIVER_FIXES + _PREVENT
 )
 
 
-def format_spill_message(report: SpillReport, batch_size: int | None, checkpoint_path: str | None = None) -> str:
-    """The message a user sees when a run is stopped for spilling: the numbers, then the fixes. Sizes are in the card's
-    unit: GB, or MB on a small or emulated card.
+def format_spill_message(
+    report: SpillReport, batch_size: int | None, checkpoint_path: str | None = None, batch_helps: bool = True
+) -> str:
+    """The message a user sees when a run is stopped for spilling: the numbers, then the fixes (``batch_helps``
+    False: without those of the batch, where the run's readings say no batch fits). Sizes are in the card's unit: GB,
+    or MB on a small or emulated card.
 
     Example:
         >>> from lightning_memguard.core.spill import Verdict
@@ -63,7 +71,7 @@ def format_spill_message(report: SpillReport, batch_size: int | None, checkpoint
             f"Nothing is lost: a checkpoint was saved to {checkpoint_path}, holding every batch trained so far; resume"
             " with ckpt_path=... to go on with the next batch."
         )
-    lines.append(FIXES)
+    lines.append(FIXES if batch_helps else HELD_FIXES)
     return "\n".join(lines)
 
 

@@ -52,6 +52,7 @@ class StepTimeline:
         """Forget the last epoch's steps: each epoch's figures are its own."""
         self.durations: list[float] = []
         self.samples: list[int] = []
+        self.full_batch = 0  # the largest batch of the epoch so far, the one in flight included
         self.open_steps: list[tuple[float, int]] = []
         self._start: float | None = None
         self._unfed = 0  # steps timed but not yet given to the detector
@@ -84,6 +85,7 @@ class StepTimeline:
             if self._unfed >= self._feed_every or (ref and seconds * ref > self.batch * self.detector.read_trigger):
                 wants = self.feed()
         self.batch = samples
+        self.full_batch = max(self.full_batch, samples)
         return wants
 
     def interrupt(self, now: float) -> None:

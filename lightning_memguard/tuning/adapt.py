@@ -136,15 +136,19 @@ def micro_batch(batch: int, chunks: int) -> int:
 def chunks_to_fit(batch: int, chunks: int, advice: FitAdvice | None) -> int:
     """How many micro-batches a batch that did not fit in ``chunks`` should be split into: enough that the largest
     fits where the run's own readings say (``advice``), and at least twice as many as now; never more than the
-    batch's samples.
+    batch's samples. Where the readings say not even one sample fits, ``chunks`` itself: no split can help.
 
     Example:
         >>> advice = FitAdvice.from_run(26_600_000_000, 1_000_000_000, 0, 16 * 10**9, 0.05, 512)  # 284 fits
         >>> chunks_to_fit(512, 1, advice), chunks_to_fit(512, 1, None), chunks_to_fit(3, 2, None)
         (2, 2, 3)
+        >>> chunks_to_fit(512, 1, FitAdvice.from_run(26_600_000_000, 15_190_000_000, 0, 16 * 10**9, 0.05, 512))
+        1
     """
+    if advice is not None and advice.largest_batch < 1:
+        return chunks
     wanted = chunks * 2
-    if advice is not None and advice.largest_batch >= 1:
+    if advice is not None:
         # advice.largest_batch is per loaded micro-batch of the spilling step: that step held batch / chunks samples
         wanted = max(wanted, math.ceil(batch / advice.largest_batch))
     return min(wanted, batch)
@@ -178,6 +182,9 @@ class GrowBack:
         >>> grow.tried(100, undone=True)
         >>> grow.due(250), grow.due(300)
         (False, True)
+        >>> grow.resumed(1000)
+        >>> grow.due(1000), grow.due(1001), grow.interval
+        (False, True, 200)
     """
 
     def __init__(self, every: int, start: int = 0) -> None:
@@ -190,6 +197,11 @@ class GrowBack:
     def restart(self, step: int) -> None:
         """A new split took effect at ``step``: the next attempt comes one interval later."""
         self.last = step
+
+    def resumed(self, step: int) -> None:
+        """A run resumed at ``step`` (a new process, perhaps on another card, or on this one freed): the next attempt
+        comes after its first step, which gives the reading it is judged by; the interval stays as it was."""
+        self.last = step + 1 - self.interval
 
     def due(self, step: int) -> bool:
         return step - self.last >= self.interval

@@ -556,8 +556,10 @@ class RunAdapter:
     training the same, the record of every change, and growing back when memory frees.
 
     Levers: split each batch into more micro-batches (not for a model whose BatchNorm layers train, unless
-    ``allow_batchnorm``; not below one sample); then activation checkpointing of every block (BatchNorm-exact). When
-    neither is left, :meth:`after_spill` says why and the caller stops the run as ``"stop"`` does.
+    ``allow_batchnorm``; not below one sample, nor where one sample does not fit); then activation checkpointing
+    (BatchNorm-exact). When neither is left, or at once where the run's readings say no micro-batch can fit beside
+    what is held (what a step starts from, other processes' memory), :meth:`after_spill` says why and the caller
+    stops the run as ``"stop"`` does.
 
     Args:
         allow_batchnorm: split batches of a model whose BatchNorm layers train (their statistics then come from each
@@ -586,13 +588,18 @@ class RunAdapter:
         self._trainer: Trainer | None = None
         self._grew_at: int | None = None  # the step of the last growth, while it may still be undone
         self._validation_refused = False  # said once: validation's outputs could not be joined if split
+        self._resumed = False  # split by a checkpoint: fewer micro-batches are tried after the first step
 
     # ------------------------------------------------------------------ fit
 
     def start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Install on the training step (a resumed run continues in its adapted configuration)."""
         self._trainer = trainer
-        self.grow.restart(trainer.global_step)
+        if self._resumed:  # memory may have freed while the run was away: tried after its first step
+            self.grow.resumed(trainer.global_step)
+            self._resumed = False
+        else:
+            self.grow.restart(trainer.global_step)
         if self.checkpointing and not any(is_checkpointed(m) for m in pl_module.modules()):
             checkpoint_blocks(pl_module)
         if not pl_module.automatic_optimization:
@@ -622,12 +629,24 @@ class RunAdapter:
         batch: Any = None,
     ) -> str | None:
         """Every rank agreed on a spill at this batch's start: adapt from this batch on (the spilling steps trained
-        correctly, only slowly: they are kept). None: adapted; else why adapting is not possible."""
+        correctly, only slowly: they are kept). None: adapted; else why adapting is not possible: at once where the
+        run's readings say no micro-batch fits beside what is held (what a step starts from, other processes'
+        memory), since no split or checkpointing can help there and each further try is one more spilled step."""
         advice = None
         if spill is not None and allocated_now is not None:
             micro = micro_batch(samples, self.chunks)
             advice = FitAdvice.from_run(
                 spill.used_bytes, allocated_now, spill.other_bytes or 0, spill.capacity, self.headroom, micro
+            )
+        holder = advice.holder() if advice is not None else None
+        if _agreed_max(trainer, int(holder is not None)):  # every rank stops with the one where nothing fits
+            return holder or "on another rank no micro-batch fits beside what a step starts from and others hold"
+        no_split = None  # not even one sample's activations fit the room left: checkpointing may, a split cannot
+        if advice is not None and advice.largest_batch < 1:
+            left, adds = max((advice.usable or 0) - advice.resting - advice.others, 0), advice.per_sample
+            no_split = (
+                f"not even one sample fits ({size_formatter(left, 2)(left)} is left beside what a step starts from"
+                f" and other processes' memory, and each sample adds {size_formatter(adds, 2)(adds)})"
             )
         wanted = chunks_to_fit(samples, self.chunks, advice)
         wanted = _agreed_max(trainer, wanted)
@@ -645,7 +664,7 @@ class RunAdapter:
         room = None  # what a checkpointing plan's activations may use: the card less its headroom, others' memory and
         if spill is not None and allocated_now is not None:  # what a step starts from (weights, gradients, optimizer)
             room = int(spill.capacity * (1 - self.headroom)) - (spill.other_bytes or 0) - allocated_now
-        return self._lever(trainer, pl_module, samples, wanted, why, batch, room)
+        return self._lever(trainer, pl_module, samples, wanted, why, batch, room, no_split)
 
     def _after_oom(self, chunks: int, samples: int, error: BaseException) -> int | None:
         """An out-of-memory error inside a training step: the split to redo it with, or None (raised)."""
@@ -687,12 +706,15 @@ class RunAdapter:
         why: str,
         batch: Any = None,
         room: int | None = None,
+        no_split: str | None = None,
     ) -> str | None:
+        """The next lever, said and recorded (None), or why none is left. ``no_split``: why the run's readings say
+        no split fits (then checkpointing is the only lever)."""
         before = self.chunks
         self.grow.restart(trainer.global_step)  # the next try with fewer micro-batches comes an interval later
         if batch is None and self._micro is not None:
             batch = self._micro.batch
-        cannot = self._cannot_split(pl_module, samples, batch)
+        cannot = self._cannot_split(pl_module, samples, batch) or no_split
         if cannot is None and wanted > self.chunks:
             self._set_chunks(wanted)
             self._said(
@@ -877,6 +899,7 @@ class RunAdapter:
             "validation_chunks": self._micro.validation_chunks if self._micro is not None else self.validation_chunks,
             "checkpointing": self.checkpointing,
             "weighting": self.weighting,
+            "grow_interval": self.grow.interval,  # doubled by growths that spilled again: the card stayed full
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -888,6 +911,8 @@ class RunAdapter:
         self.weighting = state.get("weighting", "samples" if self.chunks > 1 else None)
         if self._micro is not None and self.weighting not in (None, "coupled"):
             self._micro.weighting = self.weighting
+        self.grow.interval = int(state.get("grow_interval", self.grow.every))
+        self._resumed = self.chunks > 1
 
 
 def _agreed_max(trainer: Trainer, value: int) -> int:

@@ -162,6 +162,14 @@ def require_batch_size_attribute(trainer: Trainer, batch_arg_name: str) -> None:
             f"no `{batch_arg_name}` attribute on the model, its hparams or the datamodule; the tuner sets the batch"
             " size there, as Lightning's BatchSizeFinder does (use `batch_arg_name` to name another attribute)"
         )
+    for holder in (trainer.lightning_module, getattr(trainer, "datamodule", None)):  # where lightning_setattr sets it
+        found = getattr(type(holder), batch_arg_name, None) if holder is not None else None
+        if isinstance(found, property) and found.fset is None:
+            raise ValueError(
+                f"`{batch_arg_name}` on {type(holder).__name__} is a read-only property: the tuner sets the batch size"
+                f" there, as Lightning's BatchSizeFinder does; give `{batch_arg_name}` a setter (or keep the size in a"
+                " plain attribute the property reads), or name another attribute with `batch_arg_name`"
+            )
 
 
 def require_module_dataloaders(trainer: Trainer, tuner: str, batch_arg_name: str) -> None:
