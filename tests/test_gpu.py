@@ -114,14 +114,34 @@ def test_compiled_model_that_fits_is_not_flagged_across_compiles(tmp_path):
     torch._dynamo.reset()
 
 
+class _CountingClassifier(ImageClassifier):
+    """Records the samples of every call of ``training_step``."""
+
+    def training_step(self, batch, batch_idx):
+        self.calls = [*getattr(self, "calls", []), batch.shape[0]]
+        return super().training_step(batch, batch_idx)
+
+
 def test_prevent_turns_the_overflow_into_an_immediate_oom(tmp_path):
+    """And the out-of-memory error gets its memory report: the failed step let go before it is measured, every rerun
+    of the user's ``training_step`` said in the report (CPU twin: test_memguard_reports.py's
+    test_an_out_of_memory_error_lets_go_of_the_failed_step_before_measuring_and_runs_the_step_once_more)."""
+    import json
+
     guard = MemGuard(capacity="2GB", prevent=True)
-    model = ImageClassifier("resnet50", image_size=224, batch_size=64, steps_per_epoch=20, channels_last=True)
+    model = _CountingClassifier("resnet50", image_size=224, batch_size=64, steps_per_epoch=20, channels_last=True)
     trainer = _trainer(tmp_path, [guard])
     try:
         with pytest.raises(torch.OutOfMemoryError, match="MemGuard\\(prevent=True\\) capped PyTorch"):
             trainer.fit(model)
         assert trainer.global_step == 0
+        (path,) = guard.reports
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+        reruns = model.calls[1:]
+        print("training_step calls", model.calls, "note:", report["note"])
+        assert model.calls[0] == 64 and report["capacity"] == 2 * 10**9 and report["batch"] == 64
+        assert len(reruns) <= 1 or f"training_step ran {len(reruns)} times more" in report["note"]
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
