@@ -29,6 +29,8 @@ where it is used (the Trainer's and the strategy's public attributes and methods
 - Checkpoints (``Trainer._checkpoint_connector``): :func:`checkpoint_contents`, the spill checkpoint's contents.
 - FSDP's own checkpointing (``FSDPStrategy._activation_checkpointing_kwargs``): :func:`fsdp_checkpoints_itself`,
   so that ActivationCheckpointing is refused beside ``FSDPStrategy(activation_checkpointing_policy=...)``.
+- The model's logging set on every callback (``_CallbackConnector._attach_model_logging_functions``):
+  :func:`model_logging_dropped`, so that a callback kept after its fit does not keep the fit's model alive.
 
 The ``torch.compile`` context ``fit`` keeps on a LightningModule it unwrapped (``LightningModule._compiler_ctx``) is
 read where the other compile contexts are, in :mod:`lightning_memguard._compiler.dynamo_state`, by name.
@@ -231,3 +233,15 @@ def fsdp_checkpoints_itself(strategy: Strategy) -> bool:
     from lightning.pytorch.strategies import FSDPStrategy
 
     return isinstance(strategy, FSDPStrategy) and bool(getattr(strategy, "_activation_checkpointing_kwargs", None))
+
+
+# ---------------------------------------------------------------- callbacks
+
+
+def model_logging_dropped(callback: Any) -> None:
+    """Forget the ``log`` and ``log_dict`` that Lightning set on ``callback`` at fit start
+    (``_CallbackConnector._attach_model_logging_functions``): the LightningModule's bound methods, which would keep the
+    finished fit's model, its gradients and its optimizer state alive as long as the callback. Lightning sets them
+    again at the next ``fit``, ``validate``, ``test`` or ``predict``."""
+    for name in ("log", "log_dict"):
+        vars(callback).pop(name, None)

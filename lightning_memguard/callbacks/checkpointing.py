@@ -16,6 +16,7 @@ from lightning_memguard.callbacks._private import (
     as_training_step_gets_it,
     drop_loaders,
     fsdp_checkpoints_itself,
+    model_logging_dropped,
     train_loader,
 )
 from lightning_memguard.checkpointing.families import Units, find_units
@@ -199,6 +200,10 @@ class ActivationCheckpointing(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         _give_back_configure_model(pl_module)  # a fit that ended before configure_model ran
         self.policy.release_compile_setting()
+        model_logging_dropped(self)  # the chosen runs stay; the fit's model is not kept
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")  # Lightning calls no teardown after an exception
 
     def state_dict(self) -> dict[str, Any]:
         return {

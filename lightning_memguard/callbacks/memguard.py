@@ -17,6 +17,7 @@ from lightning_memguard.callbacks._batches import loader_parts, loader_paths, sa
 from lightning_memguard.callbacks._epoch_report import epoch_record, log_epoch
 from lightning_memguard.callbacks._memory_report import MemoryReports
 from lightning_memguard.callbacks._prevention import AllocatorCap, notice_platform, run_preflight
+from lightning_memguard.callbacks._private import model_logging_dropped
 from lightning_memguard.callbacks._spill_response import SpillResponse
 from lightning_memguard.core.capacity import judged_capacity
 from lightning_memguard.core.checks import (
@@ -395,14 +396,23 @@ class MemGuard(Callback):
             rank_zero_info("MemGuard: peak memory against throughput\n" + format_epoch_table(self.epochs))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._cap.release(trainer.strategy.root_device)
-        if self._adapter is not None:
-            self._adapter.stop()
-        self._reports.stop()
+        self._end_fit(trainer)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._cap.explain(exception)
         self._reports.out_of_memory(trainer, pl_module, exception)
+        self._end_fit(trainer)  # Lightning calls no teardown after an exception
+
+    def _end_fit(self, trainer: Trainer) -> None:
+        """The fit ended (teardown, or an exception, Ctrl+C included): the cap lifted, the training step given back,
+        and nothing kept that holds the fit's model, gradients, optimizer state or batches; what the fit learned
+        stays (:attr:`epochs`, :attr:`adaptations`, :attr:`reports`, :attr:`spill`, the state for a resume)."""
+        self._cap.release(trainer.strategy.root_device)
+        if self._adapter is not None:
+            self._adapter.stop()
+        self._reports.stop()
+        self._vote = None
+        model_logging_dropped(self)
 
     def state_dict(self) -> dict[str, Any]:
         timeline = self._timeline

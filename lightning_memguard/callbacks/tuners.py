@@ -10,6 +10,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_memguard.callbacks._private import model_logging_dropped
 from lightning_memguard.callbacks.checkpointing import ActivationCheckpointing
 from lightning_memguard.core.checks import check_bool, check_int
 from lightning_memguard.probes import MemoryProbe
@@ -95,6 +96,10 @@ class _Tuner(Callback):
         if isinstance(exception, KeyboardInterrupt) and self._sigint is not None:
             restore_sigint_handler(self._sigint)
         self._sigint = None
+        model_logging_dropped(self)  # Lightning calls no teardown after an exception
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        model_logging_dropped(self)  # what it learned stays; the fit's model is not kept
 
     def _ready(self, trainer: Trainer, pl_module: LightningModule) -> bool:
         """At fit start: the batch-size attribute there, a budgeted ActivationCheckpointing planned first (the tuner

@@ -12,6 +12,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_memguard import _autograd, _compiler
+from lightning_memguard.callbacks._private import model_logging_dropped
 from lightning_memguard.core.checks import check_callable, check_greater, check_size
 from lightning_memguard.probes.base import MemoryReading
 
@@ -199,6 +200,16 @@ class SysmemSpillEmulator(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._end()
+        self._forget_the_fit()  # Lightning calls no teardown after an exception
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._end()
+        self._forget_the_fit()
+
+    def _forget_the_fit(self) -> None:
+        """The fit ended: its model (weights, gradients, optimizer state) is not kept; the figures stay."""
+        self._module = None
+        model_logging_dropped(self)
 
     # ------------------------------------------------------------------ accounting
 

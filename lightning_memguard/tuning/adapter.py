@@ -616,6 +616,7 @@ class RunAdapter:
             self.validation_chunks = self._micro.validation_chunks
             self._micro.uninstall()
             self._micro = None
+        self._trainer = None  # the finished fit's Trainer (and its model) is not kept
 
     # ------------------------------------------------------------------ adapting
 
