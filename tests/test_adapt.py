@@ -579,7 +579,7 @@ def test_a_short_last_batch_is_not_the_runs_batch(tmp_path, last):
 
     trainer, guard, events, adapted = _run(tmp_path, others={11: TAKEN}, model=model)
     assert [a.line().split(" (")[0] for a in guard.adaptations] == ["step 13: 32 x 1 spilled"]
-    assert guard.adaptations[0].line().endswith("now 16 x 2, the same 32 samples per optimizer step")
+    assert guard.adaptations[0].line().count("; now 16 x 2, the same 32 samples per optimizer step;") == 1
     assert trainer.global_step == 26 and events.micro_batches[13:25] == [[16, 16]] * 12
     torch.manual_seed(0)
     plain = model()
@@ -634,7 +634,9 @@ def test_a_changed_accumulation_leaves_the_split_training_the_same_and_each_line
 
     trainer, guard, events, model = _run(tmp_path, others={4: TAKEN}, callbacks=[schedule()])
     (adapted,) = guard.adaptations  # said at its step, with the accumulation then: a record, not the state now
-    assert adapted.accumulate == 1 and adapted.line().endswith("now 16 x 2, the same 32 samples per optimizer step")
+    assert (
+        adapted.accumulate == 1 and adapted.line().count("; now 16 x 2, the same 32 samples per optimizer step;") == 1
+    )
     assert events.micro_batches[-1] == [16, 16] and trainer.global_step == 12 + 6
     torch.manual_seed(0)
     plain = Wide()
