@@ -293,12 +293,13 @@ def test_prevent_caps_the_allocator_and_explains_the_oom(monkeypatch):
     guard._cap.apply(torch.device("cuda", 0), 16 * 10**9, FakeProbe(other=10**9))
     assert calls == [pytest.approx((15 * 10**9 - 512 * 2**20) / (141 * 10**9))]  # less others and the margin
     err = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    guard.on_exception(None, None, err)
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device("cuda", 0)))
+    guard.on_exception(trainer, None, err)
     assert str(err).startswith("CUDA out of memory. Tried to allocate 2.00 GiB")
     assert "MemGuard(prevent=True) capped PyTorch" in str(err) and "instead of spilling" in str(err)
-    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device("cuda", 0)))
+    assert calls[-1] == 1.0  # lifted: Lightning calls no teardown after an exception
     guard.teardown(trainer, None, "fit")
-    assert calls[-1] == 1.0
+    assert calls.count(1.0) == 1
 
 
 def test_prevent_with_no_memory_left_is_a_clear_error(monkeypatch):
