@@ -77,7 +77,11 @@ def _fit(tmp_path, strategy, callbacks, model, **kwargs):
 def test_the_tuners_under_a_sharded_strategy_put_everything_back(tmp_path, strategy, tuner_name):
     """The issue's crash: BatchSizeTuner under strategy='fsdp' failed after the search, restoring through FSDP's
     checkpoint loading. Now each rank's shards are put back in place; MemGuard runs beside."""
-    emu = SysmemSpillEmulator(capacity="3GB")  # ResNet50 at batch 64 needs about 3.4 GB
+    # ResNet50 at batch 64 needs about 3.4 GB, on top of what earlier tests left alive (after a collection, each
+    # sharded fit leaves about 0.19 GB behind on the H200 with torch 2.11, at 0939b46 as now): a card of 3 GB beside it
+    free_earlier_fits()
+    capacity = int(3e9) + torch.cuda.memory_allocated()
+    emu = SysmemSpillEmulator(capacity=capacity)
     if tuner_name == "batch_size":
         tuner = BatchSizeTuner(init_size=16, max_size=256, probe=emu.probe, cache=False)
     else:
@@ -88,7 +92,7 @@ def test_the_tuners_under_a_sharded_strategy_put_everything_back(tmp_path, strat
         _fit(tmp_path, strategy, [first, emu, tuner, guard], model)
     print(strategy, tuner_name, [(r.size, r.accumulate, r.outcome, r.peak_bytes) for r in tuner.results])
     (chosen,) = [r for r in tuner.results if r.size == tuner.batch_size]
-    assert chosen.fits and chosen.peak_bytes <= 3e9 and model.batch_size == tuner.batch_size == first.samples
+    assert chosen.fits and chosen.peak_bytes <= capacity and model.batch_size == tuner.batch_size == first.samples
     assert any(r.outcome in ("spill", "predicted_over", "oom") for r in tuner.results)  # the card's edge was found
     assert first.weights_equal and first.optimizer_state == 0 and first.step == 0
 
