@@ -39,7 +39,8 @@ def test_budget_planning_leaves_the_random_number_generator_as_it_found_it():
     expected = _grads_after_one_step(plain, x)
     torch.manual_seed(0)
     plan = checkpoint_blocks(planned, "auto", memory_budget=0.6, example_input=x, loss_fn=lambda out: out)
-    assert plan.blocks  # something was checkpointed, and measured with dropout on
+    assert plan.blocks or plan.parts  # something was checkpointed (blocks, or parts of blocks: which depends on the
+    # measured forward times), and measured with dropout on
     got = _grads_after_one_step(planned, x)
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)

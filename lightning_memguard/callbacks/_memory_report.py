@@ -244,8 +244,8 @@ class MemoryReports:
             measured = samples_in(part) or 1
             try:
                 memory = _redo(trainer, pl_module, part, batch_idx, scale=samples / measured)
-            except torch.OutOfMemoryError as failed:  # its frames let go too (on the H200 a failed rerun of 32
-                _let_go(failed)  # samples kept 1.2 GB held through the next ones, down to one sample)
+            except torch.OutOfMemoryError as failed:
+                _let_go(failed)  # its frames hold its activations as the failed step's did
                 runs.append(f"{measured} samples: out of memory")
                 chunks = samples + 1 if chunks == samples else min(chunks * 2, samples)  # down to one sample
                 continue
