@@ -67,7 +67,7 @@ def hook_cost(calls: int = 200_000) -> float:
     reference to the batch kept at its start and dropped at its end (the run's end-to-end ratio cannot resolve it)."""
     from types import SimpleNamespace
 
-    from lightning_memguard.callbacks._memory_report import MemoryReports
+    from lightning_memguard.callbacks._reporting import MemoryReports
 
     reports = MemoryReports(True, False, True)
     trainer: Any = SimpleNamespace(num_training_batches=1000)

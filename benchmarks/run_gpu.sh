@@ -58,9 +58,9 @@ want adapt && TAIL=4 run timeout 420 python3 benchmarks/adapt.py --out "$out/ada
 want forensics && TAIL=12 run timeout 420 python3 benchmarks/forensics.py --out "$out/forensics.json"
 want compile_peak && TAIL=80 run timeout 555 python3 benchmarks/compile_peak.py --out "$out/compile_peak.json"
 if want sweeps; then
-TAIL=9 run timeout 90 python3 -m lightning_memguard.cli sweep --model resnet50 --batch-sizes 32,64,128,256,512 \
+TAIL=9 run timeout 90 python3 -m lightning_memguard.commands.cli sweep --model resnet50 --batch-sizes 32,64,128,256,512 \
     --precision bf16-mixed --channels-last --out "$out/sweep"
-TAIL=9 run timeout 120 python3 -m lightning_memguard.cli sweep --model resnet50 --batch-sizes 64,128,256,384,512,1024 \
+TAIL=9 run timeout 120 python3 -m lightning_memguard.commands.cli sweep --model resnet50 --batch-sizes 64,128,256,384,512,1024 \
     --precision bf16-mixed --channels-last --emulate-capacity 16GB --out "$out/sweep16"
 # the device tool brings back at most 8 files: pack the sweeps
 tar czf "$out/sweeps.tgz" -C "$out" sweep sweep16 && rm -r "$out/sweep" "$out/sweep16"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_memguard import ActivationCheckpointing, MemGuard
-from lightning_memguard.cli import main
+from lightning_memguard.commands.cli import main
 from lightning_memguard.core.units import parse_bytes
 from lightning_memguard.testing import SysmemSpillEmulator
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_memguard import ActivationCheckpointing, checkpoint_blocks
 from lightning_memguard.checkpointing import is_checkpointed
 from lightning_memguard.forensics.attribution import measure_step
-from lightning_memguard.forensics.report import MemoryReport
+from lightning_memguard.forensics.memory_report import MemoryReport
 from lightning_memguard.strategies import CheckpointingSingleDeviceStrategy
 
 

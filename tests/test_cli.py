@@ -14,8 +14,8 @@ import tempfile
 import pytest
 import torch
 
-from lightning_memguard.cli import main
-from lightning_memguard.doctor import verdict
+from lightning_memguard.commands.cli import main
+from lightning_memguard.commands.doctor import verdict
 
 TINY = ["--model", "resnet18", "--image-size", "32", "--device", "cpu"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -209,8 +209,8 @@ def test_plan_when_nothing_fits_does_not_advise_what_it_already_did(capsys):
 def _command(tmp_path, *argv: str) -> subprocess.CompletedProcess:
     """The command in a fresh process, as a user runs it (Lightning not yet imported), on this checkout's code."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "lightning_memguard.cli", *argv], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    command = [sys.executable, "-m", "lightning_memguard.commands.cli", *argv]
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
 
 
 LIGHTNING_CHATTER = ("GPU available:", "TPU available:", "`Trainer.fit` stopped", "MemGuard: peak memory")
@@ -238,7 +238,7 @@ def test_sweep_verbose_shows_every_runs_messages(tmp_path, caplog):
 def sweep_configs(monkeypatch):
     """The sweep's runs record their config and return a made-up row at once: no training."""
     from lightning_memguard import sweep
-    from lightning_memguard.core.report import SweepRow
+    from lightning_memguard.core.epoch_record import SweepRow
 
     configs = []
 
@@ -373,7 +373,7 @@ def test_demo_says_what_it_does_before_importing_torch(tmp_path):
         "        if name == 'torch':\n"
         "            raise ImportError('torch is being imported')\n"
         "sys.meta_path.insert(0, Refuse())\n"
-        "from lightning_memguard.cli import main\n"
+        "from lightning_memguard.commands.cli import main\n"
         f"main(['demo', '--device', 'cpu', '--out', {str(tmp_path / 'logs')!r}])\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
@@ -563,7 +563,7 @@ REFUSE_TORCH = (
     "        if name.split('.')[0] in ('torch', 'lightning', 'torchvision'):\n"
     "            raise ImportError(f'{name} is being imported')\n"
     "sys.meta_path.insert(0, Refuse())\n"
-    "from lightning_memguard.cli import main\n"
+    "from lightning_memguard.commands.cli import main\n"
     "sys.exit(main(sys.argv[1:]))\n"
 )
 
@@ -608,7 +608,7 @@ def test_a_mistyped_model_name_is_answered_with_the_name_meant(no_training, monk
 
 def test_ctrl_c_during_a_sweep_keeps_the_rows_measured_and_says_so(monkeypatch, tmp_path, capsys):
     from lightning_memguard import sweep
-    from lightning_memguard.core.report import SweepRow
+    from lightning_memguard.core.epoch_record import SweepRow
 
     def run_one(cfg, batch, root):
         if batch == 32:
@@ -632,7 +632,7 @@ def test_ctrl_c_inside_a_training_run_reaches_the_sweep_as_an_interrupt(tmp_path
     # Lightning turns Ctrl+C inside fit into sys.exit(1) and ignores Ctrl+C from then on: run_one gives it back
     import signal
 
-    from lightning_memguard.sweep import ModelSource, SweepConfig, run_one
+    from lightning_memguard.commands.sweep import ModelSource, SweepConfig, run_one
     from lightning_memguard.testing import ImageClassifier
 
     class PressesCtrlC(ImageClassifier):
@@ -659,7 +659,7 @@ def test_a_sweep_on_a_small_emulated_card_writes_its_sizes_in_mb(monkeypatch, tm
     import matplotlib.pyplot as plt
 
     from lightning_memguard import sweep
-    from lightning_memguard.core.report import SweepRow
+    from lightning_memguard.core.epoch_record import SweepRow
 
     def run_one(cfg, batch, root):  # a card of 150 MB: 4 fits at 70 MB, 8 spills
         row = SweepRow(batch, 10.0, 0.0703, 400.0, "ok") if batch == 4 else SweepRow(batch, 90.0, 0.1603, 89.0, "spill")
@@ -687,7 +687,7 @@ def test_a_sweep_on_a_small_emulated_card_writes_its_sizes_in_mb(monkeypatch, tm
 
 
 def test_plan_writes_peaks_in_the_unit_of_the_emulated_card(monkeypatch):
-    from lightning_memguard.plan import PlanConfig, _size, trial_row
+    from lightning_memguard.commands.plan import PlanConfig, _size, trial_row
     from lightning_memguard.tuning.search import TrialResult
 
     cfg = PlanConfig(None, 10, 32, 16, 4, False, "32-true", False, None, 150_000_000, 1, 1)  # type: ignore[arg-type]
@@ -702,7 +702,7 @@ def test_a_cpu_sweep_on_an_emulated_card_shows_the_spill_as_a_slowdown():
     spilling most of their activations: about 9x slower a step, more than a larger batch gains on any CPU)."""
     from torch import nn
 
-    from lightning_memguard.sweep import ModelSource, SweepConfig, run_one
+    from lightning_memguard.commands.sweep import ModelSource, SweepConfig, run_one
 
     def build():
         return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_memguard import _compiler
-from lightning_memguard.cli import main
-from lightning_memguard.sweep import MAX_COMPILE_STEPS, SweepConfig, _TimeStepsThatRan, run_one
+from lightning_memguard.commands.cli import main
+from lightning_memguard.commands.sweep import MAX_COMPILE_STEPS, SweepConfig, _TimeStepsThatRan, run_one
 
 TINY = ["--model", "resnet18", "--image-size", "32", "--device", "cpu"]
 COMPILE = ["--compile", "--compile-backend", "aot_eager"]

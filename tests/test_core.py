@@ -96,7 +96,7 @@ def test_epoch_record_loads_older_and_newer_checkpoints_and_merges_each_figure_a
     still loads, with the figure unknown (NaN), and one written by a newer version drops what it does not know."""
     import math
 
-    from lightning_memguard.core.report import merge_epoch_records
+    from lightning_memguard.core.epoch_record import merge_epoch_records
 
     old = {"epoch": 1, "step_ms": 10.0, "peak_allocated_gb": 1.0, "peak_reserved_gb": 1.5, "capacity_gb": 16.0}
     record = EpochRecord.from_dict({**old, "a_later_figure": 3.0})

@@ -209,7 +209,7 @@ def test_python_block(block, python_results):
 
 @functools.cache
 def _cli() -> argparse.ArgumentParser:
-    from lightning_memguard.cli import build_parser
+    from lightning_memguard.commands.cli import build_parser
 
     return build_parser()
 
@@ -325,7 +325,7 @@ def check_command(words: list[str], whole: bool = True) -> list[str]:
     # standard library for the rest of the process, and Inductor's C++ builder then fails on it
     if module != "pip" and importlib.util.find_spec(module.split(".")[0]) is None:
         return [f"`python -m {module}`: no such module here"]
-    if module in {"lightning_memguard", "lightning_memguard.cli"}:
+    if module in {"lightning_memguard", "lightning_memguard.commands.cli"}:
         return _check_memguard(rest, whole)
     if module == "pytest":
         return _check_pytest(rest)

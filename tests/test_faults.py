@@ -308,7 +308,7 @@ def test_the_sweeps_table_and_picture_are_written_whole_or_not_at_all(tmp_path, 
     """`memguard sweep` writes sweep.csv and sweep.png: a failure halfway (a full disk) leaves neither, nor a
     temporary file, and an earlier complete file stays as it was."""
     from lightning_memguard import sweep
-    from lightning_memguard.core.report import SweepRow
+    from lightning_memguard.core.epoch_record import SweepRow
 
     rows = [SweepRow(32, 10.0, 1.0, 3200.0, "ok"), SweepRow(64, 18.0, 2.0, 3555.0, "ok")]
     table, picture = tmp_path / "sweep.csv", tmp_path / "sweep.png"

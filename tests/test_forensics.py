@@ -313,7 +313,7 @@ def test_autocasts_low_precision_copies_of_weights_are_not_activations():
 
 def _situated(capacity, others=0, judged=None, grew_back=None):
     memory, _ = _measured(OneHugeActivation(), batch=8)
-    from lightning_memguard.forensics.report import Situation
+    from lightning_memguard.forensics.memory_report import Situation
 
     situation = Situation(capacity, others, judged, 8, grew_back)
     return memory, MemoryReport.from_step(memory, "spill", step=5, situation=situation)

@@ -109,3 +109,46 @@ def test_the_graph_reads_deferred_and_type_checking_imports():
 
 def test_no_module_of_the_package_imports_itself_back():
     assert cycles(import_graph()) == []
+
+
+# The floors, top down: the public shells, then the tuners' wing, then the Lightning-facing layer, then the rest.
+# A module imports only its own floor or a lower one.
+SHELLS = ("lightning_memguard.callbacks", "lightning_memguard.strategies", "lightning_memguard.commands")
+LAYER = "lightning_memguard._lightning"
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(f"{package}.")
+
+
+def upward_edges(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Edges from a wing up to the callbacks, and from the Lightning-facing layer up to a wing that uses it (the
+    tuners' wing) or to a shell. The commands stand above the callbacks (they run them); the root package's face
+    loads them lazily."""
+    found = []
+    for module, imported in graph.items():
+        for target in imported:
+            up_to_callbacks = _under(target, SHELLS[0]) and not any(_under(module, s) for s in (SHELLS[0], SHELLS[2]))
+            layer_up = _under(module, LAYER) and (
+                any(_under(target, s) for s in SHELLS) or _under(target, "lightning_memguard.tuning")
+            )
+            if (up_to_callbacks or layer_up) and module != ROOT:
+                found.append((module, target))
+    return sorted(found)
+
+
+def test_the_floor_checker_finds_an_edge_up():
+    graph = {
+        "lightning_memguard.tuning.cache_key": {"lightning_memguard.callbacks.activation_checkpointing"},
+        "lightning_memguard._lightning.loaders": {"lightning_memguard.tuning.trials"},
+        "lightning_memguard.commands.demo": {"lightning_memguard.callbacks.memguard"},
+        "lightning_memguard.callbacks.tuners": {"lightning_memguard.tuning.workflow", LAYER},
+    }
+    assert upward_edges(graph) == [
+        ("lightning_memguard._lightning.loaders", "lightning_memguard.tuning.trials"),
+        ("lightning_memguard.tuning.cache_key", "lightning_memguard.callbacks.activation_checkpointing"),
+    ]
+
+
+def test_no_wing_imports_the_callbacks_and_the_lightning_layer_stands_below_the_wings_that_use_it():
+    assert upward_edges(import_graph()) == []

@@ -88,7 +88,7 @@ def test_the_documented_install_into_an_existing_environment_installs_the_clone(
     metadata = (dist / "METADATA").read_text(encoding="utf-8")
     assert "Provides-Extra: windows" in metadata
     assert 'triton-windows>=3.2; sys_platform == "win32" and extra == "windows"' in metadata
-    assert "memguard = lightning_memguard.cli:main" in (dist / "entry_points.txt").read_text(encoding="utf-8")
+    assert "memguard = lightning_memguard.commands.cli:main" in (dist / "entry_points.txt").read_text(encoding="utf-8")
     # that environment imports the package from the clone's files (-e), not from this checkout
     find = "import importlib.util; print(importlib.util.find_spec('lightning_memguard').origin)"
     where = subprocess.run([sys.executable, "-S", "-c", f"import site; site.addsitedir({str(dist.parent)!r}); {find}"],

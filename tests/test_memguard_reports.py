@@ -284,7 +284,7 @@ TINY = ["--model", "resnet18", "--image-size", "32", "--device", "cpu"]
 
 
 def test_sweep_writes_a_report_per_batch_size(tmp_path, capsys):
-    from lightning_memguard.cli import main
+    from lightning_memguard.commands.cli import main
 
     reports = tmp_path / "reports"
     argv = ["sweep", *TINY, "--batch-sizes", "2,4", "--steps", "1", "--out", str(tmp_path), "--report", str(reports)]
@@ -305,7 +305,7 @@ def test_sweep_writes_a_report_per_batch_size(tmp_path, capsys):
 
 
 def test_plan_writes_a_report_per_micro_batch_tried(tmp_path, capsys):
-    from lightning_memguard.cli import main
+    from lightning_memguard.commands.cli import main
 
     reports = tmp_path / "reports"
     assert main(["plan", *TINY, "--effective-batch", "8", "--min-micro-batch", "4", "--report", str(reports)]) == 0
@@ -317,7 +317,7 @@ def test_plan_writes_a_report_per_micro_batch_tried(tmp_path, capsys):
 
 
 def test_report_is_refused_beside_compile(tmp_path, capsys):
-    from lightning_memguard.cli import main
+    from lightning_memguard.commands.cli import main
 
     code = main(["plan", *TINY, "--effective-batch", "8", "--compile", "--report", str(tmp_path)])
     assert code != 0 and "leave out --compile for the report" in capsys.readouterr().err
@@ -377,7 +377,7 @@ def test_the_forensics_benchmark_smoke_run_writes_its_ratios(tmp_path, monkeypat
 
 
 def test_a_measured_steps_reset_of_the_cuda_peak_is_carried_into_memguards_next_readings():
-    from lightning_memguard.callbacks._memory_report import MemoryReports
+    from lightning_memguard.callbacks._reporting import MemoryReports
 
     reports = MemoryReports(True, False, True)
     reports._counts_cuda = True  # MemGuard's probe reads the allocator's counters (a CudaProbe)

@@ -233,7 +233,7 @@ def test_the_preflight_is_confirmed_by_the_counter(monkeypatch):
 
 
 def test_the_doctor_shows_what_windows_counts(monkeypatch):
-    from lightning_memguard.doctor import collect, format_report
+    from lightning_memguard.commands.doctor import collect, format_report
 
     windows = _Windows(monkeypatch, FakePdh())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -18,7 +18,7 @@ from lightning.pytorch import Callback, Trainer
 
 import lightning_memguard.callbacks._prevention as mg
 from lightning_memguard import MemGuard, SysmemSpillError
-from lightning_memguard.doctor import collect, format_report
+from lightning_memguard.commands.doctor import collect, format_report
 from lightning_memguard.probes import CudaProbe
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "lightning_memguard"
@@ -197,7 +197,7 @@ _TRAIN = textwrap.dedent(
 )
 
 
-_DOCTOR = "from lightning_memguard.cli import main\nprint('doctor exit', main(['doctor']))"
+_DOCTOR = "from lightning_memguard.commands.cli import main\nprint('doctor exit', main(['doctor']))"
 
 _COUNTERS = textwrap.dedent(
     """

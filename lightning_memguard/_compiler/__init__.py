@@ -1,14 +1,14 @@
 """What this library reads from and sets in ``torch.compile`` (TorchDynamo, AOTAutograd, Inductor): these are its
 internals, and this package is the only place that touches them, one module per concern.
 
-- :mod:`.inspect`: what Dynamo has done and is doing. :func:`compiles`: how many graphs Dynamo has compiled in this
+- :mod:`.dynamo_state`: what Dynamo has done and is doing. :func:`compiles`: how many graphs Dynamo has compiled in this
   process, read from its counters, so a step that compiled (the first at a new size, the last short batch, the first
   after a switch to eval) is told apart from a step that only ran; :class:`CompileWatch` says whether that count
   moved since its last look. :func:`is_compiled`: whether a module (a LightningModule, or a model inside one) runs
   compiled. :func:`compiling`: whether Dynamo is tracing the code now running. :func:`unwrapped`: the module a
   ``torch.compile`` result wraps.
-- :mod:`.settings`: compile's settings and what this machine offers it. :func:`static_graph_per_size`: one static
-  graph per trial size; :func:`activation_memory_budget` (for a block) and :func:`activation_memory_budget_now`:
+- :mod:`.compile_settings`: compile's settings and what this machine offers it. :func:`static_graph_per_size`: one
+  static graph per trial size; :func:`activation_memory_budget` (for a block) and :func:`activation_memory_budget_now`:
   compile's own memory lever (``torch._functorch.config``); :func:`eager`: compiled code run eagerly;
   :func:`backends`, :func:`inductor_missing` and :func:`triton_installed`: the backends ``torch.compile`` knows, what
   Inductor lacks here, and whether Triton is there (for Inductor on CUDA and the rebuild's kernel).
@@ -25,15 +25,11 @@ internals, and this package is the only place that touches them, one module per 
 Nothing here imports ``torch._dynamo`` unless something has compiled already, or a model is compiled, except
 :func:`not_traced` (``torch.compiler.disable``), used as a decorator when the package is imported (lightning_memguard
 imports Lightning, which imports Dynamo anyway). The one Lightning private read here (the compile context a
-LightningModule keeps after ``fit`` unwrapped it) is read through :mod:`lightning_memguard.callbacks._private`.
+LightningModule keeps after ``fit`` unwrapped it) is read through :mod:`lightning_memguard._lightning.privates`.
 """
 
 from lightning_memguard._compiler.caches import forget_compiled
-from lightning_memguard._compiler.dynamo_state import CompileWatch, compiles, compiling, is_compiled, unwrapped
-from lightning_memguard._compiler.frames import ran_compiled, saved_by_compiled_graph
-from lightning_memguard._compiler.fresh import fresh_compiled
-from lightning_memguard._compiler.graphs import forget_graphs_apart, gradient_realized, graph_apart, not_traced
-from lightning_memguard._compiler.settings import (
+from lightning_memguard._compiler.compile_settings import (
     activation_memory_budget,
     activation_memory_budget_now,
     backends,
@@ -42,6 +38,10 @@ from lightning_memguard._compiler.settings import (
     static_graph_per_size,
     triton_installed,
 )
+from lightning_memguard._compiler.dynamo_state import CompileWatch, compiles, compiling, is_compiled, unwrapped
+from lightning_memguard._compiler.frames import ran_compiled, saved_by_compiled_graph
+from lightning_memguard._compiler.fresh import fresh_compiled
+from lightning_memguard._compiler.graphs import forget_graphs_apart, gradient_realized, graph_apart, not_traced
 
 __all__ = [
     "CompileWatch",

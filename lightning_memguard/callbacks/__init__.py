@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "AccumulationTuner": "lightning_memguard.callbacks.tuners",
-    "ActivationCheckpointing": "lightning_memguard.callbacks.checkpointing",
+    "ActivationCheckpointing": "lightning_memguard.callbacks.activation_checkpointing",
     "BatchSizeTuner": "lightning_memguard.callbacks.tuners",
     "MemGuard": "lightning_memguard.callbacks.memguard",
 }
 
 if TYPE_CHECKING:
-    from lightning_memguard.callbacks.checkpointing import ActivationCheckpointing as ActivationCheckpointing
+    from lightning_memguard.callbacks.activation_checkpointing import ActivationCheckpointing as ActivationCheckpointing
     from lightning_memguard.callbacks.memguard import MemGuard as MemGuard
     from lightning_memguard.callbacks.tuners import AccumulationTuner as AccumulationTuner
     from lightning_memguard.callbacks.tuners import BatchSizeTuner as BatchSizeTuner

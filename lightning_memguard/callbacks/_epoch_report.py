@@ -6,9 +6,9 @@ import math
 
 from lightning.pytorch import LightningModule, Trainer
 
-from lightning_memguard.callbacks._agreement import gather_rows
+from lightning_memguard._lightning.agreement import gather_rows
+from lightning_memguard.core.epoch_record import EpochRecord, merge_epoch_records
 from lightning_memguard.core.reading import MemoryReading
-from lightning_memguard.core.report import EpochRecord, merge_epoch_records
 from lightning_memguard.core.throughput import StepStats
 from lightning_memguard.core.units import to_gb
 

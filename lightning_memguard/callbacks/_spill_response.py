@@ -9,8 +9,8 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_memguard.callbacks._agreement import StopVote
-from lightning_memguard.callbacks._files import checkpoint_folder, write_checkpoint
+from lightning_memguard._lightning.agreement import StopVote
+from lightning_memguard._lightning.spill_checkpoint import checkpoint_folder, write_checkpoint
 from lightning_memguard.core.advice import FitAdvice
 from lightning_memguard.core.messages import FIXES, SysmemSpillError, format_spill_message
 from lightning_memguard.core.spill import SpillReport

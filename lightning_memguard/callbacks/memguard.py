@@ -12,12 +12,12 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memguard import _compiler
-from lightning_memguard.callbacks._agreement import StopVote
-from lightning_memguard.callbacks._batches import loader_parts, loader_paths, samples_in
+from lightning_memguard._lightning.agreement import StopVote
+from lightning_memguard._lightning.batches import loader_parts, loader_paths, samples_in
+from lightning_memguard._lightning.privates import model_logging_dropped
 from lightning_memguard.callbacks._epoch_report import epoch_record, log_epoch
-from lightning_memguard.callbacks._memory_report import MemoryReports
 from lightning_memguard.callbacks._prevention import AllocatorCap, notice_platform, run_preflight
-from lightning_memguard.callbacks._private import model_logging_dropped
+from lightning_memguard.callbacks._reporting import MemoryReports
 from lightning_memguard.callbacks._spill_response import SpillResponse
 from lightning_memguard.core.capacity import judged_capacity
 from lightning_memguard.core.checks import (
@@ -32,7 +32,7 @@ from lightning_memguard.core.checks import (
     check_size,
 )
 from lightning_memguard.core.detector import SpillDetector
-from lightning_memguard.core.report import EpochRecord, format_epoch_table
+from lightning_memguard.core.epoch_record import EpochRecord, format_epoch_table
 from lightning_memguard.core.spill import SpillReport
 from lightning_memguard.core.timeline import StepTimeline
 from lightning_memguard.probes import MemoryProbe, MemoryReading, probe_for

@@ -10,24 +10,21 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_memguard.callbacks._private import model_logging_dropped
-from lightning_memguard.callbacks.checkpointing import ActivationCheckpointing
+from lightning_memguard._lightning.loaders import new_search
+from lightning_memguard._lightning.privates import model_logging_dropped
+from lightning_memguard.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memguard.core.checks import check_bool, check_int
 from lightning_memguard.probes import MemoryProbe
 from lightning_memguard.tuning import workflow
 from lightning_memguard.tuning.search import MODES, Margin, TrialResult
-from lightning_memguard.tuning.settings import TunerSettings
 from lightning_memguard.tuning.trainer_hands import (
     before_learning_rate_finder,
     refuse_accumulation_setters,
     refuse_two_batch_size_searches,
 )
 from lightning_memguard.tuning.training_state import restore_sigint_handler
-from lightning_memguard.tuning.trials import (
-    new_search,
-    require_batch_size_attribute,
-    require_module_dataloaders,
-)
+from lightning_memguard.tuning.trials import require_batch_size_attribute, require_module_dataloaders
+from lightning_memguard.tuning.tuner_settings import TunerSettings
 
 
 class _Setting:
@@ -61,9 +58,7 @@ class _Tuner(Callback):
         self.from_cache = False
         self.search_s: float | None = None  # the last search's wall time, compiling included
         self.compile_s: float | None = None  # of it, the trial steps in which torch.compile compiled
-        self._restored = False  # load_state_dict ran in this fit: a resume, re-applied as it is
-        self._sigint: Any = None  # the SIGINT handler while a search runs
-        self._steps_configured: int | float | None = None  # the run's optimizer steps when the schedulers were built
+        self.fit_state = workflow.FitBookkeeping()  # this fit's: a resume, the SIGINT handler, the optimizer steps
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -74,7 +69,7 @@ class _Tuner(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         workflow.load_learned(self, state_dict)
-        self._restored = self.batch_size is not None
+        self.fit_state.restored = self.batch_size is not None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -88,14 +83,14 @@ class _Tuner(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # a state loaded after fit start (LearningRateFinder puts the model back from a checkpoint of its own) is
         # not a resume: the next fit measures or re-checks as usual
-        self._restored = False
+        self.fit_state.restored = False
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Ctrl+C during a search: Lightning then ignores Ctrl+C for the rest of the process; the handler the
         search started with is put back (a notebook's next Ctrl+C works)."""
-        if isinstance(exception, KeyboardInterrupt) and self._sigint is not None:
-            restore_sigint_handler(self._sigint)
-        self._sigint = None
+        if isinstance(exception, KeyboardInterrupt) and self.fit_state.sigint is not None:
+            restore_sigint_handler(self.fit_state.sigint)
+        self.fit_state.sigint = None
         model_logging_dropped(self)  # Lightning calls no teardown after an exception
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -115,7 +110,7 @@ class _Tuner(Callback):
             rank_zero_info(f"{type(self).__name__}: `limit_train_batches=0` trains nothing: nothing measured or set")
         else:
             return True
-        self._restored = False
+        self.fit_state.restored = False
         return False
 
 

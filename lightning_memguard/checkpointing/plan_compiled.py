@@ -1,6 +1,6 @@
 """Planning a budget for a compiled model: :class:`~.budget.CompileBudgetSearch` chooses compile's
 ``activation_memory_budget`` and the links together, each choice applied by :func:`.surgery.apply` and measured
-compiled afresh, a graph per container of blocks (see :func:`.plan.checkpoint_blocks`)."""
+compiled afresh, a graph per container of blocks (see :func:`.entrances.checkpoint_blocks`)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def plan_compiled(
     """The budget under compile: each of compile's settings alone, then with the fewest most valuable blocks that
     fit where it may still be the fastest (:class:`~lightning_memguard.checkpointing.budget.CompileBudgetSearch`),
     measured compiled, the blocks' containers each a graph of its own; the fastest that fits is applied, in one
-    graph where that fits and is faster (see :func:`.plan.checkpoint_blocks`)."""
+    graph where that fits and is faster (see :func:`.entrances.checkpoint_blocks`)."""
     loss_fn = loss_fn or default_loss
     with _compiler.eager():  # each link's own bytes and time, to rank them: in eager mode, hooks and all
         profiles = StepMeter(model, example_input, loss_fn).profile(links)

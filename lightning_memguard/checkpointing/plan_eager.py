@@ -1,5 +1,5 @@
 """Planning a budget in eager mode: measure each link, let :class:`~.budget.BudgetSearch` choose, and hand each
-choice to :func:`.surgery.apply`, the rebuild first where asked (see :func:`.plan.checkpoint_blocks`)."""
+choice to :func:`.surgery.apply`, the rebuild first where asked (see :func:`.entrances.checkpoint_blocks`)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def plan_eager(
     layout: Layout,
 ) -> CheckpointPlan:
     """Measure, choose links under the budget, and leave the model as the plan says (see
-    :func:`.plan.checkpoint_blocks`)."""
+    :func:`.entrances.checkpoint_blocks`)."""
     meter = StepMeter(model, example_input, loss_fn or default_loss)
     baseline = meter.peak()
     budget = budget_bytes(baseline, memory_budget)

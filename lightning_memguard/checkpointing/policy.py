@@ -5,24 +5,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
-import torch
 from torch import nn
 
 from lightning_memguard import _compiler
-from lightning_memguard.checkpointing.measure import example_arguments, measured_alike
-from lightning_memguard.checkpointing.plan import apply_plan, checkpoint_blocks
+from lightning_memguard.checkpointing.checkpointing_settings import CheckpointingSettings
+from lightning_memguard.checkpointing.entrances import apply_plan, checkpoint_blocks
+from lightning_memguard.checkpointing.measure import measured_alike
 from lightning_memguard.checkpointing.result import CheckpointPlan
-from lightning_memguard.checkpointing.settings import CheckpointingSettings
 
 
 class CheckpointingPolicy:
-    """Applies :class:`~.settings.CheckpointingSettings` to a model once, and keeps what was chosen.
+    """Applies :class:`~.checkpointing_settings.CheckpointingSettings` to a model once, and keeps what was chosen.
 
     :meth:`apply` changes a model once: without a budget every block (and a ResNet's stem) is checkpointed, the
     same on every process; with one, rank zero measures on a real batch and every rank applies rank zero's runs
@@ -165,76 +163,3 @@ class CheckpointingPolicy:
             return self.plan.summary()
         links = sum(len(run) for run in self.runs or [])
         return f"{links} blocks or parts of blocks in {len(self.runs or [])} runs (rank zero's plan)"
-
-
-def inputs_from_batch(batch: Any, forward: Callable[..., Any]) -> tuple[Any, str]:
-    """The model's inputs in a training batch, where a budget has no ``example_input_array`` to measure on, and
-    what they are (for the line that says so). Nothing says in general which part of a batch the model takes; the
-    rule, for the batches Lightning's users write:
-
-    - a tensor is the input: ``forward(batch)``;
-    - a tuple or list ``(x, y, ...)``: its first element ``x``, read as an ``example_input_array`` is (a tensor:
-      ``forward(x)``; a tuple or list: ``forward(*x)``; a dict: as below);
-    - a dict: the entries ``forward`` names as parameters, as keywords (a Hugging Face batch's ``input_ids`` and
-      ``attention_mask``, without its ``labels`` where ``forward`` takes none); every entry where it takes
-      ``**kwargs``.
-
-    The inputs must bind to ``forward``'s signature (every parameter without a default given).
-
-    Raises:
-        ValueError: a batch of another kind (a custom object), an empty one, a dict none of whose keys ``forward``
-            takes, or inputs that do not bind; the message says which.
-
-    Example:
-        >>> def forward(input_ids, attention_mask=None):
-        ...     pass
-        >>> batch = {"input_ids": torch.zeros(8, 16), "labels": torch.zeros(8)}
-        >>> inputs, what = inputs_from_batch(batch, forward)
-        >>> sorted(inputs), what
-        (['input_ids'], "entries 'input_ids' (keywords of forward)")
-        >>> inputs_from_batch((torch.zeros(8, 3), torch.zeros(8)), forward)[1]
-        'first element (a tensor of shape [8, 3])'
-    """
-    inputs: Any
-    if torch.is_tensor(batch):
-        inputs, what = batch, f"tensor of shape {list(batch.shape)}"
-    elif isinstance(batch, Mapping):
-        inputs = _taken_by(forward, batch)
-        what = f"entries {', '.join(repr(k) for k in inputs)} (keywords of forward)"
-    elif isinstance(batch, list | tuple) and batch:
-        inputs = batch[0]
-        if torch.is_tensor(inputs):
-            what = f"first element (a tensor of shape {list(inputs.shape)})"
-        elif isinstance(inputs, Mapping):
-            inputs = _taken_by(forward, inputs)
-            what = f"first element's entries {', '.join(repr(k) for k in inputs)} (keywords of forward)"
-        elif isinstance(inputs, list | tuple):
-            what = f"first element ({len(inputs)} positional arguments of forward)"
-        else:
-            raise ValueError(f"its first element is a {type(inputs).__name__}, not a tensor, a tuple or a dict")
-    else:
-        raise ValueError(f"it is {'an empty' if isinstance(batch, list | tuple) else 'a'} {type(batch).__name__}")
-    args, kwargs = example_arguments(inputs)
-    try:
-        inspect.signature(forward).bind(*args, **kwargs)
-    except TypeError as err:
-        raise ValueError(f"forward does not take its {what}: {err}") from None
-    except ValueError:  # no signature to read (a builtin): the measurement tells
-        pass
-    return inputs, what
-
-
-def _taken_by(forward: Callable[..., Any], batch: Mapping[Any, Any]) -> dict[str, Any]:
-    """The entries of ``batch`` that ``forward`` takes as keywords (every one where it takes ``**kwargs``)."""
-    try:
-        parameters = inspect.signature(forward).parameters
-    except ValueError:
-        parameters = {}  # type: ignore[assignment]
-    keywords = {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        taken = {str(k): v for k, v in batch.items()}
-    else:
-        taken = {k: v for k, v in batch.items() if k in parameters and parameters[k].kind in keywords}
-    if not taken:
-        raise ValueError(f"forward takes none of its keys {sorted(map(str, batch))}")
-    return taken

@@ -1,10 +1,10 @@
 """Pure logic: numbers in, decisions out. Nothing here imports Lightning."""
 
 from lightning_memguard.core.detector import SpillDetector
+from lightning_memguard.core.epoch_record import EpochRecord, format_epoch_table, merge_epoch_records
 from lightning_memguard.core.messages import SysmemSpillError, format_spill_message
 from lightning_memguard.core.platform import fallback_possible
 from lightning_memguard.core.reading import MemoryReading
-from lightning_memguard.core.report import EpochRecord, format_epoch_table, merge_epoch_records
 from lightning_memguard.core.spill import Evidence, Judgement, SpillReport, Verdict, judge
 from lightning_memguard.core.throughput import StepStats, summarize_steps
 from lightning_memguard.core.timeline import StepTimeline

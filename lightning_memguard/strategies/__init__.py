@@ -11,6 +11,9 @@ Use a strategy when the checkpointing belongs to how the model is trained on thi
 to keep the choice in checkpoints (a resumed run re-applies it without measuring) or beside other strategies.
 """
 
-from lightning_memguard.strategies.checkpointing import CheckpointingDDPStrategy, CheckpointingSingleDeviceStrategy
+from lightning_memguard.strategies.checkpointing_strategies import (
+    CheckpointingDDPStrategy,
+    CheckpointingSingleDeviceStrategy,
+)
 
 __all__ = ["CheckpointingDDPStrategy", "CheckpointingSingleDeviceStrategy"]

@@ -1,7 +1,11 @@
-"""Tools for tests, demos and measurements, importable from users' own test suites."""
+"""Tools for users' own test suites: the spill emulator, a small image classifier and a step timer.
 
-from lightning_memguard.testing.emulator import EmulatedProbe, SysmemSpillEmulator
-from lightning_memguard.testing.models import ImageClassifier, ShardedClassifier
-from lightning_memguard.testing.timing import StepTimer
+They live in :mod:`lightning_memguard.emulation`, which the commands (``memguard demo``, ``sweep``, ``plan``) use too;
+this package is their public name for tests.
+"""
+
+from lightning_memguard.emulation.emulator import EmulatedProbe, SysmemSpillEmulator
+from lightning_memguard.emulation.models import ImageClassifier, ShardedClassifier
+from lightning_memguard.emulation.timing import StepTimer
 
 __all__ = ["EmulatedProbe", "ImageClassifier", "ShardedClassifier", "StepTimer", "SysmemSpillEmulator"]

@@ -4,7 +4,8 @@ their arguments and call in from Lightning's hooks; everything they decide is he
 - :mod:`.workflow`: a tuner's decision at fit start, as functions of the Trainer and the tuner: which sizes one
   epoch can run, then a resume's choice, the tuner's earlier one, a cached one, or a search; applied, every rank
   alike.
-- :mod:`.settings`: :class:`~.settings.TunerSettings`, the arguments both tuners share, declared and checked once.
+- :mod:`.tuner_settings`: :class:`~.tuner_settings.TunerSettings`, the arguments both tuners share, declared and
+  checked once.
 - :mod:`.search`: the step objects (``SizeSearch``, ``AccumulationSearch``: ``propose()`` / ``observe()`` /
   ``.result``), each trial judged by the spill rule, a close call measured again and its ``Margin`` kept.
 - :mod:`.epoch`: what one epoch really runs (``EpochLength``), so which sizes can run.
@@ -20,7 +21,7 @@ their arguments and call in from Lightning's hooks; everything they decide is he
   micro-batches each batch is split into, when to try fewer again and the record of every change (pure); the split
   inside the training step, redone after an out-of-memory error, and activation checkpointing for what is free now.
 
-Pure, importing no Lightning (a test checks it): :mod:`.search`, :mod:`.epoch`, :mod:`.cache`, :mod:`.settings` and
-:mod:`.adapt`. The others are the adapter: they read the Trainer, and Lightning's internals only through
-:mod:`lightning_memguard.callbacks._private`. This package's face imports nothing.
+Pure, importing no Lightning (a test checks it): :mod:`.search`, :mod:`.epoch`, :mod:`.cache`,
+:mod:`.tuner_settings` and :mod:`.adapt`. The others are the adapter: they read the Trainer, and Lightning's
+internals only through :mod:`lightning_memguard._lightning.privates`. This package's face imports nothing.
 """

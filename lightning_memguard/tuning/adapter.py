@@ -31,15 +31,14 @@ from lightning.pytorch.utilities.memory import is_oom_error
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_memguard.callbacks._batches import samples_in
-from lightning_memguard.callbacks._private import (
+from lightning_memguard._lightning.batches import inputs_from_batch, samples_in
+from lightning_memguard._lightning.privates import (
     logged_as_batch,
     rng_states,
     set_rng_states,
     strategy_methods_replaced,
 )
 from lightning_memguard.checkpointing import checkpoint_blocks, is_checkpointed
-from lightning_memguard.checkpointing.policy import inputs_from_batch
 from lightning_memguard.core.advice import FitAdvice
 from lightning_memguard.core.units import size_formatter
 from lightning_memguard.tuning.adapt import (

@@ -15,15 +15,11 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 
 from lightning_memguard import __version__, _compiler
-from lightning_memguard.callbacks.checkpointing import ActivationCheckpointing
+from lightning_memguard._lightning.loaders import first_batch_signature, reload_train_dataloader, rng_kept
+from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.tuning.cache import digest
-from lightning_memguard.tuning.settings import TunerSettings
-from lightning_memguard.tuning.trials import (
-    first_batch_signature,
-    probe_and_capacity,
-    reload_train_dataloader,
-    rng_kept,
-)
+from lightning_memguard.tuning.trials import probe_and_capacity
+from lightning_memguard.tuning.tuner_settings import TunerSettings
 
 
 def _qualname(obj: Any) -> str:
@@ -91,7 +87,7 @@ def cache_key(
         "checkpointing": [
             [type(c).__name__, repr(c.units), repr(c.memory_budget), c.bn_correct, c.rebuild_bn_relu]
             for c in trainer.callbacks  # type: ignore[attr-defined]
-            if isinstance(c, ActivationCheckpointing)
+            if isinstance(getattr(c, "policy", None), CheckpointingPolicy)  # ActivationCheckpointing's
         ],
         "compiled": _compiler.is_compiled(pl_module),  # a compiled model's step times are its graph's
         "input": _shapes(example),

@@ -16,8 +16,8 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler, LearningRateFinder
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_memguard.callbacks._batches import samples_in
-from lightning_memguard.callbacks._private import train_loader, validation_by_time
+from lightning_memguard._lightning.batches import samples_in
+from lightning_memguard._lightning.privates import train_loader, validation_by_time
 from lightning_memguard.tuning.epoch import EpochLength
 from lightning_memguard.tuning.trials import loader_samples
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 import time
-import warnings
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from copy import deepcopy
 from typing import Any
 
@@ -18,9 +16,9 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_memguard import _compiler
-from lightning_memguard.callbacks._batches import Path, loader_name, loader_parts, loader_paths, samples_in
-from lightning_memguard.callbacks._private import (
-    drop_loaders,
+from lightning_memguard._lightning.batches import Path, loader_name, loader_parts, loader_paths, samples_in
+from lightning_memguard._lightning.loaders import about_the_run_only, reload_train_dataloader, rng_kept
+from lightning_memguard._lightning.privates import (
     load_loop_state,
     loader_passed_to_fit,
     loop_limits,
@@ -32,16 +30,13 @@ from lightning_memguard.callbacks._private import (
     run_fit_loop,
     set_loop_limits,
     set_rng_states,
-    setup_loaders,
     strategy_methods_replaced,
-    train_loader,
 )
 from lightning_memguard.core.capacity import judged_capacity
 from lightning_memguard.core.spill import Evidence, shared_baseline
 from lightning_memguard.core.throughput import group_steps, time_trial
 from lightning_memguard.probes import MemoryProbe, probe_for
 from lightning_memguard.tuning.search import OK, OOM, TrialResult, trial_outcome
-from lightning_memguard.tuning.settings import TunerSettings
 from lightning_memguard.tuning.sharded_agreement import (
     AgreedOutOfMemory,
     OutOfMemoryEndsRun,
@@ -55,6 +50,7 @@ from lightning_memguard.tuning.training_state import (
     load_training_state,
     training_state,
 )
+from lightning_memguard.tuning.tuner_settings import TunerSettings
 
 
 class _StepClock(Callback):
@@ -190,25 +186,6 @@ def get_batch_size(trainer: Trainer, batch_arg_name: str) -> int:
     return int(lightning_getattr(trainer.lightning_module, batch_arg_name))  # type: ignore[arg-type]
 
 
-def reload_train_dataloader(trainer: Trainer, *, for_the_run: bool = False) -> None:
-    """Build the train loader again now (the validation one when validation first runs). Lightning's remarks on a
-    loader (its worker count, an epoch shorter than the logging interval) are made only ``for_the_run``: once, for
-    the loader the run trains with, not for every loader a tuner builds to measure."""
-    drop_loaders(trainer)
-    with nullcontext() if for_the_run else _about_the_run_only():
-        setup_loaders(trainer)
-
-
-@contextmanager
-def rng_kept() -> Iterator[None]:
-    """Building or reading a loader can draw random numbers (a sampler's seed): put every RNG back afterwards."""
-    states = rng_states()
-    try:
-        yield
-    finally:
-        set_rng_states(states)
-
-
 def optimizer_steps(trainer: Trainer) -> int | float:
     """The optimizer steps the run will take as it is set now (Lightning's ``estimated_stepping_batches``, which a
     ``configure_optimizers`` reads to size a schedule), its loader built without touching the RNGs."""
@@ -224,37 +201,6 @@ def loader_samples(loader: Any) -> int | None:
         except TypeError:
             continue
     return None
-
-
-def first_batch_signature(trainer: Trainer) -> list[Any] | None:
-    """Shape (without the batch dimension) and dtype of every tensor in the first batch of each train loader: what
-    sets memory."""
-    combined = train_loader(trainer)
-    if combined is None or not combined.flattened:
-        return None
-    batches = []
-    for loader in combined.flattened:
-        try:
-            batches.append(next(iter(loader)))
-        except StopIteration:
-            continue
-    if not batches:
-        return None
-    signature: list[Any] = []
-
-    def visit(obj: Any) -> None:
-        if torch.is_tensor(obj):
-            signature.append([list(obj.shape[1:]), str(obj.dtype)])
-        elif isinstance(obj, dict):
-            for key in sorted(obj, key=str):
-                visit(obj[key])
-        elif isinstance(obj, list | tuple):
-            for item in obj:
-                visit(item)
-
-    for batch in batches:
-        visit(batch)
-    return signature
 
 
 def probe_and_capacity(trainer: Trainer, settings: TunerSettings) -> tuple[MemoryProbe, int]:
@@ -428,7 +374,7 @@ class TrialSession:
         self.probe.reset_peak()
         out_of_memory = False
         try:
-            with _ranks_agree_on_oom(t), _about_the_run_only():
+            with _ranks_agree_on_oom(t), about_the_run_only():
                 run_fit_loop(t)
         except OutOfMemoryEndsRun as err:
             shape = f"{size} x {accumulate}" if accumulate > 1 else f"batch size {size}"
@@ -472,50 +418,6 @@ class TrialSession:
         )  # fmt: skip
 
 
-class _Drop(logging.Filter):
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefix)
-
-
-# What the trials' warnings already showed in this search: each is shown once, not once per trial
-_shown: set[tuple[str, type[Warning], str, int]] = set()
-
-_NOT_ABOUT_THE_RUN = (r"The number of training batches .* logging interval", r".*does not have many workers")
-
-
-def new_search() -> None:
-    """A search starts: a warning its trials raise is shown once in it (the first time)."""
-    _shown.clear()
-
-
-@contextmanager
-def _about_the_run_only() -> Iterator[None]:
-    """What Lightning says of each trial as if it were the run is not shown: "`Trainer.fit` stopped: `max_steps=5`
-    reached", the logging interval longer than a trial's epoch, the loader's worker count (said once, when the
-    loader is built again for the run). Any other warning is shown once per search, not once per trial: entering a
-    ``catch_warnings`` block clears Python's record of the warnings already shown, so each is caught here and shown
-    again only the first time."""
-    drop = _Drop("`Trainer.fit` stopped:")
-    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    log.addFilter(drop)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            for message in _NOT_ABOUT_THE_RUN:
-                warnings.filterwarnings("ignore", message=message)
-            yield
-    finally:
-        log.removeFilter(drop)
-        for w in caught:
-            key = (str(w.message), w.category, w.filename, w.lineno)
-            if key not in _shown:
-                _shown.add(key)
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-
-
 def _check_delivered(
     epochs: list[list[tuple[int, ...]]], paths: list[Path] | None, size: int, batch_arg_name: str
 ) -> None:
@@ -556,7 +458,7 @@ def _ranks_agree_on_oom(trainer: Trainer) -> Iterator[None]:
     The forward runs under DDP's ``no_sync``, so backward sends nothing, and the gradients are averaged in one
     all-reduce after the ranks agree: the trial's step time includes that exchange, not overlapped with backward as
     in training. Under FSDP, whose collectives are the forward and backward themselves, the ranks also meet between
-    them (:mod:`._sharded_agreement`); where no meeting point is left, the failing rank ends the run.
+    them (:mod:`.sharded_agreement`); where no meeting point is left, the failing rank ends the run.
     """
     strategy = trainer.strategy
     if trainer.world_size <= 1:

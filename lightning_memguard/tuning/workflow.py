@@ -9,7 +9,7 @@ sizes one epoch can run and what to search; :func:`decide` then takes the first 
 4. a search (:func:`search`): trials (:mod:`.trials`) proposed and judged by the step object (:mod:`.search`),
    each trial's result merged over the ranks (:func:`agree`) so that every rank decides alike; stored in the cache.
 
-The tuner callback holds the settings (:class:`~lightning_memguard.tuning.settings.TunerSettings`) and what it
+The tuner callback holds the settings (:class:`~lightning_memguard.tuning.tuner_settings.TunerSettings`) and what it
 learned (:class:`Tuner`); the functions here read and write them.
 """
 
@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_memguard.callbacks._agreement import gather_rows
+from lightning_memguard._lightning.agreement import gather_rows
+from lightning_memguard._lightning.loaders import reload_train_dataloader, rng_kept
 from lightning_memguard.checkpointing import checkpoint_blocks, is_checkpointed
 from lightning_memguard.core.units import format_size
 from lightning_memguard.tuning.cache import ResultCache
@@ -46,7 +47,6 @@ from lightning_memguard.tuning.search import (
     describe_margin,
     power_ladder,
 )
-from lightning_memguard.tuning.settings import TunerSettings
 from lightning_memguard.tuning.trainer_hands import (
     accumulation_in_force,
     accumulation_setter,
@@ -60,12 +60,20 @@ from lightning_memguard.tuning.trials import (
     TrialSession,
     optimizer_steps,
     probe_and_capacity,
-    reload_train_dataloader,
-    rng_kept,
     set_batch_size,
 )
+from lightning_memguard.tuning.tuner_settings import TunerSettings
 
 _SEVERITY = (OK, OVER_HEADROOM, SPILL, OOM)  # the worst outcome on any rank is everyone's
+
+
+@dataclass
+class FitBookkeeping:
+    """What a tuner keeps during one fit, owned by this module: set by the tuner's hooks and by the workflow."""
+
+    restored: bool = False  # load_state_dict ran in this fit: a resume, re-applied as it is
+    sigint: Any = None  # the SIGINT handler while a search runs
+    steps_configured: int | float | None = None  # the run's optimizer steps when the schedulers were built
 
 
 class Tuner(Protocol):
@@ -82,9 +90,7 @@ class Tuner(Protocol):
     from_cache: bool
     search_s: float | None
     compile_s: float | None
-    _restored: bool  # load_state_dict ran in this fit: a resume, re-applied as it is
-    _sigint: Any  # the SIGINT handler while a search runs
-    _steps_configured: int | float | None  # the run's optimizer steps when the schedulers were built
+    fit_state: FitBookkeeping  # this fit's, written here
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -128,7 +134,7 @@ def choose_batch_size(trainer: Trainer, pl_module: LightningModule, tuner: Batch
     if tuner.batch_size is not None and not epoch.holds(tuner.batch_size, most):
         rank_zero_info(f"BatchSizeTuner: the earlier choice, {tuner.batch_size}, is above one epoch; measuring again")
         forget(tuner)
-        tuner._restored = False
+        tuner.fit_state.restored = False
 
     def run_search() -> None:
         full = power_ladder(tuner.init_size, tuner.max_size)
@@ -190,7 +196,7 @@ def choose_accumulation(trainer: Trainer, pl_module: LightningModule, tuner: Acc
             " not a whole optimizer step of this run's effective batch and epoch; measuring again"
         )
         forget(tuner)
-        tuner._restored = False
+        tuner.fit_state.restored = False
 
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules())
 
@@ -325,8 +331,8 @@ def decide(
     """A resume's choice, the tuner's earlier choice, a cached one, or a new search (the module's docstring says in
     which order), applied. ``extra``: what the tuner adds to the cache key; ``epoch_rule``: the batches an optimizer
     step must fit in one epoch, and the largest size the tuner may try."""
-    tuner._steps_configured = optimizer_steps(trainer)  # what `configure_optimizers` saw in this fit
-    restored, tuner._restored = tuner._restored, False
+    tuner.fit_state.steps_configured = optimizer_steps(trainer)  # what `configure_optimizers` saw in this fit
+    restored, tuner.fit_state.restored = tuner.fit_state.restored, False
     tuner.from_cache = False
     if tuner.batch_size is not None and restored:  # resumed from a checkpoint: re-apply, do not search again
         apply(trainer, tuner)
@@ -366,7 +372,7 @@ def search(
     earlier = list(tuner.results)  # the session restores callback states on exit, this one's included
     clock = settings.clock if settings.clock is not None else time.perf_counter
     started = clock()
-    tuner._sigint = sigint_handler()  # put back in on_exception if Ctrl+C ends the search
+    tuner.fit_state.sigint = sigint_handler()  # put back in on_exception if Ctrl+C ends the search
     with _session(trainer, settings) as trials:
         said = again = 0  # the search's rows told so far; its pairs measured again, told so far
         while True:
@@ -396,7 +402,7 @@ def search(
                 f"{_name(tuner)}: size {size} x {accumulate}: {result.outcome}, "
                 f"{result.samples_per_sec or 0:.1f} samples/s{noise}, peak {format_size(result.peak_bytes or 0)}"
             )
-    tuner._sigint = None
+    tuner.fit_state.sigint = None
     tuner.margin = sizes.margin  # kept in the cache with the choice
     if tuner.margin is not None and (tuner.margin.within_noise or tuner.margin.remeasured):
         rank_zero_info(f"{_name(tuner)}: {describe_margin(tuner.margin, sizes.tie_rule)}")
@@ -496,7 +502,7 @@ def _resize_schedules(trainer: Trainer, tuner: Tuner) -> None:
     will train. Nothing has trained yet (a checkpoint's optimizer and scheduler states are loaded after
     ``on_fit_start``), so the new optimizers lose nothing."""
     steps = optimizer_steps(trainer)
-    before, tuner._steps_configured = tuner._steps_configured, steps
+    before, tuner.fit_state.steps_configured = tuner.fit_state.steps_configured, steps
     if before is None or steps == before:
         return
     if not any(config.interval == "step" for config in trainer.lr_scheduler_configs):

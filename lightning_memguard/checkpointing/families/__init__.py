@@ -204,8 +204,8 @@ def rebuild_description() -> str:
 
 class Layout:
     """What the registry says of one model, asked once and handed on: a plan makes one and every module that plans,
-    changes or rebuilds the model asks it (:mod:`.plan`, :mod:`.measure`, :mod:`.surgery`, :mod:`.rebuild`), never
-    the adapters themselves.
+    changes or rebuilds the model asks it (:mod:`..entrances`, :mod:`..measure`, :mod:`..surgery`,
+    :mod:`..rebuild`), never the adapters themselves.
 
     Model-level answers are read when it is made (the modules the adapters claim, their stems, what runs after each
     block, the switches set while checkpointed, the blocks a family's own switch checkpoints already); the blocks
@@ -266,7 +266,7 @@ class Layout:
 def find_units(model: nn.Module, units: Any = "auto") -> list[Named]:
     """The outermost submodules that ``units`` selects, in order of registration.
 
-    ``"auto"`` asks the adapters of :mod:`.families` first: where ``model`` is or holds models of known families
+    ``"auto"`` asks the adapters of this registry first: where ``model`` is or holds models of known families
     (torchvision's and timm's ResNets, timm's ConvNeXt, ViT / DeiT / EVA, Swin, EfficientNet / MobileNet, Hugging
     Face transformers), their blocks, in order. Else it finds blocks by structure: the classes a model names in
     ``_no_split_modules``, where it declares them; else the outermost modules that repeat (the same class twice or

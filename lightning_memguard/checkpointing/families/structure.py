@@ -1,6 +1,6 @@
 """Finding a model's blocks: by its family's adapter where one claims it, else by structure.
 
-``units="auto"`` takes the blocks the adapters name (:func:`.families.blocks`); a model no adapter claims is found by
+``units="auto"`` takes the blocks the adapters name (:func:`..families.blocks`); a model no adapter claims is found by
 structure: the classes it declares as units that stay whole (``_no_split_modules``), else the outermost modules
 that repeat in its ``nn.Sequential`` / ``nn.ModuleList`` chains and carry most of its parameters. Module classes or a
 predicate select the outermost modules they match; module names (as ``named_modules()`` gives them) the modules they
@@ -163,7 +163,7 @@ def _matches(units: Units, name: str, module: nn.Module) -> bool:
 
 def select_blocks(model: nn.Module, units: Any, known: Callable[[], list[Named] | None]) -> list[Named]:
     """The outermost submodules of ``model`` that ``units`` selects, in order of registration, ``known()`` being the
-    adapters' blocks (or None); see :func:`.families.find_units`."""
+    adapters' blocks (or None); see :func:`..families.find_units`."""
     units = check_units(units)
     named = _named(model, units)
     if named:  # the modules named, with any classes beside them

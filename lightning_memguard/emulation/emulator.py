@@ -12,7 +12,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_memguard import _autograd, _compiler
-from lightning_memguard.callbacks._private import model_logging_dropped
+from lightning_memguard._lightning.privates import model_logging_dropped
 from lightning_memguard.core.checks import check_callable, check_greater, check_size
 from lightning_memguard.probes.base import MemoryReading
 

@@ -25,11 +25,13 @@ from torch import nn
 
 from lightning_memguard import _compiler
 from lightning_memguard.callbacks import MemGuard
-from lightning_memguard.callbacks._memory_report import StepReport
+from lightning_memguard.callbacks._reporting import StepReport
+from lightning_memguard.core.epoch_record import SweepRow
 from lightning_memguard.core.files import written_atomically
-from lightning_memguard.core.report import SweepRow
 from lightning_memguard.core.units import GB, size_formatter, size_unit
-from lightning_memguard.testing import ImageClassifier, StepTimer, SysmemSpillEmulator
+from lightning_memguard.emulation.emulator import SysmemSpillEmulator
+from lightning_memguard.emulation.models import ImageClassifier
+from lightning_memguard.emulation.timing import StepTimer
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,8 @@ def training_module(
     pool_size: int = 64,
 ) -> LightningModule:
     """What sweep and plan train: torchvision's models, timm's and the user's own networks in an
-    :class:`~lightning_memguard.testing.ImageClassifier` (a network built here passed as its ``net``), each on random
+    :class:`~lightning_memguard.emulation.models.ImageClassifier` (a network built here passed as its ``net``), each on
+    random
     images; the user's LightningModule as it is, ``batch_size`` set."""
     if source.family == "torchvision":
         return ImageClassifier(

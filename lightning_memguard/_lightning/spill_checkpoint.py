@@ -11,7 +11,7 @@ import shutil
 import psutil
 from lightning.pytorch import Trainer
 
-from lightning_memguard.callbacks._private import checkpoint_contents
+from lightning_memguard._lightning.privates import checkpoint_contents
 
 _TEMPORARY = re.compile(r"^\..+\.(\d+)\.memguard-tmp$")  # ".<final name>.<pid>.memguard-tmp"
 

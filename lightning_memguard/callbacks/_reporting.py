@@ -15,7 +15,8 @@ Nothing is measured while training goes well: no hook exists until a report is w
   allocator's cache is emptied. The report says how often ``training_step`` ran again, and on how many samples, and
   is written even where no part fits (weights, gradients and optimizer state, no activations).
 
-Each report says what happened on the card (:class:`~lightning_memguard.forensics.report.Situation`): the capacity
+Each report says what happened on the card
+(:class:`~lightning_memguard.forensics.memory_report.Situation`): the capacity
 MemGuard judges against, other processes' memory at its latest reading, a spill's peak as its message gives it, and
 the batch.
 
@@ -38,8 +39,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_memguard import _autograd, _compiler
-from lightning_memguard.callbacks._batches import samples_in
-from lightning_memguard.callbacks._files import checkpoint_folder
+from lightning_memguard._lightning.batches import samples_in
+from lightning_memguard._lightning.spill_checkpoint import checkpoint_folder
 from lightning_memguard.core.spill import SpillReport
 from lightning_memguard.forensics.attribution import (
     Forward,
@@ -51,7 +52,7 @@ from lightning_memguard.forensics.attribution import (
     model_facts,
     resting_bytes,
 )
-from lightning_memguard.forensics.report import MemoryReport, Situation
+from lightning_memguard.forensics.memory_report import MemoryReport, Situation
 from lightning_memguard.probes.cuda import CudaProbe
 from lightning_memguard.tuning.adapter import free_memory, split_batch
 

@@ -13,7 +13,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_memguard.callbacks import MemGuard
-from lightning_memguard.testing.models import ImageClassifier
+from lightning_memguard.emulation.models import ImageClassifier
 
 
 @dataclass(frozen=True)

@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_memguard.callbacks._private import (
-    as_training_step_gets_it,
-    drop_loaders,
+from lightning_memguard._lightning.loaders import example_for_budget, measuring_said
+from lightning_memguard._lightning.privates import (
     fsdp_checkpoints_itself,
     model_logging_dropped,
-    train_loader,
 )
-from lightning_memguard.checkpointing.families import Units, find_units
-from lightning_memguard.checkpointing.policy import CheckpointingPolicy, inputs_from_batch
+from lightning_memguard.checkpointing.checkpointing_settings import CheckpointingSettings
+from lightning_memguard.checkpointing.families import Units
+from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.checkpointing.rebuild import RebuildConfig
 from lightning_memguard.checkpointing.result import CheckpointPlan
-from lightning_memguard.checkpointing.settings import CheckpointingSettings
 from lightning_memguard.tuning.training_state import holds_shards
-from lightning_memguard.tuning.trials import reload_train_dataloader, rng_kept
 
 
 class ActivationCheckpointing(Callback):
@@ -216,88 +209,6 @@ class ActivationCheckpointing(Callback):
         self.policy.runs = state_dict.get("runs", self.policy.runs)
         self.policy.compile_setting = state_dict.get("compile_setting", self.policy.compile_setting)
         self.policy.split_graphs = state_dict.get("split_graphs", self.policy.split_graphs)
-
-
-_NO_EXAMPLE = (
-    "{who}(memory_budget=...) measures the blocks on the module's `example_input_array`, or without one on the"
-    " first training batch's model inputs"
-)
-_SET_IT = (
-    "set `example_input_array` to a real batch of inputs (a tensor: forward(x); a tuple: forward(*x); a dict:"
-    " forward(**x))"
-)
-
-
-def example_for_budget(trainer: Trainer, who: str, units: Units) -> tuple[Any, str | None]:
-    """The real batch a budget is measured on, on the strategy's device, and where it came from (None: the module's
-    ``example_input_array``; else what part of the first training batch, as :func:`inputs_from_batch` read it, said
-    in one rank-zero info line). A model in which ``units`` finds no blocks is told so first: no input would help.
-
-    Without ``example_input_array`` the train loader is built as the run builds it and its first batch taken from a
-    fresh iterator, handed through the batch hooks as ``training_step`` gets it; every random number generator is
-    put back and the built loader dropped, so the run builds its own and sees every batch, in the same order, as it
-    would have. A loader whose every iterator restarts a one-shot stream would lose that batch. Called at fit start
-    (by the callback, after the strategy has set up the model: the data is attached, the loaders not yet built) or
-    in the strategies' ``setup`` before the model is wrapped (the same).
-
-    Raises:
-        ValueError: no blocks found (said first, with ``who``); no ``example_input_array`` and no first training batch
-            (no train loader, an empty one, several train loaders), or none whose model inputs
-            :func:`inputs_from_batch` can tell; the message names both ways.
-    """
-    module, strategy = trainer.lightning_module, trainer.strategy
-    try:
-        find_units(module, units)
-    except ValueError as err:
-        raise ValueError(f"{who}: {err}") from None
-    if module.example_input_array is not None:
-        return move_data_to_device(module.example_input_array, strategy.root_device), None
-    batch, why = _first_training_batch(trainer)
-    if batch is None:
-        raise ValueError(f"{_NO_EXAMPLE.format(who=who)}, and it has neither ({why}): {_SET_IT}")
-    try:
-        inputs, what = inputs_from_batch(batch, module.forward)
-    except ValueError as err:
-        raise ValueError(
-            f"{_NO_EXAMPLE.format(who=who)}, and the first training batch's cannot be told ({err}): {_SET_IT}"
-        ) from None
-    rank_zero_info(f"{who}: no example_input_array: measuring the budget on the first training batch's {what}")
-    return inputs, what
-
-
-def _first_training_batch(trainer: Trainer) -> tuple[Any, str]:
-    """The train loader's first batch as ``training_step`` gets it, or None and why there is none."""
-    with rng_kept():  # a shuffling sampler draws its seed from torch's generator
-        reload_train_dataloader(trainer)  # built as the run builds it, its remarks left to the run's own
-        combined = train_loader(trainer)
-        try:
-            if combined is None:
-                return None, "no train loader"
-            if len(combined.flattened) != 1:
-                return None, f"{len(combined.flattened)} train loaders"
-            batch = next(iter(combined.flattened[0]), None)
-        finally:
-            drop_loaders(trainer)  # the run builds its own loader, whose iterator starts at the first batch
-        if batch is None:
-            return None, "an empty train loader"
-        return as_training_step_gets_it(trainer, batch), ""
-
-
-@contextmanager
-def measuring_said(what: str | None, who: str) -> Iterator[None]:
-    """Inside, a measurement on the inputs read from the first training batch (``what``) that fails says so and how
-    to give the inputs instead; an out-of-memory error is left as it is."""
-    try:
-        yield
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as err:
-        if what is None:
-            raise
-        raise ValueError(
-            f"{_NO_EXAMPLE.format(who=who)}; measuring on the first training batch's {what} failed"
-            f" ({type(err).__name__}: {err}): {_SET_IT}"
-        ) from err
 
 
 def _refuse_what_cannot_be_measured(trainer: Trainer, memory_budget: Any) -> None:

@@ -7,16 +7,16 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_memguard.callbacks._private import BeforeModelWrapped
-from lightning_memguard.callbacks.checkpointing import example_for_budget, measuring_said
+from lightning_memguard._lightning.loaders import example_for_budget, measuring_said
+from lightning_memguard._lightning.privates import BeforeModelWrapped
+from lightning_memguard.checkpointing.checkpointing_settings import CheckpointingSettings
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.checkpointing.rebuild import RebuildConfig
-from lightning_memguard.checkpointing.settings import CheckpointingSettings
 
 
 class _ChecksBeforeWrapping(BeforeModelWrapped):
     """What both strategies add to theirs: checkpointing before the model is wrapped (Lightning's hook for that is
-    private: :class:`~lightning_memguard.callbacks._private.BeforeModelWrapped`), and compile's setting released at
+    private: :class:`~lightning_memguard._lightning.privates.BeforeModelWrapped`), and compile's setting released at
     ``teardown``. Listed first among the bases, so ``super()`` is the strategy."""
 
     checkpointing: CheckpointingPolicy
@@ -65,7 +65,7 @@ class CheckpointingDDPStrategy(_ChecksBeforeWrapping, DDPStrategy):
             plan; the plan is made anew in each ``fit``. On a compiled module the budget is measured compiled, and
             compile's ``activation_memory_budget`` the plan chose is set for the fit.
         rebuild_bn_relu, rebuild_config, bn_correct: as
-            :class:`~lightning_memguard.checkpointing.settings.CheckpointingSettings` declares them.
+            :class:`~lightning_memguard.checkpointing.checkpointing_settings.CheckpointingSettings` declares them.
         *args, **kwargs: ``DDPStrategy``'s own.
 
     Raises:

@@ -14,9 +14,9 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_memguard.callbacks import AccumulationTuner
-from lightning_memguard.callbacks._memory_report import report_sizes
+from lightning_memguard.callbacks._reporting import report_sizes
+from lightning_memguard.commands.sweep import ModelSource, emulated_card, run_folders, training_module
 from lightning_memguard.core.units import format_size, size_formatter
-from lightning_memguard.sweep import ModelSource, emulated_card, run_folders, training_module
 from lightning_memguard.tuning.search import TrialResult
 
 

@@ -182,8 +182,9 @@ def _positive(name: str, value: int) -> int:
 
 
 def _model_source(text: str) -> Any:
-    """What ``--model`` names (a :class:`lightning_memguard.sweep.ModelSource`); bad input if it names nothing."""
-    from lightning_memguard.sweep import model_source
+    """What ``--model`` names (a :class:`lightning_memguard.commands.sweep.ModelSource`); bad input if it names
+    nothing."""
+    from lightning_memguard.commands.sweep import model_source
 
     try:
         return model_source(text)
@@ -381,7 +382,7 @@ def _compile_backend(compile_: bool, backend: str | None, device: str) -> str | 
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from lightning_memguard.doctor import collect, format_report
+    from lightning_memguard.commands.doctor import collect, format_report
 
     info = collect(probe=args.probe)
     print(json.dumps(info, indent=2) if args.json else format_report(info))
@@ -434,8 +435,8 @@ def _sweep(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from lightning_memguard.core.report import format_sweep_table
-    from lightning_memguard.sweep import SweepConfig, plot, run_folders, run_one, sweep_title, write_csv
+    from lightning_memguard.commands.sweep import SweepConfig, plot, run_folders, run_one, sweep_title, write_csv
+    from lightning_memguard.core.epoch_record import format_sweep_table
 
     warmup = (CUDA_DEFAULTS if cuda else CPU_DEFAULTS).warmup
     what = (f"{model.described}, batch sizes {','.join(map(str, sizes))}, {warmup} warm-up +"
@@ -501,7 +502,7 @@ def _plan(args: argparse.Namespace) -> int:
     what = (f"{model.described}, micro-batches from {smallest} up to {args.effective_batch},"
             f" {warmup} warm-up + {_steps(args.trial_steps, 'timed optimizer step')} each")  # fmt: skip
     print(_settings_line("plan", cuda, precision, what, filled), file=sys.stderr, flush=True)
-    from lightning_memguard.plan import PlanConfig, run_plan
+    from lightning_memguard.commands.plan import PlanConfig, run_plan
 
     cfg = PlanConfig(source, model.num_classes, model.image_size, args.effective_batch, args.min_micro_batch,
                      args.channels_last, precision, cuda, backend, capacity, warmup, args.trial_steps,
@@ -547,7 +548,7 @@ def _run(args: argparse.Namespace) -> int:
                   " of peak memory against throughput; importing torch and Lightning first", flush=True)  # fmt: skip
             started = time.perf_counter()
             _check_device(args.device)
-            from lightning_memguard.demo import run_demo
+            from lightning_memguard.commands.demo import run_demo
 
             print(f"memguard demo: imported in {time.perf_counter() - started:.1f} s", flush=True)
             run_demo(args.device, args.epochs, args.out)
