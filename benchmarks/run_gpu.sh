@@ -21,8 +21,8 @@ quiet='Warning|warn\(|LOCAL_RANK|available|Tip|AMP|Restor|weights_only'
 run() { echo "== $*"; "$@" 2>&1 | grep -vE "$quiet" | tail -"${TAIL:-6}"; }
 want() { [[ $steps == *" $1 "* ]]; }
 if want tests; then
-    echo "== pytest -m cuda tests/test_gpu.py tests/test_gpu_sharded.py"
-    timeout 540 python3 -m pytest -m cuda -q -rA -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sharded.py \
+    echo "== pytest -m cuda tests/gpu/test_gpu.py tests/gpu/test_gpu_sharded.py"
+    timeout 540 python3 -m pytest -m cuda -q -rA -p no:cacheprovider tests/gpu/test_gpu.py tests/gpu/test_gpu_sharded.py \
         -o addopts=--strict-markers 2>&1 |
         grep -vE "$quiet" >"$out/gpu_tests.txt"  # the compiled test takes about a minute
     tail -4 "$out/gpu_tests.txt"
@@ -34,8 +34,8 @@ if want deepspeed; then
             --target "$ds" deepspeed einops hjson msgpack ninja py-cpuinfo pydantic pydantic-core annotated-types \
             typing-inspection typing-extensions && export PYTHONPATH="$PYTHONPATH:$ds" DS_BUILD_OPS=0
     fi
-    echo "== pytest -m cuda tests/test_gpu_deepspeed.py"
-    timeout 400 python3 -m pytest -m cuda -q -rA -s -p no:cacheprovider tests/test_gpu_deepspeed.py \
+    echo "== pytest -m cuda tests/gpu/test_gpu_deepspeed.py"
+    timeout 400 python3 -m pytest -m cuda -q -rA -s -p no:cacheprovider tests/gpu/test_gpu_deepspeed.py \
         -o addopts=--strict-markers 2>&1 | grep -vE "$quiet" >"$out/gpu_deepspeed_tests.txt"
     tail -4 "$out/gpu_deepspeed_tests.txt"
 fi

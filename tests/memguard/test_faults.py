@@ -21,7 +21,7 @@ from tuner_helpers import BatchClock
 from lightning_memguard import BatchSizeTuner, MemGuard, SysmemSpillError
 from lightning_memguard.tuning import trials as _trials
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the scripts beside conftest.py
 ROOT = os.path.dirname(TESTS)
 
 
@@ -57,7 +57,8 @@ def full_disk(monkeypatch, trainer) -> None:
 
 
 def files_under(folder) -> list[str]:
-    """The files under ``folder``, but the memory reports beside a spill checkpoint (tests/test_memguard_reports.py)."""
+    """The files under ``folder``, but the memory reports beside a spill checkpoint
+    (tests/memguard/test_memguard_reports.py)."""
     found = [p for p in pathlib.Path(folder).rglob("*") if p.is_file() and not p.name.startswith("memguard-report-")]
     return sorted(str(p.relative_to(folder)) for p in found)
 

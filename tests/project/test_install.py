@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "pip_indexes.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOL = os.path.join(ROOT, "tools", "pip_indexes.py")
 
 
 def _uv_options(listing: str) -> list[str]:
@@ -102,7 +103,7 @@ def test_the_floor_that_make_test_floor_installs_is_the_lower_bound_pyproject_de
     tomllib = pytest.importorskip("tomllib")
     from packaging.requirements import Requirement
 
-    root = Path(__file__).parent.parent
+    root = Path(__file__).parents[2]
     project = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     declared = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]]
     lower = {r.name: s.version for r in declared for s in r.specifier if s.operator == ">="}

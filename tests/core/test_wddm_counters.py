@@ -268,7 +268,7 @@ def test_the_windows_extra_and_pywin32_install_nothing_elsewhere():
     tomllib = pytest.importorskip("tomllib")
     from packaging.requirements import Requirement
 
-    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     windows_only = [Requirement(r) for r in project["optional-dependencies"]["windows"]]
     windows_only += [Requirement(r) for r in project["dependencies"] if r.startswith("pywin32")]
     assert {r.name for r in windows_only} == {"triton-windows", "pywin32"}

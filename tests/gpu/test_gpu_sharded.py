@@ -1,5 +1,6 @@
 """The callbacks under FSDPStrategy and ModelParallelStrategy (FSDP2) on one CUDA device. CPU twins:
-tests/test_sharded.py (ModelParallelStrategy on two gloo processes, the in-place restore, the refusals); Lightning
+tests/tuning/test_sharded.py (ModelParallelStrategy on two gloo processes, the in-place restore, the refusals);
+Lightning
 builds FSDPStrategy only on a GPU, so its cells are here alone."""
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ import pytest
 from conftest import session_folder
 from filelock import FileLock
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGES = [
     "README.md",
     *sorted(os.path.relpath(p, ROOT).replace(os.sep, "/") for p in glob.glob(f"{ROOT}/docs/*.md")),

@@ -1,6 +1,7 @@
 """The README's strategy table, for ``ddp`` and ``ddp_spawn``: every callback in two fits on two gloo processes
 (tests/strategy_cells_run.py: ``ddp`` in the suite's one two-rank launch, ``ddp_spawn`` its own). The sharded
-strategies' cells are tests/test_sharded.py's and tests/test_gpu_sharded.py's; the single device's are the rest of
+strategies' cells are tests/tuning/test_sharded.py's and tests/gpu/test_gpu_sharded.py's; the single device's are the
+rest of
 the suite."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import sys
 import pytest
 from conftest import ddp_scenario_results
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "strategy_cells_run.py")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the scripts stand beside conftest.py
+SCRIPT = os.path.join(TESTS, "strategy_cells_run.py")
 
 
 @pytest.fixture(scope="module", params=["ddp", "ddp_spawn"])

@@ -18,7 +18,7 @@ from torch import nn
 pytest.importorskip("timm")
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _coverage():

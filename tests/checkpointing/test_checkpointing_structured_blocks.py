@@ -392,7 +392,7 @@ def test_a_vision_language_model_keeps_no_more_than_its_own_switch() -> None:
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "coverage.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "coverage.py"
     spec = importlib.util.spec_from_file_location("benchmark_coverage_vl", path)
     assert spec is not None and spec.loader is not None
     coverage = importlib.util.module_from_spec(spec)

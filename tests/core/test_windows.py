@@ -21,7 +21,7 @@ from lightning_memguard import MemGuard, SysmemSpillError
 from lightning_memguard.commands.doctor import collect, format_report
 from lightning_memguard.probes import CudaProbe
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "lightning_memguard"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "lightning_memguard"
 DESKTOP = 1_500_000_000
 MARGIN = 512 * 2**20
 

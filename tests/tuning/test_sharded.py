@@ -1,7 +1,7 @@
 """The callbacks under sharded strategies on the CPU: ModelParallelStrategy with FSDP2's ``fully_shard`` on two gloo
 processes (tests/sharded_run.py's scenarios, each its own ``fit``, in the suite's one two-rank launch), the tuners'
 in-place restore of each rank's shards, and the refusals. Lightning builds FSDPStrategy only on a GPU: its cells are
-tests/test_gpu_sharded.py's."""
+tests/gpu/test_gpu_sharded.py's."""
 
 from __future__ import annotations
 

@@ -87,7 +87,8 @@ def test_emulated_spill_is_stopped_within_three_steps(tmp_path):
 
 
 def test_emulated_spill_of_a_compiled_model_is_stopped(tmp_path):
-    """CPU twin: tests/test_compile_emulator_spills.py (aot_eager). Here inductor, whose saved tensors stay allocated
+    """CPU twin: tests/compile/test_compile_emulator_spills.py (aot_eager). Here inductor, whose saved tensors stay
+    allocated
     and make a real PCIe round trip."""
     emu = SysmemSpillEmulator(capacity="2GB")  # ResNet50 at batch 64 needs about 3.2 GB, compiled about as much
     guard = MemGuard(probe=emu.probe, warmup_steps=3)
@@ -168,7 +169,7 @@ class _CapSeen(Callback):
 
 
 def test_prevent_leaves_another_process_its_20_gb_and_explains_the_oom(tmp_path):
-    """CPU twin: tests/test_windows.py::test_prevent_leaves_the_desktop_its_share_and_a_margin (WDDM's path)."""
+    """CPU twin: tests/core/test_windows.py::test_prevent_leaves_the_desktop_its_share_and_a_margin (WDDM's path)."""
     held = 20 * 10**9
     torch.cuda.empty_cache()  # what earlier tests left cached would blur which NVML process is this one
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(held)], stdout=subprocess.PIPE, text=True)
@@ -309,7 +310,7 @@ def test_budget_with_the_rebuild_holds_on_cuda_and_checkpoints_fewer_blocks():
 
 def test_callback_with_the_rebuild_and_a_budget_under_bf16_mixed(tmp_path):
     """CPU twin: test_callback_with_the_rebuild_and_a_budget
-    (tests/test_checkpointing_exact_training_and_budgets.py)."""
+    (tests/checkpointing/test_checkpointing_exact_training_and_budgets.py)."""
     from lightning_memguard import ActivationCheckpointing
     from lightning_memguard.checkpointing.rebuild import RebuiltBatchNormReLU, RebuiltStemReLU
 
@@ -358,7 +359,7 @@ def test_preflight_on_a_linux_driver_finds_no_fallback(tmp_path):
 
 
 def test_batch_size_tuner_on_a_compiled_model_runs_one_static_inductor_graph_per_size(tmp_path):
-    """CPU twin: tests/test_compile_tuners_and_memguard.py (aot_eager, an injected clock)."""
+    """CPU twin: tests/compile/test_compile_tuners_and_memguard.py (aot_eager, an injected clock)."""
     from lightning_memguard import BatchSizeTuner
 
     graphs = []
@@ -388,7 +389,8 @@ def test_batch_size_tuner_on_a_compiled_model_runs_one_static_inductor_graph_per
 
 def test_rebuilt_units_under_bf16_and_channels_last(monkeypatch):
     """CPU twins: test_the_one_pass_kernel_rebuilds_the_batchnorm_outputs_of_units and
-    test_units_train_bit_for_bit_like_the_plain_model_and_keep_far_less (tests/test_checkpointing_rebuild_units.py)."""
+    test_units_train_bit_for_bit_like_the_plain_model_and_keep_far_less
+    (tests/checkpointing/test_checkpointing_rebuild_units.py)."""
     import copy
 
     import torchvision
@@ -422,7 +424,8 @@ def test_rebuilt_units_under_bf16_and_channels_last(monkeypatch):
 
 
 def test_every_block_under_inductor_peaks_near_eager_mode_with_a_graph_per_stage():
-    """CPU twin: tests/test_compile_graph_per_container.py (aot_eager: the graphs, static shapes, eager gradients, each
+    """CPU twin: tests/compile/test_compile_graph_per_container.py (aot_eager: the graphs, static shapes, eager
+    gradients, each
     block's input gradient realized once). Here inductor. Measured on the H200 (2026-12-01, batch 128): a graph per
     stage peaks 8 % above eager mode (17 % before each block's input gradient was realized), one graph 27 %."""
     import torchvision
@@ -457,7 +460,7 @@ def test_every_block_under_inductor_peaks_near_eager_mode_with_a_graph_per_stage
 
 
 class _Ballast(Callback):
-    """Another allocation on the card from optimizer step ``take`` to ``free`` (CPU twin: tests/test_adapt.py)."""
+    """Another allocation on the card from optimizer step ``take`` to ``free`` (CPU twin: tests/adapt/test_adapt.py)."""
 
     def __init__(self, nbytes: int, take: int, free: int) -> None:
         self.nbytes, self.take, self.free, self.held = nbytes, take, free, None
@@ -531,7 +534,8 @@ def test_an_emulated_spill_writes_a_report_naming_the_large_module_and_the_snaps
 
 
 def test_finer_links_alone_and_nested_train_as_the_plain_model_on_cuda():
-    """CPU twin: tests/test_checkpointing_finer_links.py. A ViT with dropout and stochastic depth, parts of blocks
+    """CPU twin: tests/checkpointing/test_checkpointing_finer_links.py. A ViT with dropout and stochastic depth,
+    parts of blocks
     checkpointed alone and nested in their blocks, and a budget planned with finer links among its candidates."""
     import copy
 

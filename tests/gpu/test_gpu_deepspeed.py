@@ -1,8 +1,9 @@
 """The callbacks under Lightning's DeepSpeedStrategy (ZeRO stage 2) on one CUDA device: MemGuard logs and guards,
 the tuners and ActivationCheckpointing are refused in ``setup``. Lightning builds DeepSpeedStrategy on CUDA only and
 DeepSpeed is not a dependency, so these run where it is installed (``benchmarks/run_gpu.sh OUT deepspeed`` installs
-it from wheels brought along). CPU twins: tests/test_sharded.py (the refusals, with the strategy as the callbacks see
-it) and tests/test_memguard.py (the figures, the spill response)."""
+it from wheels brought along). CPU twins: tests/tuning/test_sharded.py (the refusals, with the strategy as the
+callbacks see
+it) and tests/memguard/test_memguard.py (the figures, the spill response)."""
 
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def test_a_dotted_name_resolves_only_where_it_exists(reference, exists):
 
 
 def test_a_short_path_resolves_only_where_a_file_ends_so():
-    files = {"lightning_memguard/callbacks/memguard.py", "tests/test_core.py"}
+    files = {"lightning_memguard/callbacks/memguard.py", "tests/core/test_core.py"}
     assert _file_exists("callbacks/memguard.py", files)
     assert _file_exists("memguard.py", files)
     assert not _file_exists("callbacks/_private.py", files)

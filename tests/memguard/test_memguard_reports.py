@@ -323,7 +323,7 @@ def test_report_is_refused_beside_compile(tmp_path, capsys):
     assert code != 0 and "leave out --compile for the report" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------- the emulated card (CPU twin of tests/test_gpu.py)
+# ---------------------------------------------------------------- the emulated card (CPU twin of tests/gpu/test_gpu.py)
 
 
 class WideBlock(torch.nn.Module):
@@ -362,7 +362,7 @@ def test_an_emulated_spill_names_the_module_the_test_made_large(tmp_path):
 def test_the_forensics_benchmark_smoke_run_writes_its_ratios(tmp_path, monkeypatch):
     import importlib.util
 
-    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "forensics.py"
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "forensics.py"
     spec = importlib.util.spec_from_file_location("forensics_benchmark", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

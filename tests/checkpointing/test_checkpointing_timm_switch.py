@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_memguard.checkpointing.families.timm_switch import switch_units
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Stage(nn.Module):

@@ -18,7 +18,7 @@ from lightning_memguard.commands.cli import main
 from lightning_memguard.commands.doctor import verdict
 
 TINY = ["--model", "resnet18", "--image-size", "32", "--device", "cpu"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_doctor_prints_one_screen(capsys):

@@ -15,7 +15,8 @@ import torchvision
 
 from lightning_memguard.checkpointing import checkpoint_resnet
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_spawn_run.py")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the scripts stand beside conftest.py
+SCRIPT = os.path.join(TESTS, "ddp_spawn_run.py")
 
 _LOAD_AND_STEP = """
 import json, sys, torch, traceback

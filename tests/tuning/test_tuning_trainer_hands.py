@@ -307,7 +307,7 @@ class Streamed(TinyModel):
 @pytest.mark.parametrize("limit, tried, chosen", [(None, [4, 8, 16], (4, 4)), (2, [8, 16], (8, 2))])
 def test_an_iterable_without_length(tmp_path, limit, tried, chosen):
     """Decided: no length: one pass counts the samples up to what a step needs (here 64 > 16: a stream that long is
-    taken to run whole steps, no cap; a shorter one is capped, tests/test_tuning_users_runs.py); an int
+    taken to run whole steps, no cap; a shorter one is capped, tests/tuning/test_tuning_users_runs.py); an int
     ``limit_train_batches`` still caps the batches of an epoch, and micro-batches that need more per step are left
     out."""
     clock, seen = BatchClock(small_is_fast), StepSamples()

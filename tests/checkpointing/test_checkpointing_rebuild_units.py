@@ -272,7 +272,7 @@ def test_rebuilt_units_pickle_deepcopy_and_load_in_a_fresh_interpreter(tmp_path)
 
 
 def test_the_one_pass_kernel_rebuilds_the_batchnorm_outputs_of_units(monkeypatch):
-    """CPU twin of test_rebuilt_units_under_bf16_and_channels_last (tests/test_gpu.py), in Triton's interpreter:
+    """CPU twin of test_rebuilt_units_under_bf16_and_channels_last (tests/gpu/test_gpu.py), in Triton's interpreter:
     each unit's BatchNorm (+ ReLU) output is one kernel pass, its other activation PyTorch's own after it."""
     pytest.importorskip("triton")
     from lightning_memguard.checkpointing import _fused

@@ -15,7 +15,7 @@ from lightning_memguard.checkpointing.budget import BlockProfile, BudgetSearch, 
 
 def test_the_budget_search_is_pure_it_loads_neither_torch_nor_lightning():
     """The module read on its own, without its package (whose entry points need torch): numbers in, decisions out."""
-    path = Path(__file__).parents[1] / "lightning_memguard" / "checkpointing" / "budget.py"
+    path = Path(__file__).parents[2] / "lightning_memguard" / "checkpointing" / "budget.py"
     code = (
         "import importlib.util, sys; spec = importlib.util.spec_from_file_location('budget', sys.argv[1]);"
         " module = importlib.util.module_from_spec(spec); sys.modules['budget'] = module;"
