@@ -12,6 +12,7 @@ import torch
 from conftest import TinyModel, ddp_scenario_results
 
 from lightning_memguard import AccumulationTuner, ActivationCheckpointing, BatchSizeTuner
+from lightning_memguard.checkpointing import is_checkpointed
 
 SCENARIOS = (
     "batch_size",
@@ -216,8 +217,15 @@ def test_activation_checkpointing_budget_on_one_fsdp_device_is_not_refused():
 
     model = TinyModel()
     model.example_input_array = torch.randn(2, 16)
+    classes = [type(m) for m in model.modules()]
     trainer = SimpleNamespace(strategy=FSDPStrategy(), world_size=1)
-    ActivationCheckpointing(memory_budget=0.6).setup(trainer, model, "fit")  # planned at fit start, on the device
+    callback = ActivationCheckpointing(memory_budget=0.6)
+    callback.setup(trainer, model, "fit")  # planned at fit start, on the device: nothing changed yet
+    assert [type(m) for m in model.modules()] == classes and not is_checkpointed(model)
+    assert callback.plan is None
+    trainer.world_size = 2  # the same budget on two devices: each rank holds a flat shard, refused in setup
+    with pytest.raises(ValueError, match="cannot measure the blocks"):
+        callback.setup(trainer, model, "fit")
 
 
 def test_a_run_may_not_join_blocks_that_fully_shard_made_units_of_their_own(one_rank_mesh):
