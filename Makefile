@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-floor lint clean
+.PHONY: demo test test-fast test-costs test-floor lint clean
 
 $(STAMP): pyproject.toml tools/pip_indexes.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,15 @@ lint: $(STAMP)
 # one worker per core (two on CI), each test handed to whichever worker is free; the slowest tests are listed
 test: lint
 	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal --durations=15
+
+# the tests measured under 4 s that need no two-rank launch, in under 3 minutes on two cores: tests/conftest.py marks
+# the others `slow` or `ddp` from tests/costs.json, what each test cost in a full run
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not cuda and not slow and not ddp" -n auto --dist worksteal -q
+
+# every test's cost measured again into tests/costs.json: the whole suite, each test's seconds added up
+test-costs: $(STAMP)
+	MEMGUARD_TEST_COSTS=tests/costs.json $(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal -q
 
 # the oldest releases supported (tools/floor.txt: torch, torchvision, lightning, timm, transformers), in a venv of
 # their own, the rest resolved as `make test` resolves it; CI runs it after `make test` (.ci/run)

@@ -33,6 +33,41 @@ with contextlib.suppress(RuntimeError):
     torch.set_num_interop_threads(1)
 
 
+# What each test costs, measured: tests/costs.json holds every test's seconds (setup, call and teardown) from a full
+# run on two cores (`make test-costs` measures them again). From it, at collection: a test that took SLOW_SECONDS or
+# more is marked `slow`; a test that needs the suite's two-rank launch (its fixture `ddp_launch`, minutes for the
+# first test that asks) is marked `ddp`. `make test-fast` leaves both out. A test not measured yet is neither.
+COSTS = Path(__file__).with_name("costs.json")
+SLOW_SECONDS = 4.0
+LAUNCHES = ("ddp_launch", "two_ranks")  # the fixtures that start two-rank launches (a fixture's own fixtures count)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    costs = json.loads(COSTS.read_text(encoding="utf-8")) if COSTS.exists() else {}
+    for item in items:
+        if any(name in LAUNCHES for name in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.ddp)
+        if costs.get(item.nodeid, 0.0) >= SLOW_SECONDS:
+            item.add_marker(pytest.mark.slow)
+
+
+_measured: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Under MEMGUARD_TEST_COSTS (a file name), each test's seconds are added up (on pytest-xdist's controller, which
+    sees every worker's reports) and written there when the session ends."""
+    if os.environ.get("MEMGUARD_TEST_COSTS"):
+        _measured[report.nodeid] = _measured.get(report.nodeid, 0.0) + report.duration
+
+
+def _write_costs() -> None:
+    target = os.environ.get("MEMGUARD_TEST_COSTS")
+    if target and _measured and not os.environ.get("PYTEST_XDIST_WORKER"):
+        rounded = {k: round(v, 2) for k, v in sorted(_measured.items())}
+        Path(target).write_text(json.dumps(rounded, indent=0) + "\n", encoding="utf-8")
+
+
 def pytest_collection_finish(session) -> None:
     """What the test modules imported (torch, Lightning, timm, Hugging Face: millions of objects) lives for the
     whole session: kept out of the garbage collector's full passes, which the tuners' trials ask for after each
@@ -55,6 +90,7 @@ if "TMPDIR" not in os.environ and os.access(RAM_DISK, os.W_OK) and shutil.disk_u
 
 @pytest.hookimpl(trylast=True)  # after pytest's own clean-up of its folders in it
 def pytest_sessionfinish(session, exitstatus) -> None:
+    _write_costs()
     if SESSION_TMPDIR is not None and exitstatus == 0:
         shutil.rmtree(SESSION_TMPDIR, ignore_errors=True)
 

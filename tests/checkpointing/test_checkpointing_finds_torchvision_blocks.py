@@ -72,7 +72,6 @@ def _same(a, b) -> None:
         assert torch.equal(bufs_a[key], bufs_b[key]), key
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("name", "size", "block"), ZOO, ids=[z[0] for z in ZOO])
 def test_every_torchvision_model_is_found_trains_and_stays_bit_identical(name, size, block):
     plain = _small(name)

@@ -131,7 +131,6 @@ def two_ranks(tmp_path_factory):
     return ddp_scenarios(tmp_path_factory, "finer-links", ["finer_links_run:ddp", "finer_links_run:fsdp2"], timeout=300)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("who", ["callback", "strategy"])
 def test_ddp_every_rank_applies_rank_zeros_runs_parts_included_and_trains_as_plain_ddp(two_ranks, who):
     """ActivationCheckpointing under ``"ddp"``, and CheckpointingDDPStrategy: rank zero measures, and both ranks
@@ -145,7 +144,6 @@ def test_ddp_every_rank_applies_rank_zeros_runs_parts_included_and_trains_as_pla
         assert r["same_keys"] and r["differ"] == [] and r["step"] == 2
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("how", ["budget", "nested", "given"])
 def test_model_parallel_every_rank_checkpoints_the_same_parts_and_trains_as_without(two_ranks, how):
     """FSDP2's ``fully_shard`` on each ViT block: ``budget``: every rank measures at 0.8 (which parts, if any, is

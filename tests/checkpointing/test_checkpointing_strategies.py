@@ -64,7 +64,6 @@ def test_a_budget_without_an_example_input_is_a_clear_error(tmp_path):
 # ddp_launch fixture); planning_fails last, as it ends the launch
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(ddp_launch, mode):
     """Compiled: rank zero measures under compile and both ranks take its runs and compile's setting with them."""
@@ -82,7 +81,6 @@ def test_ddp_ranks_apply_rank_zeros_plan_and_train_as_plain_ddp(ddp_launch, mode
     assert all(r["same_weights"] and r["step"] == 3 for r in ranks)
 
 
-@pytest.mark.slow
 def test_ddp_rank_zero_failing_while_it_plans_ends_every_rank(ddp_launch):
     """The other ranks wait in the broadcast for rank zero's plan: its error must end the run, not leave them there."""
     launch = json.loads((ddp_launch / "launch.json").read_text(encoding="utf-8"))

@@ -78,7 +78,6 @@ def test_deepcopy_keeps_the_swapped_classes():
     assert [type(m) for m in twin.modules()] == [type(m) for m in model.modules()]
 
 
-@pytest.mark.slow
 def test_ddp_spawn_trains_a_model_checkpointed_before_fit(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["PYTHONWARNINGS"] = "ignore"

@@ -237,7 +237,7 @@ def test_sweep_verbose_shows_every_runs_messages(tmp_path, caplog):
 @pytest.fixture
 def sweep_configs(monkeypatch):
     """The sweep's runs record their config and return a made-up row at once: no training."""
-    from lightning_memguard import sweep
+    from lightning_memguard.commands import sweep
     from lightning_memguard.core.epoch_record import SweepRow
 
     configs = []
@@ -389,7 +389,7 @@ def test_demo_says_what_it_does_before_importing_torch(tmp_path):
 def test_demo_says_how_far_it_is_at_least_every_ten_seconds(monkeypatch, tmp_path, capsys):
     import itertools
 
-    from lightning_memguard import demo
+    from lightning_memguard.commands import demo
 
     monkeypatch.setattr(demo, "CPU_DEMO", demo.DemoConfig("resnet18", 16, 4, "32-true", False, 4, 1))
     clock = itertools.count(0.0, 4.0).__next__  # 4 s pass between any two readings
@@ -607,7 +607,7 @@ def test_a_mistyped_model_name_is_answered_with_the_name_meant(no_training, monk
 
 
 def test_ctrl_c_during_a_sweep_keeps_the_rows_measured_and_says_so(monkeypatch, tmp_path, capsys):
-    from lightning_memguard import sweep
+    from lightning_memguard.commands import sweep
     from lightning_memguard.core.epoch_record import SweepRow
 
     def run_one(cfg, batch, root):
@@ -658,7 +658,7 @@ def test_ctrl_c_inside_a_training_run_reaches_the_sweep_as_an_interrupt(tmp_path
 def test_a_sweep_on_a_small_emulated_card_writes_its_sizes_in_mb(monkeypatch, tmp_path, capsys):
     import matplotlib.pyplot as plt
 
-    from lightning_memguard import sweep
+    from lightning_memguard.commands import sweep
     from lightning_memguard.core.epoch_record import SweepRow
 
     def run_one(cfg, batch, root):  # a card of 150 MB: 4 fits at 70 MB, 8 spills

@@ -261,7 +261,6 @@ def _section(windows_like: dict[str, str], name: str) -> list[str]:
     return out.strip().splitlines()
 
 
-@pytest.mark.slow
 def test_every_module_imports_and_trains_without_unix_modules(windows_like):
     assert _section(windows_like, "train")[-1] == "trained True 1 True"
 

@@ -14,7 +14,6 @@ def _run(ddp_launch, scenario: str) -> dict[int, dict]:
     return ddp_scenario_results(ddp_launch, f"ddp_guard_run:{scenario}", scenario + "-rank{rank}.json")
 
 
-@pytest.mark.slow
 def test_stop_shows_the_spilling_ranks_numbers_and_the_table_sums_the_ranks(ddp_launch):
     results = _run(ddp_launch, "mid-stop")
     assert results[0]["should_stop"] and results[1]["should_stop"]
@@ -33,7 +32,6 @@ def test_stop_shows_the_spilling_ranks_numbers_and_the_table_sums_the_ranks(ddp_
         assert report.startswith("memguard-report-step=") and report.endswith(f"-spill-rank={rank}.json")
 
 
-@pytest.mark.slow
 def test_a_spill_in_the_last_step_of_the_last_epoch_raises_on_every_rank(ddp_launch):
     results = _run(ddp_launch, "last-raise")
     assert results[0]["error"] == results[1]["error"] == "SysmemSpillError"

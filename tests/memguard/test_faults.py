@@ -127,7 +127,7 @@ def run_child(script: str, tmp_path, **env) -> subprocess.CompletedProcess:
         **os.environ,
         "HOME": str(home),
         "TMPDIR": str(temp),
-        "PYTHONPATH": os.pathsep.join([ROOT, TESTS]),
+        "PYTHONPATH": os.pathsep.join([ROOT, TESTS, os.path.dirname(os.path.abspath(__file__))]),
         **env,
     }
     header = "import os, signal, sys\nsys.path[:0] = [os.environ['PYTHONPATH']]\n"
@@ -308,7 +308,7 @@ def test_ctrl_c_during_a_trial_or_at_any_step_of_the_restore_keeps_the_original_
 def test_the_sweeps_table_and_picture_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
     """`memguard sweep` writes sweep.csv and sweep.png: a failure halfway (a full disk) leaves neither, nor a
     temporary file, and an earlier complete file stays as it was."""
-    from lightning_memguard import sweep
+    from lightning_memguard.commands import sweep
     from lightning_memguard.core.epoch_record import SweepRow
 
     rows = [SweepRow(32, 10.0, 1.0, 3200.0, "ok"), SweepRow(64, 18.0, 2.0, 3555.0, "ok")]

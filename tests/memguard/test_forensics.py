@@ -239,7 +239,7 @@ def test_the_json_has_the_documented_keys(tmp_path):
     assert set(data["top"][0]) == {"name", "class", "bytes", "share"}
     assert set(data["timeline"][0]) == {"module", "saved", "allocated", "by_module"}
     assert data["timeline"][-1]["saved"] == data["split"]["activations"]
-    from lightning_memguard.forensics import report as module
+    from lightning_memguard.forensics import memory_report as module
 
     documented = set(re.findall(r"``(\w+)``", module.__doc__ or ""))
     assert documented >= JSON_KEYS

@@ -420,7 +420,7 @@ def test_checking_a_pip_line_leaves_torch_able_to_build_cpp():
     for the rest of the process, and the suite's Inductor tests would then fail in a C++ build that has nothing to do
     with the docs."""
     script = (
-        "import sys; sys.path.insert(0, 'tests')\n"
+        "import sys; sys.path[:0] = ['tests', 'tests/project']\n"
         "from test_docs import check_command\n"
         "assert not check_command(['python', '-m', 'pip', 'install', '-e', '.[dev]'])\n"
         "assert not check_command(['python', '-m', 'pip', 'list'])\n"

@@ -152,3 +152,42 @@ def test_the_floor_checker_finds_an_edge_up():
 
 def test_no_wing_imports_the_callbacks_and_the_lightning_layer_stands_below_the_wings_that_use_it():
     assert upward_edges(import_graph()) == []
+
+
+# ------------------------------------------------------------------ the import table by wing in docs/architecture.md
+DOC = PACKAGE.parent / "docs" / "architecture.md"
+ORDER = ["commands", "callbacks", "strategies", "tuning", "_lightning", "checkpointing", "levers", "forensics",
+         "emulation", "testing", "probes", "core", "_compiler", "_autograd"]  # fmt: skip
+
+
+def wing(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "(root)"
+
+
+def wing_table(graph: dict[str, set[str]]) -> str:
+    """The markdown table of which wing imports which (edges: pairs of modules), top floor first."""
+    edges: dict[str, dict[str, int]] = {}
+    for module, imported in graph.items():
+        for target in imported:
+            a, b = wing(module), wing(target)
+            if a != b and a != "(root)":
+                edges.setdefault(a, {}).setdefault(b, 0)
+                edges[a][b] += 1
+    wings = sorted({wing(m) for m in graph} - {"(root)"}, key=lambda w: (ORDER.index(w) if w in ORDER else 99, w))
+    rows = ["| wing | imports (modules' edges) |", "| --- | --- |"]
+    for w in wings:
+        targets = sorted(edges.get(w, {}).items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER else 99)
+        rows.append(f"| `{w}` | " + (", ".join(f"`{t}` {n}" for t, n in targets) or "nothing of the package") + " |")
+    return "\n".join(rows)
+
+
+def test_the_import_table_in_the_architecture_doc_is_the_codes():
+    """docs/architecture.md's table between its two markers is this graph's (on a mismatch the right table is in the
+    message, to paste)."""
+    text = DOC.read_text(encoding="utf-8")
+    begin, end = "<!-- import table: begin -->", "<!-- import table: end -->"
+    assert begin in text and end in text
+    written = text.split(begin, 1)[1].split(end, 1)[0].strip()
+    expected = wing_table(import_graph())
+    assert written == expected, f"docs/architecture.md's import table should read:\n{expected}"

@@ -359,7 +359,7 @@ def test_the_accumulation_tuner_measures_a_close_pair_again_and_says_so(tmp_path
 def test_the_pure_tuning_modules_do_not_import_lightning():
     """The search, the epoch, the cache file and the settings are the tuners' pure core (the package's docstring
     lists them), as ``lightning_memguard.core`` is."""
-    pure = ", ".join(f"lightning_memguard.tuning.{m}" for m in ("search", "epoch", "cache", "settings", "adapt"))
+    pure = ", ".join(f"lightning_memguard.tuning.{m}" for m in ("search", "epoch", "cache", "tuner_settings", "adapt"))
     code = (
         f"import sys, {pure}\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'lightning', 'pytorch_lightning'}))"

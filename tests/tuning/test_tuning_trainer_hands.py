@@ -262,7 +262,7 @@ def test_a_min_micro_batch_above_the_per_device_batch_is_refused_in_setup():
 
 
 def test_the_plan_command_refuses_a_min_micro_batch_above_the_effective_batch(monkeypatch, capsys):
-    from lightning_memguard import cli
+    from lightning_memguard.commands import cli
 
     def went_on(*args, **kwargs):
         raise AssertionError("the command went on with --min-micro-batch 512")
