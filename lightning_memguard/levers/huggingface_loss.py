@@ -1,0 +1,6 @@
+class FusedLossRefused(ValueError):
+    pass
+
+def apply_fused_loss(*a, **k): ...
+
+def remove_fused_loss(*a, **k): ...
