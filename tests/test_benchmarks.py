@@ -249,6 +249,7 @@ def test_coverage_writes_a_row_per_model_with_a_summary_and_prints_its_table(tmp
         ("timm", "test_resnet", True),
         ("hf", "gpt2", True),
     ]
+    assert result["rows"][1]["loss"] == "fused"  # the fused loss gives GPT2LMHeadModel its plain loss and gradients
     assert result["summary"]["timm"] == {
         "models": 1, "built": 1, "covered": 1, "with_switch": 1, "with_switch_covered": 1,
         "with_switch_not_covered": {}, "keeps_more_than_switch": {}, "not_covered": {}
@@ -259,3 +260,4 @@ def test_coverage_writes_a_row_per_model_with_a_summary_and_prints_its_table(tmp
     module.main()
     table = capsys.readouterr().out
     assert "## timm" in table and "| resnet | test_resnet | yes | " in table
+    assert "covered, or why not | loss |" in table and table.rstrip().splitlines()[-1].endswith("| fused |")

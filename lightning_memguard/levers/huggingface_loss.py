@@ -55,23 +55,34 @@ class FusedLossRefused(ValueError):
 
 
 def refusal(model: nn.Module) -> str | None:
-    """Why :func:`apply_fused_loss` refuses ``model``, or None: the reason a coverage table prints."""
+    """Why :func:`apply_fused_loss` refuses ``model``, or None."""
     config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if config is None or model_type is None:
+    if getattr(config, "model_type", None) is None:
         return f"{type(model).__name__} is not a Hugging Face model (no config.model_type)"
+    name = swap_chain(type(model))[1].__name__
+    reason = config_refusal(config, name)
+    if reason is not None:
+        return reason
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    if not isinstance(head, nn.Linear):
+        return f"{name}: its output embeddings are a {type(head).__name__}, not an nn.Linear"
+    return None
+
+
+def config_refusal(config: Any, class_name: str | None) -> str | None:
+    """Why a model of this config and class (None: the type has no language-model head) cannot have its loss
+    fused, or None; what a coverage table prints without building the model."""
+    model_type = config.model_type
+    if class_name is None:
+        return f"{model_type}: no language-model head"
     changed = [name for name in _LOGIT_CHANGES if getattr(config, name, None) not in (None, 1, 1.0)]
     if changed:
         return f"{model_type}: its logits are changed after the head ({', '.join(f'config.{c}' for c in changed)})"
     kind = FAMILIES.get(model_type)
     if kind is None:
         return f"{model_type}: not verified (its forward may change the logits after the head)"
-    name = swap_chain(type(model))[1].__name__
-    if not name.endswith(_HEAD_CLASSES[kind]):
-        return f"{name}: no language-model head (a {kind} {model_type} has one in {'/'.join(_HEAD_CLASSES[kind])})"
-    head = model.get_output_embeddings()  # type: ignore[operator]
-    if not isinstance(head, nn.Linear):
-        return f"{name}: its output embeddings are a {type(head).__name__}, not an nn.Linear"
+    if not class_name.endswith(_HEAD_CLASSES[kind]):
+        return f"{class_name}: no language-model head (a {kind} {model_type} has one in {'/'.join(_HEAD_CLASSES[kind])})"
     return None
 
 
