@@ -79,7 +79,9 @@ def test_label_smoothing_is_cross_entropys(smoothing):
     hidden, weight, bias, labels = _inputs()
     labels[1, :2] = -100
     fused = _loss_and_grads(
-        lambda: fused_linear_cross_entropy(hidden, weight, labels, bias=bias, label_smoothing=smoothing, chunk_tokens=5),
+        lambda: fused_linear_cross_entropy(
+            hidden, weight, labels, bias=bias, label_smoothing=smoothing, chunk_tokens=5
+        ),
         hidden,
         weight,
         bias,

@@ -187,7 +187,11 @@ def test_what_cannot_be_fused_is_refused_by_name():
     gemma = t.Gemma2ForCausalLM(t.Gemma2Config(final_logit_softcapping=30.0, head_dim=16, **DECODERS))
     with pytest.raises(FusedLossRefused, match=r"gemma2: its logits are changed after the head .*final_logit_soft"):
         apply_fused_loss(gemma)
-    neo = t.GPTNeoForCausalLM(t.GPTNeoConfig(num_layers=1, attention_types=[[["global"], 1]], hidden_size=32, num_heads=2, vocab_size=VOCABULARY))
+    neo = t.GPTNeoForCausalLM(
+        t.GPTNeoConfig(
+            num_layers=1, attention_types=[[["global"], 1]], hidden_size=32, num_heads=2, vocab_size=VOCABULARY
+        )
+    )
     with pytest.raises(FusedLossRefused, match=r"gpt_neo: not verified"):
         apply_fused_loss(neo)
     classifier = t.BertForSequenceClassification(t.BertConfig(num_hidden_layers=1, **SMALL))

@@ -117,7 +117,9 @@ def fused_linear_cross_entropy(
         for name, value in unsupported.items():
             if value not in (None, 0.0):
                 raise ValueError(f"`implementation='torch'` has no {name}; got `{name}={value!r}`")
-        return _torch_loss(flat_hidden, weight, flat_labels, bias, ignore_index, reduction, chunk_tokens, autocast_dtype)
+        return _torch_loss(
+            flat_hidden, weight, flat_labels, bias, ignore_index, reduction, chunk_tokens, autocast_dtype
+        )
     compute_dtype = autocast_dtype or torch.promote_types(hidden.dtype, weight.dtype)
     settings = _Settings(ignore_index, label_smoothing, reduction, logit_scale, softcap, chunk_tokens, compute_dtype)
     if not torch.is_grad_enabled():  # no graph: the loss alone, no gradients computed
@@ -170,7 +172,15 @@ def _check(
 class _Settings:
     """What a chunked loss computes besides its tensors (one object, so autograd sees a single non-tensor input)."""
 
-    __slots__ = ("chunk_tokens", "compute_dtype", "ignore_index", "label_smoothing", "logit_scale", "reduction", "softcap")
+    __slots__ = (
+        "chunk_tokens",
+        "compute_dtype",
+        "ignore_index",
+        "label_smoothing",
+        "logit_scale",
+        "reduction",
+        "softcap",
+    )
 
     def __init__(
         self,
@@ -205,7 +215,9 @@ def _chunks(
         counted = labels != settings.ignore_index
         count = counted.sum()
         # mean: each token's gradient is divided by the tokens counted; none counted: zero gradients (and a nan loss)
-        per_token = 1.0 / count.clamp(min=1).float() if settings.reduction == "mean" else torch.ones((), device=count.device)
+        per_token = (
+            1.0 / count.clamp(min=1).float() if settings.reduction == "mean" else torch.ones((), device=count.device)
+        )
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)

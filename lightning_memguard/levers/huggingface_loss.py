@@ -82,7 +82,9 @@ def config_refusal(config: Any, class_name: str | None) -> str | None:
     if kind is None:
         return f"{model_type}: not verified (its forward may change the logits after the head)"
     if not class_name.endswith(_HEAD_CLASSES[kind]):
-        return f"{class_name}: no language-model head (a {kind} {model_type} has one in {'/'.join(_HEAD_CLASSES[kind])})"
+        return (
+            f"{class_name}: no language-model head (a {kind} {model_type} has one in {'/'.join(_HEAD_CLASSES[kind])})"
+        )
     return None
 
 
@@ -148,9 +150,9 @@ class FusedLossModel(SwappedModule):
             return super().forward(*args, **kwargs)
         head: FusedLossHead = self.get_output_embeddings()  # type: ignore[operator]
         state = head.memguard_fused
-        if state.kind == "seq2seq" and kwargs.get("decoder_input_ids") is None:
-            if kwargs.get("decoder_inputs_embeds") is None:
-                kwargs["decoder_input_ids"] = decoder_inputs(self, labels)
+        given = kwargs.get("decoder_input_ids") is not None or kwargs.get("decoder_inputs_embeds") is not None
+        if state.kind == "seq2seq" and not given:
+            kwargs["decoder_input_ids"] = decoder_inputs(self, labels)
         items = kwargs.pop("num_items_in_batch", None) if state.kind == "causal" else None
         return_dict = kwargs.pop("return_dict", None)
         state.labels, state.reduction = labels, "mean" if items is None else "sum"
@@ -230,7 +232,7 @@ def apply_fused_loss(
         >>> from transformers import GPT2Config, GPT2LMHeadModel
         >>> from lightning_memguard import apply_fused_loss, remove_fused_loss
         >>> config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
-        >>> model = GPT2LMHeadModel(config)
+        >>> model = GPT2LMHeadModel(config).eval()  # dropout off: the same numbers twice
         >>> tokens = torch.randint(0, 100, (2, 8))
         >>> plain = model(tokens, labels=tokens).loss
         >>> output = apply_fused_loss(model)(tokens, labels=tokens)
@@ -295,4 +297,3 @@ def remove_fused_loss(model: nn.Module) -> bool:
 def is_fused(model: nn.Module) -> bool:
     """Whether :func:`apply_fused_loss` changed ``model``."""
     return isinstance(model, FusedLossModel)
-
