@@ -180,7 +180,7 @@ def decoder_inputs(model: nn.Module, labels: Tensor) -> Tensor:
     prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
     if prepare is not None:
         return prepare(labels=labels)  # type: ignore[no-any-return]
-    config = model.config
+    config: Any = model.config
     start, pad = config.decoder_start_token_id, config.pad_token_id
     if start is None or pad is None:
         raise FusedLossRefused(
@@ -256,7 +256,8 @@ def apply_fused_loss(
             stacklevel=2,
         )
     head = model.get_output_embeddings()  # type: ignore[operator]
-    kind = FAMILIES[model.config.model_type]  # type: ignore[union-attr]
+    config: Any = model.config
+    kind = FAMILIES[config.model_type]
     changed: list[tuple[nn.Module, type]] = []
     try:
         for module, mixin in ((head, FusedLossHead), (model, FusedLossModel)):
