@@ -27,7 +27,11 @@ checkpoint itself: timm's ``set_grad_checkpointing(True)`` runs and lowers the b
 False})`` runs), and ``kept_bytes`` for ``plain``, ``ours`` and ``switch``: the bytes of every tensor made during the
 forward that is still alive when it returns, each storage once, parameters and buffers left out (what backward keeps:
 unlike counting saved tensors, this also sees the inputs a non-reentrant checkpoint holds for its recomputation).
-``ratio_vs_switch`` is ours over the switch's. A row is ``covered`` when blocks are found and checkpointed, gradients,
+``ratio_vs_switch`` is ours over the switch's. A Hugging Face row has ``loss`` too: ``fused`` where
+``apply_fused_loss`` on the type's language-model task model (causal, masked, sequence-to-sequence or speech; the same
+tiny config, labels = its token inputs with the first two ignored, chunks of 5 tokens) returns no logits and the loss
+and every gradient of the plain model within 1e-5 + 1e-4 relative, else why not (a family refused by name, no such
+head, or the difference). A row is ``covered`` when blocks are found and checkpointed, gradients,
 buffers and keys are the same, and ours keeps fewer bytes than the plain model; otherwise ``reason`` says why.
 
 Results are written after every model (a run cut short keeps its rows), with a summary: how many models are covered,
@@ -67,6 +71,7 @@ from _common import environment, write_json  # noqa: E402
 
 from lightning_memguard.checkpointing import checkpoint_blocks  # noqa: E402
 from lightning_memguard.checkpointing.families import find_units  # noqa: E402
+from lightning_memguard.levers.huggingface_loss import FAMILIES, apply_fused_loss, config_refusal  # noqa: E402
 
 MORE_THAN_SWITCH = 1.05  # ours over the switch's bytes kept: above this, listed
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "coverage.json")
@@ -468,6 +473,63 @@ def _build_hf(model_type: str, widths: bool) -> tuple[nn.Module, dict[str, Any]]
     raise RuntimeError(f"could not feed {', '.join(every)}: {first_line(error)}")
 
 
+LOSS_TASKS = (
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+)  # fmt: skip
+
+
+def hf_loss_class(model_type: str) -> str | None:
+    """The type's language-model task class (for a family of ``FAMILIES``, of its kind; else the first of
+    :data:`LOSS_TASKS` that has one), or None."""
+    from transformers.models.auto import modeling_auto as auto
+
+    kinds = {"causal": LOSS_TASKS[:1], "masked": LOSS_TASKS[1:2], "seq2seq": LOSS_TASKS[2:]}
+    for mapping in kinds.get(FAMILIES.get(model_type, ""), LOSS_TASKS):
+        names = getattr(auto, mapping, {}).get(model_type)
+        if names:
+            return names if isinstance(names, str) else names[0]
+    return None
+
+
+def hf_loss(model_type: str) -> str:
+    """``fused`` where the fused loss gives the type's task model the plain loss and gradients, else why not."""
+    import transformers
+
+    config = hf_config(model_type)
+    name = hf_loss_class(model_type)
+    refused = config_refusal(config, name)
+    if refused is not None:
+        return refused
+    torch.manual_seed(0)
+    model = getattr(transformers, name)(config).train()  # type: ignore[arg-type]
+    inputs = hf_inputs(model, config)
+    # an encoder-decoder's labels: its decoder inputs, given as well (how each family makes them from its labels is
+    # tested in tests/test_levers_huggingface_loss.py; a tiny T5Config has no decoder_start_token_id to make them)
+    labels = inputs.get("decoder_input_ids", inputs.get("input_ids"))
+    if labels is None:
+        return "check failed: no token inputs to use as labels"
+    labels = labels.clone()
+    labels[:, :2] = -100
+    fused = apply_fused_loss(copy.deepcopy(model), chunk_tokens=5)
+    results = []
+    for candidate in (model, fused):
+        torch.manual_seed(0)
+        output = candidate(**inputs, labels=labels)
+        output.loss.backward()
+        results.append((output, {n: p.grad for n, p in candidate.named_parameters() if p.grad is not None}))
+    (plain, plain_grads), (ours, our_grads) = results
+    if ours.logits is not None:
+        return "the fused model built its logits"
+    if plain_grads.keys() != our_grads.keys():
+        return "differs: not the same parameters have gradients"
+    pairs = [("loss", plain.loss, ours.loss), *((n, g, our_grads[n]) for n, g in plain_grads.items())]
+    for what, want, got in pairs:
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            return f"differs: {what} by {(got - want).abs().max().item():.3g}"
+    return "fused"
+
+
 def hf_switch(model: nn.Module) -> None:
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise RuntimeError("supports_gradient_checkpointing is False")
@@ -561,6 +623,13 @@ def _examine(row: dict[str, Any], library: str, name: str) -> None:
     except Exception as e:
         row["switch"] = False
         row["switch_error"] = first_line(e)
+    if library == "hf":
+        try:
+            row["loss"] = hf_loss(name)
+        except TimedOut:
+            raise
+        except Exception as e:
+            row["loss"] = f"check failed: {first_line(e)}"
     kept = row["kept_bytes"]
     if kept.get("ours") is not None and kept.get("switch"):
         row["ratio_vs_switch"] = round(kept["ours"] / kept["switch"], 4)
@@ -664,7 +733,8 @@ whether the family has one that checkpoints something (it runs and keeps less th
 model with a switch covered. A model that this benchmark could not build or feed says why; it is a limit of the
 benchmark's generic configs and inputs, not of the library. `benchmarks/coverage.py` says how each figure is made;
 the rows are in `benchmarks/results/coverage.json`; `python benchmarks/coverage.py --table` prints this page from
-them.
+them. The Hugging Face table's "loss" column says whether `apply_fused_loss` ([levers](levers.md)) gives the
+family's language-model task model the plain loss and gradients without building its logits ("fused"), or why not.
 """
 
 
@@ -696,8 +766,8 @@ def table(result: dict[str, Any]) -> str:
             f"{MORE_THAN_SWITCH}x the switch's bytes on: {more}.",
             "",
             "| family | model | switch | blocks | same gradients | same buffers | kept MB plain / ours / switch "
-            "| ours / switch | covered, or why not |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| ours / switch | covered, or why not |" + (" loss |" if library == "hf" else ""),
+            "|---|---|---|---|---|---|---|---|---|" + ("---|" if library == "hf" else ""),
         ]
         for r in sorted(rows, key=lambda r: ("error" in r, r["covered"], r.get("family") or "", r["model"])):
             kept = r.get("kept_bytes", {})
@@ -707,6 +777,7 @@ def table(result: dict[str, Any]) -> str:
                 f"| {r.get('family', '')} | {r['model']} | {yes(r.get('switch'))} | {r.get('blocks', '')} "
                 f"| {yes(r.get('same_gradients'))} | {yes(r.get('same_buffers'))} | {figures} "
                 f"| {r.get('ratio_vs_switch', '')} | {status} |"
+                + (f" {(r.get('loss') or '').replace('|', '/')} |" if library == "hf" else "")
             )
         lines.append("")
     return "\n".join(lines)

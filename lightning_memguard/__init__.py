@@ -17,6 +17,9 @@ _EXPORTS = {
     "MemGuard": "lightning_memguard.callbacks",
     "checkpoint_blocks": "lightning_memguard.checkpointing",
     "checkpoint_resnet": "lightning_memguard.checkpointing",
+    "fused_linear_cross_entropy": "lightning_memguard.levers.fused_loss",
+    "apply_fused_loss": "lightning_memguard.levers.huggingface_loss",
+    "remove_fused_loss": "lightning_memguard.levers.huggingface_loss",
     "SysmemSpillError": "lightning_memguard.core.messages",
 }
 
@@ -28,6 +31,9 @@ if TYPE_CHECKING:
     from lightning_memguard.checkpointing import checkpoint_blocks as checkpoint_blocks
     from lightning_memguard.checkpointing import checkpoint_resnet as checkpoint_resnet
     from lightning_memguard.core.messages import SysmemSpillError as SysmemSpillError
+    from lightning_memguard.levers.fused_loss import fused_linear_cross_entropy as fused_linear_cross_entropy
+    from lightning_memguard.levers.huggingface_loss import apply_fused_loss as apply_fused_loss
+    from lightning_memguard.levers.huggingface_loss import remove_fused_loss as remove_fused_loss
 
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -188,9 +188,12 @@ def test_families_smoke_runs_every_row_of_a_language_model_and_writes_them(tmp_p
     result = json.loads(out.read_text())
     rows = result["models"]["llama"]["rows"]
     assert list(rows) == [
-        "plain", "family_switch", "ours_every_block", "ours_at_switch_memory", "ours_at_switch_memory_blocks",
-        "ours_below_switch", "ours_below_switch_blocks", "ours_budget_0.6", "ours_budget_0.6_blocks", "ours_budget_0.4",
+        "plain", "family_switch", "ours_every_block", "fused_loss_every_block", "ours_at_switch_memory",
+        "ours_at_switch_memory_blocks", "ours_below_switch", "ours_below_switch_blocks", "ours_budget_0.6",
+        "ours_budget_0.6_blocks", "ours_budget_0.4",
     ]  # fmt: skip
+    # the fused loss keeps no logits: less than every block alone
+    assert rows["fused_loss_every_block"]["saved_pct"] > rows["ours_every_block"]["saved_pct"]
     assert not [r["error"] for r in rows.values() if "error" in r]
     assert all("tokens_per_sec" in r and "saved_pct" in r for name, r in rows.items() if name != "plain")
     assert "summary" in rows["ours_budget_0.4"] and "met" in result["models"]["llama"]["goals"]
@@ -249,6 +252,7 @@ def test_coverage_writes_a_row_per_model_with_a_summary_and_prints_its_table(tmp
         ("timm", "test_resnet", True),
         ("hf", "gpt2", True),
     ]
+    assert result["rows"][1]["loss"] == "fused"  # the fused loss gives GPT2LMHeadModel its plain loss and gradients
     assert result["summary"]["timm"] == {
         "models": 1, "built": 1, "covered": 1, "with_switch": 1, "with_switch_covered": 1,
         "with_switch_not_covered": {}, "keeps_more_than_switch": {}, "not_covered": {}
@@ -259,3 +263,4 @@ def test_coverage_writes_a_row_per_model_with_a_summary_and_prints_its_table(tmp
     module.main()
     table = capsys.readouterr().out
     assert "## timm" in table and "| resnet | test_resnet | yes | " in table
+    assert "covered, or why not | loss |" in table and table.rstrip().splitlines()[-1].endswith("| fused |")

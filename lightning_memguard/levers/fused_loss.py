@@ -1,0 +1,313 @@
+"""A linear layer and a cross-entropy in one: the loss of ``hidden @ weight.T`` without the whole logits.
+
+A language model's logits (tokens x vocabulary, float32 for the softmax) are often the largest tensor of its step:
+GPT-2's 16 x 1024 tokens times 50,257 words is 3.3 GB in float32, and the plain loss keeps a copy of that size for
+backward. :func:`fused_linear_cross_entropy` walks the tokens in chunks; for each chunk it builds that chunk's
+logits, adds its share of the loss and, in the same pass, the gradients of ``hidden``, ``weight`` and ``bias``; it
+keeps only those gradients (the size of ``hidden`` and of ``weight``) and scales them in backward by the loss's
+upstream gradient. Nothing is recomputed: on a GPU this costs a few percent of a step (``docs/levers.md``).
+
+Two implementations, one semantics (``torch.nn.functional.cross_entropy``'s):
+
+- ``"chunked"``: this module's own, pure PyTorch, on every torch this library supports;
+- ``"torch"``: ``torch.nn.functional.linear_cross_entropy`` with chunking options, where the installed torch has it
+  (2.13 and later). It computes the gradients in the forward as well, but it has no label smoothing, soft cap or
+  logit scale, and under autocast it returns the loss and the head's gradient in the autocast dtype.
+
+``"auto"`` picks ``"chunked"``: measured on the CPU with torch 2.14 (``tests/test_levers_fused_loss.py`` holds the
+probe), torch's keeps exactly as many bytes after the forward (the two gradients, in float32, or in bf16 under bf16
+autocast), but under autocast it rounds the loss to bf16 and, on CUDA, sums the head's gradient across chunks in
+bf16, and where no token is counted (a micro-batch of prompt tokens only) its gradients are nan where
+``F.cross_entropy``'s are zero; ``"torch"`` is used only when asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+DEFAULT_CHUNK_TOKENS = 2048
+"""Tokens per chunk: each chunk's float32 logits take ``chunk_tokens x vocabulary x 4`` bytes (411 MB for GPT-2)."""
+
+Implementation = Literal["auto", "chunked", "torch"]
+
+
+def has_torch_linear_cross_entropy() -> bool:
+    """Whether the installed torch has ``torch.nn.functional.linear_cross_entropy`` (2.13 and later)."""
+    return hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
+
+
+def fused_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: Literal["mean", "sum"] = "mean",
+    shift: bool = False,
+    logit_scale: float | None = None,
+    softcap: float | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    implementation: Implementation = "auto",
+) -> Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias), labels)`` without building the logits whole.
+
+    The loss and the gradients of ``hidden``, ``weight`` and ``bias`` are those of the plain computation: tokens
+    labelled ``ignore_index`` count for nothing, ``"mean"`` divides by the tokens counted (a batch with none gives
+    ``nan``, and zero gradients, as ``F.cross_entropy`` does), ``label_smoothing`` mixes in the uniform
+    distribution. Under autocast the matmuls run in the autocast dtype, as ``F.linear`` would, and the softmax, the
+    sums and the head's gradient in float32. A weight shared with the input embedding (GPT-2's ``wte``) receives
+    both gradients, as autograd adds them.
+
+    Args:
+        hidden: the head's input, ``(..., features)``; ``(batch, sequence, features)`` when ``shift``.
+        weight: the head's weight, ``(vocabulary, features)`` (``nn.Linear``'s layout).
+        labels: class indices, the shape of ``hidden`` without its last dimension.
+        bias: the head's bias, ``(vocabulary,)``, or None.
+        ignore_index: the label of tokens that count for nothing.
+        label_smoothing: in [0, 1], as ``F.cross_entropy``'s.
+        reduction: ``"mean"`` over the tokens counted, or ``"sum"``.
+        shift: a causal language model's rule: the token at position ``t`` predicts the label at ``t + 1`` (the
+            last position predicts nothing), as Hugging Face's causal models shift their labels.
+        logit_scale: multiplies the logits before the softmax (a family's ``logit_scale``), or None.
+        softcap: ``softcap * tanh(logits / softcap)`` before the softmax (a family's final logit soft cap), or None.
+        chunk_tokens: tokens per chunk; the transient memory is about four chunks of float32 logits.
+        implementation: ``"chunked"`` (this library's), ``"torch"`` (``F.linear_cross_entropy``, torch 2.13 and
+            later, without smoothing, scale or cap), or ``"auto"`` (``"chunked"``: see the module's notes).
+
+    Returns:
+        The loss, a float32 scalar.
+
+    Raises:
+        ValueError: for a shape, reduction, smoothing, scale, cap, chunk size or implementation it does not
+            support, quoting the value.
+
+    Example:
+        >>> import torch
+        >>> from lightning_memguard import fused_linear_cross_entropy
+        >>> hidden = torch.randn(2, 8, 16, requires_grad=True)
+        >>> head = torch.nn.Linear(16, 100, bias=False)
+        >>> labels = torch.randint(0, 100, (2, 8))
+        >>> loss = fused_linear_cross_entropy(hidden, head.weight, labels, shift=True)
+        >>> plain = torch.nn.functional.cross_entropy(head(hidden)[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        >>> torch.allclose(loss, plain)
+        True
+    """
+    _check(hidden, weight, labels, bias, label_smoothing, reduction, shift, logit_scale, softcap, chunk_tokens)
+    if implementation not in ("auto", "chunked", "torch"):
+        raise ValueError(f"`implementation` must be 'auto', 'chunked' or 'torch', got {implementation!r}")
+    if shift:  # as Hugging Face's causal losses: pad the labels with ignore_index and move them one to the left
+        labels = torch.cat([labels[..., 1:], labels.new_full((*labels.shape[:-1], 1), ignore_index)], dim=-1)
+    features = hidden.shape[-1]
+    flat_hidden, flat_labels = hidden.reshape(-1, features), labels.reshape(-1)
+    device_type = hidden.device.type
+    autocast_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    if implementation == "torch":
+        if not has_torch_linear_cross_entropy():
+            raise ValueError(
+                f"`implementation='torch'` needs torch.nn.functional.linear_cross_entropy (torch 2.13 and later); "
+                f"torch {torch.__version__} has none"
+            )
+        unsupported = {"label_smoothing": label_smoothing, "logit_scale": logit_scale, "softcap": softcap}
+        for name, value in unsupported.items():
+            if value not in (None, 0.0):
+                raise ValueError(f"`implementation='torch'` has no {name}; got `{name}={value!r}`")
+        return _torch_loss(
+            flat_hidden, weight, flat_labels, bias, ignore_index, reduction, chunk_tokens, autocast_dtype
+        )
+    compute_dtype = autocast_dtype or torch.promote_types(hidden.dtype, weight.dtype)
+    settings = _Settings(ignore_index, label_smoothing, reduction, logit_scale, softcap, chunk_tokens, compute_dtype)
+    if not torch.is_grad_enabled():  # no graph: the loss alone, no gradients computed
+        with torch.no_grad():
+            return _chunks(flat_hidden, weight, bias, flat_labels, settings, (False, False, False))[0]
+    loss: Tensor = _ChunkedLoss.apply(flat_hidden, weight, bias, flat_labels, settings)
+    return loss
+
+
+def _check(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    label_smoothing: float,
+    reduction: str,
+    shift: bool,
+    logit_scale: float | None,
+    softcap: float | None,
+    chunk_tokens: int,
+) -> None:
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"`weight` must be (vocabulary, {hidden.shape[-1]}) for `hidden` of shape {tuple(hidden.shape)}, "
+            f"got {tuple(weight.shape)}"
+        )
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"`labels` must have the shape of `hidden` without its last dimension, {tuple(hidden.shape[:-1])}, "
+            f"got {tuple(labels.shape)}"
+        )
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"`labels` must hold class indices (int64), got {labels.dtype}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"`bias` must be ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"`reduction` must be 'mean' or 'sum', got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"`label_smoothing` must be in [0, 1], got {label_smoothing!r}")
+    if shift and hidden.dim() < 3:
+        raise ValueError(f"`shift=True` needs `hidden` of shape (batch, sequence, features), got {tuple(hidden.shape)}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"`softcap` must be positive or None, got {softcap!r}")
+    if logit_scale is not None and not isinstance(logit_scale, int | float):
+        raise ValueError(f"`logit_scale` must be a number or None, got {logit_scale!r}")
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"`chunk_tokens` must be a positive int, got {chunk_tokens!r}")
+
+
+class _Settings:
+    """What a chunked loss computes besides its tensors (one object, so autograd sees a single non-tensor input)."""
+
+    __slots__ = (
+        "chunk_tokens",
+        "compute_dtype",
+        "ignore_index",
+        "label_smoothing",
+        "logit_scale",
+        "reduction",
+        "softcap",
+    )
+
+    def __init__(
+        self,
+        ignore_index: int,
+        label_smoothing: float,
+        reduction: str,
+        logit_scale: float | None,
+        softcap: float | None,
+        chunk_tokens: int,
+        compute_dtype: torch.dtype,
+    ) -> None:
+        self.ignore_index = ignore_index
+        self.label_smoothing = float(label_smoothing)
+        self.reduction = reduction
+        self.logit_scale = logit_scale
+        self.softcap = softcap
+        self.chunk_tokens = chunk_tokens
+        self.compute_dtype = compute_dtype
+
+
+def _chunks(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor,
+    settings: _Settings,
+    needs: tuple[bool, bool, bool],
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """The loss and the gradients ``needs`` asks for (of hidden, weight, bias), for an upstream gradient of 1."""
+    dtype, smoothing, vocabulary = settings.compute_dtype, settings.label_smoothing, weight.shape[0]
+    with torch.autocast(hidden.device.type, enabled=False):
+        counted = labels != settings.ignore_index
+        count = counted.sum()
+        # mean: each token's gradient is divided by the tokens counted; none counted: zero gradients (and a nan loss)
+        per_token = (
+            1.0 / count.clamp(min=1).float() if settings.reduction == "mean" else torch.ones((), device=count.device)
+        )
+        w = weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # kept in the compute dtype, as the plain head's backward makes them: under autocast half the bytes
+        grad_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if needs[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
+        grad_bias = torch.zeros(vocabulary, dtype=torch.float32, device=weight.device) if needs[2] else None
+        for start in range(0, hidden.shape[0], settings.chunk_tokens):
+            end = min(start + settings.chunk_tokens, hidden.shape[0])
+            h = hidden[start:end].to(dtype)
+            mask = counted[start:end]
+            target = torch.where(mask, labels[start:end], 0).unsqueeze(1)
+            logits = F.linear(h, w, b).float()  # the same op and dtype as the plain head's under autocast
+            if settings.logit_scale is not None:
+                logits = logits * settings.logit_scale
+            capped = None
+            if settings.softcap is not None:
+                capped = torch.tanh(logits / settings.softcap)
+                logits = capped * settings.softcap
+            lse = torch.logsumexp(logits, dim=1)
+            loss = lse - logits.gather(1, target).squeeze(1)
+            if smoothing:
+                loss = (1.0 - smoothing) * loss + smoothing * (lse - logits.mean(dim=1))
+            total = total + torch.where(mask, loss, 0.0).sum()
+            if not any(needs):
+                continue
+            grad = torch.exp(logits.sub_(lse.unsqueeze(1)))  # the softmax, in the logits' memory
+            grad.scatter_add_(1, target, torch.full_like(target, -(1.0 - smoothing), dtype=grad.dtype))
+            if smoothing:
+                grad.sub_(smoothing / vocabulary)
+            grad.mul_((mask.float() * per_token).unsqueeze(1))
+            if capped is not None:
+                grad.mul_(1.0 - capped * capped)
+            if settings.logit_scale is not None:
+                grad.mul_(settings.logit_scale)
+            if grad_bias is not None:
+                grad_bias += grad.sum(dim=0)
+            low = grad.to(dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = low @ w
+            if grad_weight is not None:
+                grad_weight += (low.t() @ h).float()
+        loss_value = total / count.float() if settings.reduction == "mean" else total
+    return (
+        loss_value,
+        grad_hidden,
+        None if grad_weight is None else grad_weight.to(dtype),
+        None if grad_bias is None or bias is None else grad_bias.to(dtype),
+    )
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """The loss in the forward, with its gradients; backward scales them by the upstream gradient. Only the
+    gradients are saved (through ``save_for_backward``, so saved-tensor hooks see them), never the logits."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, settings: _Settings
+    ) -> Tensor:
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        loss, grad_hidden, grad_weight, grad_bias = _chunks(hidden, weight, bias, labels, settings, needs)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        grads = (grad_hidden, grad_weight, grad_bias)
+        scaled = [None if g is None else (g * grad_output).to(d) for g, d in zip(grads, ctx.dtypes, strict=True)]
+        return scaled[0], scaled[1], scaled[2], None, None
+
+
+def _torch_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    chunk_tokens: int,
+    autocast_dtype: torch.dtype | None,
+) -> Tensor:
+    """``F.linear_cross_entropy`` with chunks of ``chunk_tokens``; under autocast on inputs cast as ``F.linear``'s."""
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_tokens, chunking_method=None)
+    with torch.autocast(hidden.device.type, enabled=False):
+        if autocast_dtype is not None:
+            hidden, weight = hidden.to(autocast_dtype), weight.to(autocast_dtype)
+            bias = None if bias is None else bias.to(autocast_dtype)
+        loss: Tensor = F.linear_cross_entropy(
+            hidden, weight, labels, linear_bias=bias, reduction=reduction, ignore_index=ignore_index, options=options
+        )
+    return loss.float()

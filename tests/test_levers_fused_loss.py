@@ -1,0 +1,271 @@
+"""The fused linear cross-entropy against ``F.cross_entropy`` on the logits: the loss and every gradient, with
+ignored tokens, label smoothing, tied weights, chunks of ignored tokens only, sequences shorter than a chunk and
+bf16 autocast; both implementations (this library's chunks, and torch's ``F.linear_cross_entropy`` where installed);
+and what it keeps for backward: its gradients, never the logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lightning_memguard import fused_linear_cross_entropy
+from lightning_memguard.levers import fused_loss
+
+IMPLEMENTATIONS = [
+    "chunked",
+    pytest.param(
+        "torch",
+        marks=pytest.mark.skipif(
+            not fused_loss.has_torch_linear_cross_entropy(), reason="torch < 2.13 has no F.linear_cross_entropy"
+        ),
+    ),
+]
+
+
+def _plain(hidden, weight, labels, bias=None, shift=False, **kwargs):
+    logits = F.linear(hidden, weight, bias).float()
+    if shift:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), **kwargs)
+
+
+def _inputs(tokens=(3, 7), features=16, vocabulary=50, seed=0, bias=True):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*tokens, features, generator=generator, requires_grad=True)
+    weight = torch.randn(vocabulary, features, generator=generator, requires_grad=True)
+    b = torch.randn(vocabulary, generator=generator, requires_grad=True) if bias else None
+    labels = torch.randint(0, vocabulary, tokens, generator=generator)
+    return hidden, weight, b, labels
+
+
+def _loss_and_grads(loss_fn, hidden, weight, bias, upstream=1.7):
+    loss = loss_fn()
+    wanted = [t for t in (hidden, weight, bias) if t is not None]
+    return loss.detach(), torch.autograd.grad(loss * upstream, wanted)
+
+
+def _assert_same(fused, plain, atol=1e-5, rtol=1e-5):
+    torch.testing.assert_close(fused[0], plain[0], atol=atol, rtol=rtol)
+    for got, want in zip(fused[1], plain[1], strict=True):
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("shift", [False, True])
+def test_loss_and_gradients_equal_cross_entropy_on_the_logits_with_ignored_tokens(implementation, reduction, shift):
+    hidden, weight, bias, labels = _inputs()
+    labels[0, :5] = -100  # ignored tokens, some of them in a chunk of their own
+    labels[2, 3] = -100
+    kwargs = {"reduction": reduction}
+    fused = _loss_and_grads(
+        lambda: fused_linear_cross_entropy(
+            hidden, weight, labels, bias=bias, shift=shift, chunk_tokens=4, implementation=implementation, **kwargs
+        ),
+        hidden,
+        weight,
+        bias,
+    )
+    plain = _loss_and_grads(lambda: _plain(hidden, weight, labels, bias, shift=shift, **kwargs), hidden, weight, bias)
+    _assert_same(fused, plain)
+
+
+@pytest.mark.parametrize("smoothing", [0.1, 1.0])
+def test_label_smoothing_is_cross_entropys(smoothing):
+    hidden, weight, bias, labels = _inputs()
+    labels[1, :2] = -100
+    fused = _loss_and_grads(
+        lambda: fused_linear_cross_entropy(
+            hidden, weight, labels, bias=bias, label_smoothing=smoothing, chunk_tokens=5
+        ),
+        hidden,
+        weight,
+        bias,
+    )
+    plain = _loss_and_grads(
+        lambda: _plain(hidden, weight, labels, bias, label_smoothing=smoothing), hidden, weight, bias
+    )
+    _assert_same(fused, plain)
+
+
+def test_a_tied_weight_receives_the_embeddings_gradient_and_the_heads():
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(40, 8)
+    tokens = torch.randint(0, 40, (2, 6))
+
+    def step(loss_of_hidden):
+        embedding.zero_grad()
+        hidden = torch.tanh(embedding(tokens))
+        loss_of_hidden(hidden).backward()
+        return embedding.weight.grad.clone()
+
+    fused = step(lambda h: fused_linear_cross_entropy(h, embedding.weight, tokens, shift=True, chunk_tokens=3))
+    plain = step(lambda h: _plain(h, embedding.weight, tokens, shift=True))
+    torch.testing.assert_close(fused, plain, atol=1e-6, rtol=1e-5)
+    assert fused[tokens.unique()].abs().sum() > 0  # both paths reach the weight: the embedding's rows and the head's
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_sequence_shorter_than_a_chunk_and_a_batch_with_no_counted_token(implementation):
+    hidden, weight, bias, labels = _inputs(tokens=(1, 3))
+    fused = _loss_and_grads(
+        lambda: fused_linear_cross_entropy(hidden, weight, labels, bias=bias, implementation=implementation),
+        hidden,
+        weight,
+        bias,
+    )
+    _assert_same(fused, _loss_and_grads(lambda: _plain(hidden, weight, labels, bias), hidden, weight, bias))
+
+    labels[:] = -100  # nothing counted: a nan loss and zero gradients, as F.cross_entropy gives
+    loss, grads = _loss_and_grads(
+        lambda: fused_linear_cross_entropy(hidden, weight, labels, bias=bias, implementation=implementation),
+        hidden,
+        weight,
+        bias,
+    )
+    assert torch.isnan(loss) and torch.isnan(_plain(hidden, weight, labels, bias))
+    if implementation == "chunked":
+        assert all(not g.any() for g in grads)
+    else:  # torch's gives nan gradients here (a micro-batch of prompt tokens only): one reason "auto" is "chunked"
+        assert all(g.isnan().all() for g in grads)
+
+
+def test_bf16_autocast_stays_within_bf16_tolerance_of_the_float32_reference():
+    hidden, weight, bias, labels = _inputs(tokens=(4, 32), features=64, vocabulary=300)
+    labels[:, :4] = -100
+    reference = _loss_and_grads(lambda: _plain(hidden, weight, labels, bias), hidden, weight, bias)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = _loss_and_grads(
+            lambda: fused_linear_cross_entropy(hidden, weight, labels, bias=bias, chunk_tokens=48),
+            hidden,
+            weight,
+            bias,
+        )
+        plain = _loss_and_grads(lambda: _plain(hidden, weight, labels, bias), hidden, weight, bias)
+    assert fused[0].dtype == torch.float32  # the softmax and the sums in float32
+    assert all(g.dtype == t.dtype for g, t in zip(fused[1], (hidden, weight, bias), strict=True))
+    _assert_same(fused, reference, atol=2e-2, rtol=2e-2)
+    # no further from the float32 reference than the plain head under the same autocast
+    for got, plain_got, want in zip(fused[1], plain[1], reference[1], strict=True):
+        assert (got - want).abs().max() <= 1.5 * (plain_got - want).abs().max() + 1e-6
+    assert (fused[0] - reference[0]).abs() <= 1.5 * (plain[0] - reference[0]).abs() + 1e-6
+
+
+def test_softcap_and_logit_scale_match_their_formulas():
+    hidden, weight, bias, labels = _inputs()
+
+    def plain():
+        logits = F.linear(hidden, weight, bias) * 0.5
+        logits = 3.0 * torch.tanh(logits / 3.0)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    fused = _loss_and_grads(
+        lambda: fused_linear_cross_entropy(
+            hidden, weight, labels, bias=bias, logit_scale=0.5, softcap=3.0, chunk_tokens=4
+        ),
+        hidden,
+        weight,
+        bias,
+    )
+    _assert_same(fused, _loss_and_grads(plain, hidden, weight, bias))
+
+
+class _KeptBytes(TorchDispatchMode):
+    """Every storage an operation makes; :meth:`kept` counts those still alive but the ones named."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made.append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
+        return out
+
+    def kept(self, *held):
+        skip = {StorageWeakRef(t.untyped_storage()).cdata for t in held}
+        return sum({ref.cdata: n for ref, n in self.made if not ref.expired() and ref.cdata not in skip}.values())
+
+
+def _kept(loss_fn, autocast):
+    hidden, weight, _, labels = _inputs(tokens=(4, 512), features=32, vocabulary=1000, bias=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), _KeptBytes() as probe:
+        loss = loss_fn(hidden, weight, labels)
+    return probe.kept(hidden, weight, labels, loss), hidden, weight
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_forward_keeps_only_the_gradients_and_torchs_keeps_no_fewer(autocast):
+    def fused(h, w, y, implementation="chunked"):
+        return fused_linear_cross_entropy(h, w, y, chunk_tokens=256, implementation=implementation)
+
+    kept, hidden, weight = _kept(fused, autocast)
+    size = 2 if autocast else 4
+    assert kept == (hidden.numel() + weight.numel()) * size  # the two gradients, in the compute dtype
+    plain, _, _ = _kept(lambda h, w, y: _plain(h, w, y), autocast)
+    assert plain > 4 * 2048 * 1000  # the plain loss keeps float32 logits-sized tensors
+    if fused_loss.has_torch_linear_cross_entropy():  # why "auto" picks the chunks: torch's saves no more
+        torchs, _, _ = _kept(lambda h, w, y: fused(h, w, y, "torch"), autocast)
+        assert torchs >= kept
+
+
+def test_under_no_grad_it_computes_the_loss_alone():
+    hidden, weight, bias, labels = _inputs()
+    with torch.no_grad(), _KeptBytes() as probe:
+        loss = fused_linear_cross_entropy(hidden, weight, labels, bias=bias)
+    assert probe.kept(hidden, weight, bias, labels, loss) == 0
+    torch.testing.assert_close(loss, _plain(hidden, weight, labels, bias).detach())
+
+
+def test_torch_compile_gives_the_same_loss_and_gradients():
+    hidden, weight, bias, labels = _inputs()
+    compiled = torch.compile(
+        lambda h, w, b, y: fused_linear_cross_entropy(h, w, y, bias=b, chunk_tokens=8), backend="aot_eager"
+    )
+    fused = _loss_and_grads(lambda: compiled(hidden, weight, bias, labels), hidden, weight, bias)
+    _assert_same(fused, _loss_and_grads(lambda: _plain(hidden, weight, labels, bias), hidden, weight, bias))
+
+
+def test_torchs_implementation_is_refused_by_name_where_torch_has_none(monkeypatch):
+    hidden, weight, _, labels = _inputs()
+    monkeypatch.delattr(F, "linear_cross_entropy", raising=False)  # torch 2.11, as on the GPU machine
+    assert not fused_loss.has_torch_linear_cross_entropy()
+    with pytest.raises(ValueError, match=r"implementation='torch'.*torch 2\.13"):
+        fused_linear_cross_entropy(hidden, weight, labels, implementation="torch")
+    loss = fused_linear_cross_entropy(hidden, weight, labels)  # "auto" still works
+    torch.testing.assert_close(loss, _plain(hidden, weight, labels))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"reduction": "none"}, r"`reduction` must be 'mean' or 'sum', got 'none'"),
+        ({"label_smoothing": 1.5}, r"`label_smoothing` must be in \[0, 1\], got 1.5"),
+        ({"chunk_tokens": 0}, r"`chunk_tokens` must be a positive int, got 0"),
+        ({"softcap": -1.0}, r"`softcap` must be positive or None, got -1.0"),
+        ({"implementation": "liger"}, r"`implementation` must be .*, got 'liger'"),
+        ({"implementation": "torch", "label_smoothing": 0.1}, r"has no label_smoothing; got `label_smoothing=0.1`"),
+    ],
+)
+def test_what_it_does_not_support_is_refused_by_name(kwargs, match):
+    hidden, weight, _, labels = _inputs()
+    if kwargs.get("implementation") == "torch" and not fused_loss.has_torch_linear_cross_entropy():
+        pytest.skip("torch < 2.13")
+    with pytest.raises(ValueError, match=match):
+        fused_linear_cross_entropy(hidden, weight, labels, **kwargs)
+
+
+def test_shapes_that_do_not_fit_are_refused_with_them():
+    hidden, weight, _, labels = _inputs()
+    with pytest.raises(ValueError, match=r"`weight` must be \(vocabulary, 16\).*got \(50, 8\)"):
+        fused_linear_cross_entropy(hidden, weight[:, :8], labels)
+    with pytest.raises(ValueError, match=r"`labels` must have the shape .*\(3, 7\), got \(3, 6\)"):
+        fused_linear_cross_entropy(hidden, weight, labels[:, :6])
+    with pytest.raises(ValueError, match=r"`shift=True` needs .* got \(21, 16\)"):
+        fused_linear_cross_entropy(hidden.flatten(0, 1), weight, labels.flatten(), shift=True)
