@@ -299,8 +299,7 @@ def test_one_optimizer_step_calls_training_step_zero_grad_and_backward_in_the_or
     ]
     assert recorder.events == expected, relies(
         "tuning/adapter.py:MicroBatches._step (and MicroBatches.install's owned_backward, owned_zero_grad)",
-        f"one epoch of 3 batches with accumulate_grad_batches={ACCUMULATE} now calls {recorder.events}, not"
-        f" {expected}",
+        f"3 batches with accumulate_grad_batches={ACCUMULATE} now call {recorder.events}, not {expected}",
     )
 
 
@@ -311,8 +310,8 @@ def test_the_replaced_methods_get_the_arguments_the_adapter_reads_and_passes(rec
     trainer.optimizers[0])`` itself, as Lightning calls them."""
     trainer, model, recorder, _ = recorded
     optimizer = trainer.optimizers[0]
-    steps = [(len(args), args[1], args[0] is seen, kwargs) for (args, kwargs, _), seen in zip(
-        recorder.calls["training_step"], model.seen, strict=True)]  # fmt: skip
+    calls = zip(recorder.calls["training_step"], model.seen, strict=True)
+    steps = [(len(args), args[1], args[0] is seen, kwargs) for (args, kwargs, _), seen in calls]
     assert steps == [(2, i, True, {}) for i in range(3)], relies(
         "tuning/adapter.py:MicroBatches._step", f"the strategy's training_step is now called as {steps}"
     )
