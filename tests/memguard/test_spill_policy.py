@@ -12,7 +12,6 @@ import warnings
 from types import SimpleNamespace
 
 import pytest
-import torch
 from conftest import TinyModel
 
 import lightning_memguard
@@ -89,7 +88,8 @@ def test_each_on_spill_does_what_its_row_says_with_a_spill_agreed_at_a_batch_sta
         warnings.simplefilter("always")
         policy.found(trainer, SPILL, SIZE)  # this rank's detector found it
         if not policy.votes:  # no rank votes: nothing is agreed
-            outcome = "warns when found, goes on" if "GPU memory is spilling into system RAM" in _said(caught) else "nothing"
+            warned = "GPU memory is spilling into system RAM" in _said(caught)
+            outcome = "warns when found, goes on" if warned else "nothing"
         else:
             try:
                 adapted = policy.agreed(trainer, model, SPILL, None, SIZE, batch)
