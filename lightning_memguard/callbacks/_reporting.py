@@ -73,7 +73,6 @@ class MemoryReports:
         self.record = record
         self.spill_checkpoint = spill_checkpoint
         self.paths: list[str] = []  # each report's JSON file, in order
-        self.adaptations_seen = 0
         self._recording = False
         self._warned_record = False
         self._in_flight: tuple[Any, int] | None = None  # the batch whose training step has not run yet
@@ -128,19 +127,20 @@ class MemoryReports:
         if self.enabled:
             self._in_flight = (batch, batch_idx)
 
-    def batch_end(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        """The batch trained: an armed measurement is written and handed on; the epoch's last batch is kept (a spill
-        found at the epoch's end is measured on it), any other forgotten."""
+    def batch_end(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> str | None:
+        """The batch trained: an armed measurement is written, and its note (naming the report) returned (None where
+        none was armed); the epoch's last batch is kept (a spill found at the epoch's end is measured on it), any
+        other forgotten."""
         self._in_flight = None
         armed = self._armed
+        note = None
         if armed is not None:
             self._disarm()
             note = self._armed_report(trainer, pl_module, armed)
-            for then in armed.then:
-                then(note)
         if self.enabled:
             last = batch_idx + 1 >= trainer.num_training_batches
             self._last = (batch, batch_idx) if last else None
+        return note
 
     def epoch_start(self) -> None:
         self._last = None
@@ -165,17 +165,16 @@ class MemoryReports:
         trainer: Trainer,
         pl_module: LightningModule,
         why: str,
-        then: Callable[[str], None],
         spill: SpillReport | None = None,
         grew_back: str | None = None,
     ) -> None:
-        """Measure the batch in flight as it trains; ``then(note)`` once the report is written (the note names it).
-        ``spill``: the spill reported on; ``grew_back``: an adaptation to fewer micro-batches, in words."""
+        """Measure the batch in flight as it trains (one report for every reason armed in one step: the first
+        one's); :meth:`batch_end` returns its note once it is written. ``spill``: the spill reported on;
+        ``grew_back``: an adaptation to fewer micro-batches, in words."""
         if self._armed is not None:
-            self._armed.then.append(then)
             return
         flight = self._in_flight[0] if self._in_flight is not None else None
-        armed = _Armed(why, [then], trainer.global_step, pl_module, self.situation(flight, spill, grew_back))
+        armed = _Armed(why, trainer.global_step, pl_module, self.situation(flight, spill, grew_back))
         self._armed = armed
         armed.install()
         if armed.prior is not None:
@@ -338,14 +337,12 @@ class _Armed:
     def __init__(
         self,
         why: str,
-        then: list[Callable[[str], None]],
         step: int,
         pl_module: LightningModule,
         situation: Situation | None = None,
     ) -> None:
         self.why = why
         self.situation = situation
-        self.then = then
         self.step = step
         self.module = pl_module
         self.compiled = _compiler.is_compiled(pl_module)
@@ -492,7 +489,7 @@ class StepReport(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx == self.at and not self.paths and self._armed is None:
-            self._armed = _Armed("sweep", [], trainer.global_step, pl_module)
+            self._armed = _Armed("sweep", trainer.global_step, pl_module)
             self._armed.install()
 
     def on_train_batch_end(

@@ -1,9 +1,9 @@
-"""What MemGuard does once a spill is found: warn, or, every rank at the same step, save and raise or stop."""
+"""How MemGuard says and acts on a spill its policy chose to: warn, or, every rank at the same step, save and raise or
+stop."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch.distributed as dist
 from lightning.pytorch import Trainer
@@ -17,66 +17,29 @@ from lightning_memguard.core.spill import SpillReport
 
 
 class SpillResponse:
-    """The response to a spill, as ``on_spill`` asks: ``"warn"`` once, or a checkpoint then ``"raise"`` or
-    ``"stop"`` on every rank together, each rank's message carrying the spilling rank's figures.
+    """How a spill is said and acted on, once the policy (:mod:`lightning_memguard.callbacks._spill_policy`) has
+    chosen: a warning, or a checkpoint then a raise or a stop on every rank together, each rank's message carrying
+    the spilling rank's figures.
 
     Args:
-        on_spill: ``"raise"``, ``"stop"`` or ``"warn"``.
         spill_checkpoint: ``True`` (Lightning's checkpoint folder), a folder, or ``False`` for none.
         headroom: the fraction of capacity a healthy run leaves free (for what would fit).
     """
 
-    def __init__(self, on_spill: str, spill_checkpoint: bool | str | os.PathLike[str], headroom: float) -> None:
-        self.on_spill = on_spill
+    def __init__(self, spill_checkpoint: bool | str | os.PathLike[str], headroom: float) -> None:
         self.spill_checkpoint = spill_checkpoint
         self.headroom = headroom
-        self.start()
-
-    def start(self) -> None:
-        """Forget the previous fit's response."""
         self.checkpoint_path: str | None = None  # the spill checkpoint, once written (a file that exists)
         self.checkpoint_error: str | None = None  # why it could not be written, if it could not
         self.allocated_now: int | None = None  # what a step starts from, at the last reading between steps
-        self._shared: tuple[int, SpillReport] | None = None  # the spilling rank and its report, once shared
-        self._at_batch_end = False  # "stop" was agreed at a batch's start: act when that batch has trained
-        self._warned = False  # the stop's warning was given
         self.cannot_adapt: str | None = None  # with on_spill="adapt": why the run could not go on adapted
         self.report_note: str | None = None  # the memory report's path and verdict, once written
-        # measures now and returns the report's note, where none was written before the stop: set by MemGuard
-        self.before_act: Callable[[Trainer], str] | None = None
+        self._shared: tuple[int, SpillReport] | None = None  # the spilling rank and its report, once shared
+        self._warned = False  # the stop's warning was given
 
-    @property
-    def acts(self) -> bool:
-        """Whether a spill stops the run (``"raise"`` or ``"stop"``), rather than only warning."""
-        return self.on_spill != "warn"
-
-    def found(self, report: SpillReport, batch: int | None, note: str = "") -> None:
-        """A spill was found on this rank (once a fit): ``"warn"`` warns (with the memory report's ``note``); the
-        others act at a batch start."""
-        if not self.acts:
-            rank_zero_warn(format_spill_message(report, batch) + note, category=RuntimeWarning)
-
-    def agreed(self, trainer: Trainer, spill: SpillReport | None, vote: StopVote | None, batch: int | None) -> None:
-        """Every rank agreed at this batch's start. ``"raise"`` saves and raises now: the batch does not train, and the
-        checkpoint holds every batch before it. ``"stop"`` lets the batch train (a callback cannot skip it: only the
-        LightningModule's ``on_train_batch_start`` can) and saves and stops at its end (:meth:`batch_end`), so the
-        checkpoint holds every batch the run trained. Either way a run resumed from it trains each batch once."""
-        if self.on_spill == "raise":
-            self.act(trainer, spill, vote, batch)
-        else:
-            self._at_batch_end = True
-
-    def batch_end(self, trainer: Trainer, spill: SpillReport | None, vote: StopVote | None, batch: int | None) -> None:
-        """The batch during which ``"stop"`` was agreed has trained: save and stop now, every rank at this batch."""
-        if self._at_batch_end:
-            self._at_batch_end = False
-            self.act(trainer, spill, vote, batch, after_batch=True)
-
-    def settle(self, trainer: Trainer, spill: SpillReport | None, vote: StopVote | None, batch: int | None) -> None:
-        """At an epoch's end no later batch start may come to act on a spill found in its last steps (the last
-        epoch, ``fast_dev_run``, ``limit_train_batches=1``): every rank decides now, together, without lag."""
-        if self.acts and trainer.strategy.reduce_boolean_decision(spill is not None, all=False):
-            self.act(trainer, spill, vote, batch)
+    def warn(self, report: SpillReport, batch: int | None, note: str = "") -> None:
+        """``"warn"``: a spill was found on this rank (once a fit); ``note``: the memory report's."""
+        rank_zero_warn(format_spill_message(report, batch) + note, category=RuntimeWarning)
 
     def act(
         self,
@@ -84,12 +47,11 @@ class SpillResponse:
         spill: SpillReport | None,
         vote: StopVote | None,
         batch: int | None,
+        raises: bool,
         after_batch: bool = False,
     ) -> None:
-        """Every rank arrives here at the same step: save if there is progress to keep, then raise or stop.
-        ``after_batch``: at the end of the batch during which the stop was agreed (it trained, and is saved)."""
-        if self.report_note is None and self.before_act is not None:
-            self.report_note = self.before_act(trainer)
+        """Every rank arrives here at the same step: save if there is progress to keep, then raise (``raises``) or
+        stop. ``after_batch``: at the end of the batch during which the stop was agreed (it trained, and is saved)."""
         saved = self.checkpoint_path is not None or self.checkpoint_error is not None
         if not saved and self.spill_checkpoint is not False and trainer.global_step > 0:
             chosen = None if self.spill_checkpoint is True else self.spill_checkpoint
@@ -121,7 +83,7 @@ class SpillResponse:
             message += f"\nMemGuard(on_spill='adapt') could not adapt: {self.cannot_adapt}."
         if self.report_note:
             message += self.report_note
-        if self.on_spill == "raise":
+        if raises:
             raise SysmemSpillError(message, spill, self.checkpoint_path)
         if not self._warned:
             self._warned = True

@@ -18,7 +18,7 @@ from lightning_memguard._lightning.privates import model_logging_dropped
 from lightning_memguard.callbacks._epoch_report import epoch_record, log_epoch
 from lightning_memguard.callbacks._prevention import AllocatorCap, notice_platform, run_preflight
 from lightning_memguard.callbacks._reporting import MemoryReports
-from lightning_memguard.callbacks._spill_response import SpillResponse
+from lightning_memguard.callbacks._spill_policy import SpillPolicy, spill_policy
 from lightning_memguard.core.capacity import judged_capacity
 from lightning_memguard.core.checks import (
     MIN_CAPACITY,
@@ -37,7 +37,6 @@ from lightning_memguard.core.spill import SpillReport
 from lightning_memguard.core.timeline import StepTimeline
 from lightning_memguard.probes import MemoryProbe, MemoryReading, probe_for
 from lightning_memguard.tuning.adapt import Adaptation
-from lightning_memguard.tuning.adapter import RunAdapter, refuse_to_adapt
 
 _ON_SPILL = ("raise", "stop", "warn", "adapt")
 _ADAPT_LOSS = ("auto", "mean", "sum", "coupled")
@@ -227,12 +226,15 @@ class MemGuard(Callback):
         self._clock = clock
 
         # MemGuard is a shell over its parts: the timeline (steps, the detector, the spill; made at fit start), the
-        # epoch report, the response to a spill, the memory reports, and the guards before training (the cap, the
-        # notice, the preflight)
+        # epoch report, the memory reports, the spill policy (what a spill leads to, chosen here once: it answers
+        # every hook's question about a spill, an adaptation or a report), and the guards before training (the cap,
+        # the notice, the preflight)
         self._reports = MemoryReports(memory_report, record_memory, spill_checkpoint)
-        self._response = self._new_response()
+        self._policy: SpillPolicy = spill_policy(
+            on_spill, self._reports, spill_checkpoint, self.headroom, adapt_batchnorm=adapt_batchnorm,
+            grow_every=self.grow_every, adapt_loss=adapt_loss,
+        )  # fmt: skip
         self._cap = AllocatorCap(self.prevent_margin)
-        self._adapter: RunAdapter | None = self._new_adapter()
 
         # what the run taught us (saved in checkpoints); each fit starts afresh, unless a checkpoint restores it
         self.epochs: list[EpochRecord] = []
@@ -249,17 +251,17 @@ class MemGuard(Callback):
     @property
     def checkpoint_path(self) -> str | None:
         """The spill checkpoint, once written (a file that exists)."""
-        return self._response.checkpoint_path
+        return self._policy.response.checkpoint_path
 
     @property
     def checkpoint_error(self) -> str | None:
         """Why the spill checkpoint could not be written, if it could not."""
-        return self._response.checkpoint_error
+        return self._policy.response.checkpoint_error
 
     @property
     def adaptations(self) -> list[Adaptation]:
         """Every change ``on_spill="adapt"`` made in this fit (and, resumed, in the fit it resumes), in order."""
-        return list(self._adapter.adaptations) if self._adapter is not None else []
+        return self._policy.adaptations
 
     @property
     def reports(self) -> list[str]:
@@ -286,8 +288,7 @@ class MemGuard(Callback):
             )
         if device.type == "cuda" and self._user_probe is None:
             notice_platform(self._probe)
-        if self._adapter is not None:
-            refuse_to_adapt(trainer)
+        self._policy.setup(trainer)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         probe = self._require_probe()
@@ -311,9 +312,7 @@ class MemGuard(Callback):
         # an epoch resumed mid-way (from the spill checkpoint, say) has no epoch start: this fit's readings start here,
         # not from the peak of the preflight, of the tuners' trials or of an earlier fit in this process
         self._start_readings(trainer)
-        if self._adapter is not None:  # after the tuners' trials: they train steps of their own
-            self._adapter.start(trainer, pl_module)
-        self._reports.adaptations_seen = len(self.adaptations)  # a resumed run's earlier ones are reported
+        self._policy.train_start(trainer, pl_module)  # after the tuners' trials: they train steps of their own
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start_readings(trainer)
@@ -330,44 +329,35 @@ class MemGuard(Callback):
         # a step in which torch.compile compiled is compile time, not a slowdown
         if timeline.batch_start(now, self._batch_size(batch), self._compiles.moved()):
             self._read_and_judge(trainer)
-        vote = self._vote
+        vote, policy = self._vote, self._policy
         if vote is not None:
-            stop = timeline.spill is not None and self._response.acts
+            stop = timeline.spill is not None and policy.votes
             if vote.cast(stop) if vote.distributed else stop:
-                if not self._adapted(trainer, pl_module, batch):
-                    if self._response.on_spill == "stop" and self._reports.can_arm:  # measured as the batch trains
-                        self._reports.arm(trainer, pl_module, "spill", self._response_noted, spill=self.spill)
-                    self._response.agreed(trainer, self.spill, vote, self._batch())  # "raise" now, "stop" at batch end
-            elif self._adapter is not None:
-                self._grow(trainer)
-        if self._adapter is not None and len(self._adapter.adaptations) > self._reports.adaptations_seen:
-            self._reports.adaptations_seen = len(self._adapter.adaptations)
-            if self._reports.can_arm:  # the first step in the new configuration
-                latest = self._adapter.adaptations[-1]
-                grew_back = latest.line() if latest.after < latest.before else None  # fits: nothing to fix
-                self._reports.arm(trainer, pl_module, "adaptation", _adapted_step_said, grew_back=grew_back)
+                # adapted, or "raise" now, "stop" (and "adapt" that cannot) at the batch's end
+                if policy.agreed(trainer, pl_module, self.spill, vote, self._batch(), batch):
+                    self._watch_again(trainer)
+            elif policy.growth_due(trainer):
+                self._grow(trainer, timeline)
+        policy.batch_started(trainer, pl_module)  # an adaptation's report, on the first step in it
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._reports.batch_end(trainer, pl_module, batch, batch_idx)  # a report armed on it: written, said
-        self._response.batch_end(trainer, self.spill, self._vote, self._batch())
+        note = self._reports.batch_end(trainer, pl_module, batch, batch_idx)  # a report armed on it: written
+        self._policy.batch_end(trainer, note, self.spill, self._vote, self._batch())
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close_step_early()
-        if self._adapter is not None and self._adapter.installed:
-            # adapting judges validation by its own peak: the training steps' are read first, then forgotten
+        if self._policy.judges_validation:
+            # validation judged by its own peak: the training steps' are read first, then forgotten
             self._read_and_judge(trainer)
             self._reset_peak()
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        adapter, timeline = self._adapter, self._timeline
-        if adapter is None or not adapter.installed or timeline is None or trainer.sanity_checking:
+        timeline = self._timeline
+        if not self._policy.judges_validation or timeline is None or trainer.sanity_checking:
             return
-        reading = self._require_probe().read()
-        capacity = timeline.detector.capacity
-        if trainer.strategy.reduce_boolean_decision(reading.used > capacity, all=False):
-            adapter.after_validation_spill(trainer, reading, capacity)
+        self._policy.validation_end(trainer, self._require_probe().read(), timeline.detector.capacity)
         self._reset_peak()  # the next training steps are judged by their own peak
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -383,13 +373,9 @@ class MemGuard(Callback):
         record = epoch_record(trainer, timeline.epoch_stats(), reading, timeline.detector.capacity)
         self.epochs.append(record)
         log_epoch(trainer, pl_module, record)
-        if self._adapter is None:
-            self._response.settle(trainer, self.spill, self._vote, self._batch())
         # a spill in the epoch's last steps: every rank decides now; the next epoch runs adapted, or the run stops
-        elif trainer.strategy.reduce_boolean_decision(self.spill is not None, all=False) and not self._adapted(
-            trainer, pl_module
-        ):
-            self._response.act(trainer, self.spill, self._vote, self._batch())
+        if self._policy.settle(trainer, pl_module, self.spill, self._vote, self._batch()):
+            self._watch_again(trainer)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.epochs:
@@ -400,7 +386,7 @@ class MemGuard(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._cap.explain(exception)
-        self._reports.out_of_memory(trainer, pl_module, exception)
+        self._policy.out_of_memory(trainer, pl_module, exception)
         self._end_fit(trainer)  # Lightning calls no teardown after an exception
 
     def _end_fit(self, trainer: Trainer) -> None:
@@ -408,8 +394,7 @@ class MemGuard(Callback):
         and nothing kept that holds the fit's model, gradients, optimizer state or batches; what the fit learned
         stays (:attr:`epochs`, :attr:`adaptations`, :attr:`reports`, :attr:`spill`, the state for a resume)."""
         self._cap.release(trainer.strategy.root_device)
-        if self._adapter is not None:
-            self._adapter.stop()
+        self._policy.end_fit()
         self._reports.stop()
         self._vote = None
         model_logging_dropped(self)
@@ -417,10 +402,9 @@ class MemGuard(Callback):
     def state_dict(self) -> dict[str, Any]:
         timeline = self._timeline
         detector = timeline.detector.state_dict() if timeline is not None else self._restored_detector
-        adapted = {"adapt": self._adapter.state_dict()} if self._adapter is not None else {}
         return {
             "epochs": [r.to_dict() for r in self.epochs], **detector, "fallback_enabled": self.fallback_enabled,
-            **adapted,
+            **self._policy.state_dict(),
         }  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -428,8 +412,7 @@ class MemGuard(Callback):
         own = ("epochs", "fallback_enabled", "adapt")
         self._restored_detector = {k: v for k, v in state_dict.items() if k not in own}
         self.fallback_enabled = state_dict.get("fallback_enabled", self.fallback_enabled)
-        if self._adapter is not None:  # a resumed run starts in the configuration it had adapted to
-            self._adapter.load_state_dict(state_dict.get("adapt", {}))
+        self._policy.load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ steps and memory
 
@@ -438,41 +421,10 @@ class MemGuard(Callback):
         the same fit, brings back its own)."""
         self.epochs = []
         self.fallback_enabled = None
-        self._response = self._new_response()
-        self._adapter = self._new_adapter()
+        self._policy.start_fit()
         self._timeline = None
         self._vote = None
         self._restored_detector = {}
-
-    def _new_response(self) -> SpillResponse:
-        # "adapt" stops as "stop" does where it cannot adapt
-        response = SpillResponse(
-            "stop" if self.on_spill == "adapt" else self.on_spill, self.spill_checkpoint, self.headroom
-        )
-        response.before_act = self._report_now
-        return response
-
-    def _report_now(self, trainer: Trainer) -> str:
-        """A spill stops the run and no report was armed on a training batch: measure the batch in hand now."""
-        return self._reports.now(trainer, trainer.lightning_module, "spill", spill=self.spill)
-
-    def _response_noted(self, note: str) -> None:
-        self._response.report_note = note
-
-    def _report(
-        self, trainer: Trainer, why: str, then: Callable[[str], None], spill: SpillReport | None = None
-    ) -> None:
-        """A report on the batch in flight as it trains, else on the batch in hand now; ``then(note)`` when
-        written (at once, with no note, where reports are off). ``spill``: the spill reported on."""
-        if self._reports.can_arm:
-            self._reports.arm(trainer, trainer.lightning_module, why, then, spill=spill)
-        else:
-            then(self._reports.now(trainer, trainer.lightning_module, why, spill=spill))
-
-    def _new_adapter(self) -> RunAdapter | None:
-        if self.on_spill != "adapt":
-            return None
-        return RunAdapter(self.adapt_batchnorm, self.grow_every, self.headroom, self.adapt_loss)
 
     def _new_detector(self, capacity: int) -> SpillDetector:
         return SpillDetector(
@@ -480,29 +432,12 @@ class MemGuard(Callback):
             offload=self.offload,
         )  # fmt: skip
 
-    def _adapted(self, trainer: Trainer, pl_module: LightningModule, batch: Any = None) -> bool:
-        """``on_spill="adapt"``, every rank agreed on a spill: the run goes on adapted (True), or the response says
-        why it could not and stops it (False)."""
-        if self._adapter is None:
-            return False
-        why_not = self._adapter.after_spill(
-            trainer, pl_module, self.spill, self._batch() or 1, self._response.allocated_now, batch
-        )
-        if why_not is not None:
-            self._response.cannot_adapt = why_not
-            return False
-        self._watch_again(trainer)
-        return True
-
-    def _grow(self, trainer: Trainer) -> None:
+    def _grow(self, trainer: Trainer, timeline: StepTimeline) -> None:
         """Now and then, while batches are split: fewer micro-batches where they fit what is free now."""
-        adapter, timeline = self._adapter, self._timeline
-        if adapter is None or timeline is None or adapter.chunks <= 1 or not adapter.grow.due(trainer.global_step):
-            return
         reading = self._read_and_judge(trainer)
         # the next check reads the steps after this one only: a peak from before memory freed would hold it back
         self._reset_peak()
-        if adapter.maybe_grow(trainer, reading, timeline.detector.capacity, self._batch() or 1):
+        if self._policy.grow(trainer, reading, timeline.detector.capacity, self._batch()):
             self._watch_again(trainer)
 
     def _watch_again(self, trainer: Trainer) -> None:
@@ -513,7 +448,6 @@ class MemGuard(Callback):
             return
         timeline.detector = self._new_detector(timeline.detector.capacity)
         timeline.spill = None
-        self._response = self._new_response()
         self._vote = StopVote(trainer.strategy.root_device, trainer.world_size)
         self._reset_peak()
 
@@ -538,20 +472,13 @@ class MemGuard(Callback):
     def _read_and_judge(self, trainer: Trainer) -> MemoryReading:
         """Read memory and, while watching for a spill, let the detector judge the latest steps by it."""
         reading = self._reports.with_carried(self._require_probe().read())
-        if reading.allocated_now is not None:  # read between steps: what the next step starts from
-            self._response.allocated_now = reading.allocated_now
         self._reports.others = reading.other_processes  # what the next report says other processes hold
-        if self._reports.retries_grew(reading.alloc_retries):
-            self._report(trainer, "thrash", lambda note: _thrash_said(reading, note))
+        self._policy.read(trainer, reading)  # read between steps: what the next step starts from; allocator thrash
         timeline = self._timeline
         if timeline is not None:
             report = timeline.judge(reading, trainer.global_step)
             if report is not None:  # once a fit: detection stops when a spill is recorded
-                batch, response = self._batch(), self._response
-                if response.acts:
-                    response.found(report, batch)
-                else:  # "warn": the warning names the report
-                    self._report(trainer, "spill", lambda note: response.found(report, batch, note), spill=report)
+                self._policy.found(trainer, report, self._batch())
         return reading
 
     def _batch(self) -> int | None:
@@ -572,17 +499,3 @@ class MemGuard(Callback):
         if self._probe is None:
             self._probe = self._user_probe if self._user_probe is not None else probe_for(torch.device("cpu"))
         return self._probe
-
-
-def _thrash_said(reading: MemoryReading, note: str) -> None:
-    rank_zero_warn(
-        f"MemGuard: PyTorch's CUDA allocator had to free its cache and retry allocations ({reading.alloc_retries} so"
-        " far): memory is at its limit and steps slow down (allocator thrash). A smaller micro-batch or activation"
-        " checkpointing leaves it room." + note,
-        category=RuntimeWarning,
-    )
-
-
-def _adapted_step_said(note: str) -> None:
-    if note:
-        rank_zero_info("MemGuard: the first step after adapting" + note)
