@@ -505,7 +505,8 @@ def hf_loss(model_type: str) -> str:
     model = getattr(transformers, name)(config).train()  # type: ignore[arg-type]
     inputs = hf_inputs(model, config)
     # an encoder-decoder's labels: its decoder inputs, given as well (how each family makes them from its labels is
-    # tested in tests/test_levers_huggingface_loss.py; a tiny T5Config has no decoder_start_token_id to make them)
+    # tested in tests/levers/test_levers_huggingface_loss.py; a tiny T5Config has no decoder_start_token_id to make
+    # them)
     labels = inputs.get("decoder_input_ids", inputs.get("input_ids"))
     if labels is None:
         return "check failed: no token inputs to use as labels"

@@ -58,6 +58,7 @@ class SpillPolicy:
         self.reports = reports
         self.spill_checkpoint = spill_checkpoint
         self.headroom = headroom
+        self.chosen_from: tuple[Any, ...] = ()  # the MemGuard settings it was made from
         self.start_fit()
 
     # ------------------------------------------------------------------ fit

@@ -230,10 +230,7 @@ class MemGuard(Callback):
         # every hook's question about a spill, an adaptation or a report), and the guards before training (the cap,
         # the notice, the preflight)
         self._reports = MemoryReports(memory_report, record_memory, spill_checkpoint)
-        self._policy: SpillPolicy = spill_policy(
-            on_spill, self._reports, spill_checkpoint, self.headroom, adapt_batchnorm=adapt_batchnorm,
-            grow_every=self.grow_every, adapt_loss=adapt_loss,
-        )  # fmt: skip
+        self._policy: SpillPolicy = self._chosen_policy()
         self._cap = AllocatorCap(self.prevent_margin)
 
         # what the run taught us (saved in checkpoints); each fit starts afresh, unless a checkpoint restores it
@@ -416,11 +413,30 @@ class MemGuard(Callback):
 
     # ------------------------------------------------------------------ steps and memory
 
+    def _policy_settings(self) -> tuple[Any, ...]:
+        return (self.on_spill, self.spill_checkpoint, self.headroom, self.adapt_batchnorm, self.grow_every,
+                self.adapt_loss)  # fmt: skip
+
+    def _chosen_policy(self) -> SpillPolicy:
+        """The spill policy ``on_spill`` names, with the settings as they are now (chosen in ``__init__``, and again
+        at a fit's start where one was set anew between fits)."""
+        on_spill, spill_checkpoint, headroom, adapt_batchnorm, grow_every, adapt_loss = settings = (
+            self._policy_settings()
+        )
+        policy = spill_policy(
+            on_spill, self._reports, spill_checkpoint, headroom, adapt_batchnorm=adapt_batchnorm,
+            grow_every=grow_every, adapt_loss=adapt_loss,
+        )  # fmt: skip
+        policy.chosen_from = settings
+        return policy
+
     def _start_fit(self) -> None:
         """Forget the previous fit: its spill, table, checkpoint and reference (a checkpoint loaded after this, in
         the same fit, brings back its own)."""
         self.epochs = []
         self.fallback_enabled = None
+        if self._policy.chosen_from != self._policy_settings():  # a setting changed since: as it is now
+            self._policy = self._chosen_policy()
         self._policy.start_fit()
         self._timeline = None
         self._vote = None

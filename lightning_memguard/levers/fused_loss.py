@@ -14,10 +14,10 @@ Two implementations, one semantics (``torch.nn.functional.cross_entropy``'s):
   (2.13 and later). It computes the gradients in the forward as well, but it has no label smoothing, soft cap or
   logit scale, and under autocast it returns the loss and the head's gradient in the autocast dtype.
 
-``"auto"`` picks ``"chunked"``: measured on the CPU with torch 2.14 (``tests/test_levers_fused_loss.py`` holds the
-probe), torch's keeps exactly as many bytes after the forward (the two gradients, in float32, or in bf16 under bf16
-autocast), but under autocast it rounds the loss to bf16 and, on CUDA, sums the head's gradient across chunks in
-bf16, and where no token is counted (a micro-batch of prompt tokens only) its gradients are nan where
+``"auto"`` picks ``"chunked"``: measured on the CPU with torch 2.14 (``tests/levers/test_levers_fused_loss.py`` holds
+the probe), torch's keeps exactly as many bytes after the forward (the two gradients, in float32, or in bf16 under
+bf16 autocast), but under autocast it rounds the loss to bf16 and, on CUDA, sums the head's gradient across chunks
+in bf16, and where no token is counted (a micro-batch of prompt tokens only) its gradients are nan where
 ``F.cross_entropy``'s are zero; ``"torch"`` is used only when asked for.
 """
 

@@ -158,3 +158,23 @@ def test_memguard_asks_its_spill_policy_and_drives_no_adapter_and_no_response_it
     assert "lightning_memguard.callbacks._spill_policy" in imported
     assert not imported & {"lightning_memguard.tuning.adapter", "lightning_memguard.callbacks._spill_response"}
     assert "adapter" not in source.read_text()
+
+
+def test_a_setting_changed_between_two_fits_is_the_second_fits(tmp_path):
+    """As before the policy: MemGuard reads ``on_spill`` and the adapter's settings at each fit's start."""
+    from lightning import Trainer
+
+    from lightning_memguard import MemGuard
+    from lightning_memguard.callbacks._spill_policy import AdaptOnSpill, StopOnSpill
+
+    guard = MemGuard(on_spill="stop")
+    first = guard._policy
+    trainer = Trainer(accelerator="cpu", max_steps=1, callbacks=[guard], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(TinyModel())
+    assert isinstance(guard._policy, StopOnSpill) and guard._policy is first  # unchanged: the same policy
+    guard.on_spill, guard.grow_every = "adapt", 7
+    trainer = Trainer(accelerator="cpu", max_steps=1, callbacks=[guard], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(TinyModel())
+    assert isinstance(guard._policy, AdaptOnSpill) and guard._policy.chosen_from[4] == 7
