@@ -90,15 +90,14 @@ class SysmemSpillEmulator(Callback):
     spill the same way: AOTAutograd saves them through the same hooks, as tensors without autograd history. The
     model's parameters and buffers and the batch, which the graph saves as well, are not activations. A compiled
     ResNet-18 reports 1 % more saved bytes than the same model in eager mode (``aot_eager`` on the CPU), an MLP the
-    same bytes. On CUDA a compiled graph's spilled tensors stay
-    allocated (all of them exist when the graph's forward returns, moved or not), a copy crosses PCIe both ways, and
-    the probe's figure is the real peak. A step during which dynamo compiles (the first step, a recompile for a
-    short last batch) counts what it saved instead of its real peak, which holds the compiler's own work. Should a
-    PyTorch release stop passing a compiled graph's saved tensors through the hooks, the first step that runs
-    compiled code warns instead of reporting no spill. As a context manager the emulator does not know the model
-    nor the batch: every leaf tensor eager ops save (the batch, a buffer, but also max-pooling indices) is taken to
-    exist before the step, and a compiled graph's buffers and its inputs that do not require grad count as
-    activations.
+    same bytes. On CUDA a compiled graph's spilled tensors stay allocated (all of them exist when the graph's forward
+    returns, moved or not), a copy crosses PCIe both ways, and the probe's figure is the real peak. A step during
+    which dynamo compiles (the first step, a recompile for a short last batch) counts what it saved instead of its
+    real peak, which holds the compiler's own work. Should a PyTorch release stop passing a compiled graph's saved
+    tensors through the hooks, the first step that runs compiled code warns instead of reporting no spill. As a
+    context manager the emulator does not know the model nor the batch: every leaf tensor eager ops save (the batch,
+    a buffer, but also max-pooling indices) is taken to exist before the step, and a compiled graph's buffers and its
+    inputs that do not require grad count as activations.
 
     Args:
         capacity: the emulated card's memory: bytes or a string such as ``"16GB"``, at most 1 EB (1 byte is
