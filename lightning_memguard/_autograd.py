@@ -13,6 +13,9 @@ tensors, and the saved-tensor hooks in force, which torch offers no public way t
 - :func:`version`: a tensor's version counter (``_version``), which in-place changes move: a recipe holds only
   while its tensor is unchanged.
 - :func:`view_root`: the tensor a view was made from (``_base``): the spill emulator counts storage, not views.
+- :func:`storage_watch`: whether a tensor's storage has been freed since, asked without keeping it alive (a weak
+  reference to the storage, ``StorageWeakRef``): the ledger of saved tensors tells a freed storage from a new one
+  that the allocator gave its address.
 - :func:`copied_leaf`: the leaf a tensor is a dtype copy of, through views (its nodes' ``variable``): autocast's
   low-precision copy of a weight, which the memory report counts as a weight, not an activation.
 - :func:`in_backward`: whether code runs inside a backward pass (``torch._C._current_graph_task_id``): a forward run
@@ -38,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree
 
 _CHECKPOINT_MODULE = "torch.utils.checkpoint"
@@ -77,6 +81,22 @@ def view_root(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor ``tensor`` is a view of (``_base``), or ``tensor`` itself."""
     base = tensor._base
     return base if base is not None else tensor
+
+
+def storage_watch(tensor: torch.Tensor) -> Callable[[], bool]:
+    """A call that answers whether ``tensor``'s storage has been freed since, holding only a weak reference to it
+    (``torch.multiprocessing.reductions.StorageWeakRef``, as torch's own compiler tells storages apart).
+
+    Example:
+        >>> x = torch.zeros(4)
+        >>> freed = storage_watch(x[1:])
+        >>> before = freed()
+        >>> del x
+        >>> before, freed()
+        (False, True)
+    """
+    ref = StorageWeakRef(tensor.untyped_storage())
+    return ref.expired
 
 
 _VIEWS_AND_COPIES = frozenset(

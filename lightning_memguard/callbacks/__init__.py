@@ -1,7 +1,7 @@
 """Lightning callbacks: thin adapters between the Trainer and the pure core.
 
-The names are loaded on first use, so the modules below this package (``callbacks._private``, which the tuning and
-checkpointing packages read) can be imported without loading every callback first.
+The top floor with the strategies: no wing imports this package (tests/project/test_import_graph.py). The names are
+loaded on first use, so ``import lightning_memguard`` loads no callback until one is asked for.
 """
 
 from __future__ import annotations

@@ -360,7 +360,7 @@ class _Armed:
         def training_step(*args: Any, **kwargs: Any) -> Any:
             if not self.active:  # removed, while another wrapper set after this one still calls it
                 return step(*args, **kwargs)
-            with recorder:
+            with recorder.on(args[0] if args else None):  # the batch is not an activation
                 recorder.forwards[-1].samples = samples_in(args[0]) if args else None
                 return step(*args, **kwargs)
 
@@ -406,7 +406,7 @@ def _redo(trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: i
 
     with _logging_off(pl_module):
         compiled = _compiler.is_compiled(pl_module)
-        memory = measure_step(pl_module, run, list(trainer.optimizers), scale, samples_in(batch), compiled)
+        memory = measure_step(pl_module, run, list(trainer.optimizers), scale, samples_in(batch), compiled, batch)
     memory.device = str(pl_module.device)
     return memory
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from lightning_memguard import _autograd
+from lightning_memguard._ledger import Key, Ledger, storage_key
 from lightning_memguard.checkpointing.budget import BlockProfile
 from lightning_memguard.checkpointing.families import Layout
 from lightning_memguard.checkpointing.rebuild import rebuildable, stem_rebuildable
@@ -186,13 +186,6 @@ def example_arguments(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (example,), {}
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    if isinstance(t, DTensor):  # a sharded parameter (FSDP2): this rank's shard is what it holds
-        t = t.to_local()
-    s = t.untyped_storage()
-    return (s.data_ptr(), s.nbytes())
-
-
 _agreed: ContextVar[Callable[[Any], Any]] = ContextVar("memguard_agreed", default=lambda figures: figures)
 
 
@@ -223,9 +216,8 @@ class StepMeter:
         self.runner = runner  # a compiled step (model, args, kwargs) -> output; None: the model as it is called
         self.cuda = any(t.is_cuda for t in tensors(example))
         # held whether or not anything is saved: parameters, buffers and the batch itself; everything else a
-        # forward saves counts, also tensors that need no gradient (max-pooling indices, dropout masks)
-        held = [*model.parameters(), *model.buffers(), *tensors(example)]
-        self.held = {_storage_key(t) for t in held}
+        # forward saves counts (the ledger's rules), also tensors that need no gradient (max-pooling indices)
+        self.existing = [*model.parameters(), *model.buffers(), *tensors(example)]
         self.agree = _agreed.get()  # every rank's figures, where every rank measures (:func:`measured_alike`)
 
     def _run(self, between: Callable[[], None] = lambda: None) -> None:
@@ -242,7 +234,8 @@ class StepMeter:
         return self.agree(self._seconds(steps))
 
     def peak(self) -> int:
-        """CUDA: the step's peak above what was allocated before. CPU: bytes of saved activations and kept inputs."""
+        """CUDA: the step's peak above what was allocated before. CPU: bytes of saved activations and kept inputs, as
+        the ledger of saved tensors counts them (:class:`~lightning_memguard._ledger.Ledger`)."""
         return self.agree(self._peak())
 
     def profile(self, links: list[Link], parts: Sequence[tuple[int, Link]] = ()) -> list[BlockProfile]:
@@ -273,15 +266,10 @@ class StepMeter:
                 self._run()
                 torch.cuda.synchronize()
                 return int(torch.cuda.max_memory_allocated() - before)
-            seen: set[tuple[int, int]] = set()
-            total = 0
+            ledger: Ledger[str] = Ledger(self.existing)
 
             def count(t: torch.Tensor) -> None:
-                nonlocal total
-                key = _storage_key(t)
-                if key not in self.held and key not in seen:
-                    seen.add(key)
-                    total += key[1]
+                ledger.save(t, "")
 
             def pack(t: torch.Tensor) -> torch.Tensor:
                 count(t)
@@ -312,30 +300,26 @@ class StepMeter:
             finally:
                 for h in handles:
                     h.remove()
-            return total
+            return ledger.on_device
 
     def _profile(self, links: list[Link], parts: Sequence[Link] = ()) -> list[BlockProfile]:
         every = [*links, *parts]
-        saved: dict[str, dict[tuple[int, int], int]] = {link.name: {} for link in every}
-        inputs: dict[str, set[tuple[int, int]]] = {link.name: set() for link in every}
-        outputs: dict[str, set[tuple[int, int]]] = {link.name: set() for link in every}
+        # each storage once, split by the link and the part running when its views were saved (the ledger's rules)
+        ledger: Ledger[tuple[str | None, str | None]] = Ledger(self.existing)
+        inputs: dict[str, set[Key]] = {link.name: set() for link in every}
+        outputs: dict[str, set[Key]] = {link.name: set() for link in every}
         one_tensor: dict[str, bool] = {}
         calls: dict[str, int] = {}
         starts: dict[str, Any] = {}
         spans: dict[str, list[tuple[Any, Any]]] = {link.name: [] for link in every}
         given: dict[str, list[tuple[torch.Tensor, int]]] = {}  # each input and its version as the call began
         changes_input: set[str] = set()
-        seen: set[tuple[int, int]] = set()
         current: list[str] = []  # the links running, innermost last
         inner: list[str] = []  # the parts running
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            key = _storage_key(t)
-            if (current or inner) and key not in self.held and key not in seen:
-                seen.add(key)
-                for stack in (current, inner):
-                    if stack:
-                        saved[stack[-1]][key] = key[1]
+            if current or inner:
+                ledger.save(t, (current[-1] if current else None, inner[-1] if inner else None))
             return t
 
         def clock() -> Any:
@@ -349,7 +333,7 @@ class StepMeter:
             def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
                 stack.append(name)
                 calls[name] = calls.get(name, 0) + 1
-                inputs[name] = {_storage_key(t) for t in tensors([args, kwargs])}
+                inputs[name] = {storage_key(t) for t in tensors([args, kwargs])}
                 given[name] = [(t, _autograd.version(t)) for t in tensors([args, kwargs])]
                 starts[name] = clock()
 
@@ -358,7 +342,7 @@ class StepMeter:
         def post(name: str, stack: list[str]) -> Callable[..., None]:
             def hook(module: nn.Module, args: Any, output: Any) -> None:
                 spans[name].append((starts[name], clock()))
-                outputs[name] = {_storage_key(t) for t in tensors(output)}
+                outputs[name] = {storage_key(t) for t in tensors(output)}
                 one_tensor[name] = isinstance(output, torch.Tensor)
                 if any(_autograd.version(t) != v for t, v in given.pop(name)):
                     changes_input.add(name)
@@ -378,6 +362,12 @@ class StepMeter:
                 h.remove()
         if self.cuda:
             torch.cuda.synchronize()
+        saved: dict[str, dict[Key, int]] = {link.name: {} for link in every}
+        for owners, shares in ledger.by_owner().items():
+            for name in owners:
+                if name is not None:
+                    for key, size in shares.items():
+                        saved[name][key] = saved[name].get(key, 0) + size
         profiles = []
         for link in every:
             if not spans[link.name] or link.name in changes_input:

@@ -1,13 +1,13 @@
 """Which modules hold a training step's memory: one forward and backward measured under saved-tensor hooks.
 
-Every tensor autograd saves for the backward pass is counted once (by its storage and device) and charged to the
-innermost module whose forward is running when it is saved: the modules' stack is kept by forward pre-hooks and
-forward hooks registered on every submodule for the measured step only, and removed in ``finally``. A view is charged
-for the bytes it spans, once (a micro-batch cut from the batch is charged for its own samples, not the whole batch's
-storage). Parameters saved for the backward, and autocast's low-precision copies of them, are weights, not
-activations, and are left out. At each module's forward end the running total is
-noted (on CUDA with ``torch.cuda.memory_allocated()``, a host counter that does not synchronise): the timeline of the
-step that the report draws.
+Every tensor autograd saves for the backward pass goes into the one ledger of saved tensors
+(:mod:`lightning_memguard._ledger`, kept by the planner's measurement and the spill emulator too): each storage counted
+once and whole, and charged to the innermost modules whose forward was running when views of it were saved, each its
+own bytes first, the rest in proportion. The modules' stack is kept by forward pre-hooks and forward hooks registered
+on every submodule for the measured step only, and removed in ``finally``. Parameters, autocast's low-precision copies
+of them, the buffers and the batch (where the caller names it) existed before the step: they are not activations, and
+are left out. At each module's forward end the running total is noted (on CUDA with ``torch.cuda.memory_allocated()``,
+a host counter that does not synchronise): the timeline of the step that the report draws.
 
 Nothing here runs during training that is not measured: the hooks exist only inside :class:`SavedTensorRecorder`.
 Torch only, no Lightning; the callback hands in the step to measure.
@@ -17,72 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_memguard import _autograd
-
-
-def held(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage this process holds: a sharded tensor's local shard (a DTensor under FSDP2 or
-    ``ModelParallelStrategy`` has no storage of its own), else the tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def storage_key(tensor: torch.Tensor) -> tuple[int, str]:
-    """A tensor's storage, as the allocator holds it: its address and device (views of one tensor share it)."""
-    local = held(tensor)
-    return local.untyped_storage().data_ptr(), str(local.device)
-
-
-def byte_range(tensor: torch.Tensor) -> tuple[int, int]:
-    """The bytes of its storage that ``tensor`` spans, as ``(start, end)``: a view's own, not its base's.
-
-    Example:
-        >>> batch = torch.zeros(16, 8)
-        >>> byte_range(batch[4:8]), byte_range(batch[:, :2])
-        ((128, 256), (0, 488))
-    """
-    size = tensor.element_size()
-    start = int(tensor.storage_offset()) * size
-    if tensor.numel() == 0:
-        return start, start
-    last = int(sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride(), strict=True)))
-    return start, start + (last + 1) * size
-
-
-def charge(charged: list[tuple[int, int]], start: int, end: int) -> int:
-    """The bytes of ``[start, end)`` not yet in ``charged`` (a storage's ranges charged so far, kept merged and
-    sorted), which are added to it.
-
-    Example:
-        >>> ranges = []
-        >>> charge(ranges, 0, 100), charge(ranges, 50, 150), charge(ranges, 0, 150), ranges
-        (100, 50, 0, [(0, 150)])
-    """
-    new = end - start - sum(max(0, min(hi, end) - max(lo, start)) for lo, hi in charged)
-    merged: list[tuple[int, int]] = []
-    for lo, hi in sorted([*charged, (start, end)]):
-        if merged and lo <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-        else:
-            merged.append((lo, hi))
-    charged[:] = merged
-    return max(0, new)
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages among ``tensors``, each counted once."""
-    seen: dict[tuple[int, str], int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            seen.setdefault(storage_key(t), held(t).untyped_storage().nbytes())
-    return sum(seen.values())
+from lightning_memguard._ledger import Ledger, storage_bytes, tensors_in
 
 
 @dataclass
@@ -90,8 +33,9 @@ class Forward:
     """What one forward pass saved for its backward: bytes by module, and the events in the order saved.
 
     Attributes:
-        saved: bytes charged to each module (the innermost running; ``""`` for code outside every module: the loss).
-        events: ``(module, bytes)`` per storage saved, in order.
+        saved: bytes charged to each module (the innermost running; ``""`` for code outside every module: the loss);
+            they sum to the bytes of every storage saved, each once and whole (``lightning_memguard._ledger``).
+        events: ``(module, bytes)`` as saved, in order (:meth:`~lightning_memguard._ledger.Ledger.timeline`).
         marks: ``(module, events so far, allocated)`` at each module's forward end: the timeline's points.
         samples: samples in the batch (or micro-batch) this forward ran on, where the caller knows them.
     """
@@ -109,7 +53,8 @@ class Forward:
 class SavedTensorRecorder:
     """A context manager around forward passes (each ``with`` one :class:`Forward`): module hooks on every
     submodule of ``model`` and saved-tensor hooks that hand each tensor on to the hooks already in force (the spill
-    emulator's, a checkpoint's), so recording changes nothing the step computes or keeps.
+    emulator's, a checkpoint's), so recording changes nothing the step computes or keeps. ``with recorder.on(batch)``
+    names the forward's batch: its tensors existed before the step, and are not activations.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 2))
@@ -126,15 +71,21 @@ class SavedTensorRecorder:
         self.names = names if names is not None else {m: n for n, m in model.named_modules()}
         self.forwards: list[Forward] = []
         self._stack: list[str] = []
-        self._charged: dict[tuple[int, str], list[tuple[int, int]]] = {}  # each storage's byte ranges charged
-        self._parameters: set[tuple[int, str]] = set()
+        self._ledger: Ledger[str] = Ledger()  # the forward's saved tensors
+        self._batch: Any = None  # the next forward's batch (:meth:`on`)
         self._handles: list[Any] = []
         self._saved_hooks: Any = None
         self._cuda = False
 
+    def on(self, batch: Any) -> SavedTensorRecorder:
+        """The next ``with`` records a forward on ``batch`` (a tensor, or a structure of them): not activations."""
+        self._batch = batch
+        return self
+
     def __enter__(self) -> SavedTensorRecorder:
-        self._parameters = {storage_key(p) for p in self.model.parameters()}
-        self._charged = {}
+        existing = [*self.model.parameters(), *self.model.buffers(), *tensors_in(self._batch)]
+        self._ledger = Ledger(existing)
+        self._batch = None
         self._stack = []
         self._cuda = any(p.device.type == "cuda" for p in self.model.parameters()) and torch.cuda.is_available()
         self.forwards.append(Forward())
@@ -154,6 +105,9 @@ class SavedTensorRecorder:
 
     def __exit__(self, *exc: object) -> None:
         self._remove()
+        forward, ledger = self.forwards[-1], self._ledger
+        forward.saved = {module: size for module, size in ledger.shares().items() if size}
+        forward.events = ledger.timeline()
 
     def _remove(self) -> None:
         if self._saved_hooks is not None:
@@ -182,9 +136,8 @@ class SavedTensorRecorder:
                 return
             if self._stack and self._stack[-1] == name:
                 self._stack.pop()
-            forward = self.forwards[-1]
             allocated = torch.cuda.memory_allocated() if self._cuda else None
-            forward.marks.append((name, len(forward.events), allocated))
+            self.forwards[-1].marks.append((name, len(self._ledger.events), allocated))
 
         return hook
 
@@ -201,21 +154,8 @@ class SavedTensorRecorder:
         return pack, unpack
 
     def _count(self, tensor: torch.Tensor) -> None:
-        if _autograd.in_backward() or tensor.device.type == "meta":
-            return
-        key = storage_key(tensor)
-        if key in self._parameters:
-            return
-        copied = _autograd.copied_leaf(tensor)
-        if copied is not None and storage_key(copied) in self._parameters:  # autocast's copy of a weight
-            return
-        size = charge(self._charged.setdefault(key, []), *byte_range(held(tensor)))
-        if size == 0:
-            return
-        module = self._stack[-1] if self._stack else ""
-        forward = self.forwards[-1]
-        forward.saved[module] = forward.saved.get(module, 0) + size
-        forward.events.append((module, size))
+        if not _autograd.in_backward():  # a checkpoint's recomputation is not the forward
+            self._ledger.save(tensor, self._stack[-1] if self._stack else "")
 
 
 @dataclass
@@ -355,9 +295,11 @@ def measure_step(
     scale: float = 1,
     samples: int | None = None,
     compiled: bool = False,
+    batch: Any = None,
 ) -> StepMemory:
     """One forward (``run()``, returning the loss or a dict with ``"loss"``) and its backward, measured, then undone
-    (:func:`step_undone`): the model's gradients, buffers and generators are as before.
+    (:func:`step_undone`): the model's gradients, buffers and generators are as before. ``batch``: what ``run``
+    trains on (a tensor or a structure of them), which existed before the step: not activations.
 
     On CUDA the allocator's peak is reset for the step (the caller resets or reads its own peak around it).
     ``scale``: the batch measured is a ``1/scale`` part of the one that ran (after an out-of-memory error): the
@@ -379,7 +321,7 @@ def measure_step(
     with step_undone(model):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        with recorder:
+        with recorder.on(batch):
             output = run()
         loss = output.get("loss") if isinstance(output, dict) else output
         if isinstance(loss, torch.Tensor) and loss.requires_grad:

@@ -291,14 +291,19 @@ def test_step_undone_puts_gradients_back_even_when_the_step_fails():
 # ---------------------------------------------------------------- charges, and what happened on the card
 
 
-def test_a_micro_batch_cut_from_the_batch_is_charged_for_its_own_samples():
+def test_a_micro_batch_cut_from_the_batch_is_the_batchs_not_an_activation():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     batch = torch.randn(16, 8)
     recorder = SavedTensorRecorder(model)
     for micro in batch.split(4):  # views of the batch's storage, as a split batch's micro-batches are
-        with recorder:
+        with recorder.on(micro):  # as MemGuard's report names each micro-batch its training step is given
             model(micro).sum().backward()
-    assert recorder.forwards[1].saved["0"] == 4 * 8 * 4  # the input Linear: its 4 samples, not the batch's 16
+    # the input Linear's input is the batch's, not an activation; the ReLU's output (the second Linear's input too)
+    # holds the micro-batch's 4 samples
+    assert recorder.forwards[1].saved == {"1": 4 * 8 * 4}
+    with recorder:  # a batch not named is an activation, charged whole: the allocator keeps all of its storage
+        model(batch[4:8]).sum().backward()
+    assert recorder.forwards[-1].saved == {"0": 16 * 8 * 4, "1": 4 * 8 * 4}
 
 
 def test_autocasts_low_precision_copies_of_weights_are_not_activations():

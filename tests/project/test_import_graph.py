@@ -157,7 +157,7 @@ def test_no_wing_imports_the_callbacks_and_the_lightning_layer_stands_below_the_
 # ------------------------------------------------------------------ the import table by wing in docs/architecture.md
 DOC = PACKAGE.parent / "docs" / "architecture.md"
 ORDER = ["commands", "callbacks", "strategies", "tuning", "_lightning", "checkpointing", "levers", "forensics",
-         "emulation", "testing", "probes", "core", "_compiler", "_autograd"]  # fmt: skip
+         "emulation", "testing", "probes", "core", "_ledger", "_compiler", "_autograd"]  # fmt: skip
 
 
 def wing(module: str) -> str:

@@ -125,7 +125,11 @@ def test_a_budget_under_model_parallel_is_measured_on_every_rank_and_rank_zeros_
     r0, r1 = _ranks(sharded, "budget")
     assert r0["planned_here"] and r1["planned_here"]  # each rank ran the measurement (the forward gathers shards)
     assert r0["runs"] == r1["runs"] and r0["runs"]
-    assert r0["checkpointed"] == r1["checkpointed"] == sorted(name for run in r0["runs"] for name in run)
+    # a ResNet's stem link checkpoints its four modules; the plan may hold it: FSDP2's gathered weights, which it
+    # frees after each block's forward, are not a block's activations (the ledger), and the stem saves the most
+    stem = ["net.bn1", "net.conv1", "net.maxpool", "net.relu"]
+    planned = sorted(m for run in r0["runs"] for name in run for m in (stem if name == "net.stem" else [name]))
+    assert r0["checkpointed"] == r1["checkpointed"] == planned
 
 
 def test_the_trials_state_of_a_sharded_model_is_put_back_in_place(one_rank_mesh):
