@@ -37,6 +37,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
+from typing_extensions import override
 
 from lightning_memguard import _autograd, _compiler
 from lightning_memguard._lightning.batches import samples_in
@@ -487,11 +488,13 @@ class StepReport(Callback):
         self.paths: list[str] = []
         self._armed: _Armed | None = None
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx == self.at and not self.paths and self._armed is None:
             self._armed = _Armed("sweep", trainer.global_step, pl_module)
             self._armed.install()
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -505,6 +508,7 @@ class StepReport(Callback):
         situation = Situation(batch=samples_in(batch))
         self.paths = MemoryReport.from_step(memory, "sweep", situation=situation).write(self.folder, self.stem)
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._armed is not None:
             self._armed.remove()

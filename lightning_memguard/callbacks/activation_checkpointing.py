@@ -7,6 +7,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from lightning_memguard._lightning.loaders import example_for_budget, measuring_said
 from lightning_memguard._lightning.privates import (
@@ -129,6 +130,7 @@ class ActivationCheckpointing(Callback):
         """The checkpointed blocks, in model order (None before the plan is made)."""
         return None if self.runs is None else [name for run in self.runs for name in run]
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -164,6 +166,7 @@ class ActivationCheckpointing(Callback):
         configure_then_checkpoint.memguard_wrapped = True  # type: ignore[attr-defined]
         pl_module.configure_model = configure_then_checkpoint  # type: ignore[method-assign]
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.prepare(trainer, pl_module)
 
@@ -190,14 +193,17 @@ class ActivationCheckpointing(Callback):
             rank_zero_info(f"ActivationCheckpointing: {self.policy.summary()}")
         self.policy.hold_compile_setting()  # compile's own setting, chosen with the blocks, while this fit compiles
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         _give_back_configure_model(pl_module)  # a fit that ended before configure_model ran
         self.policy.release_compile_setting()
         model_logging_dropped(self)  # the chosen runs stay; the fit's model is not kept
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self.teardown(trainer, pl_module, "fit")  # Lightning calls no teardown after an exception
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "runs": self.runs,
@@ -205,6 +211,7 @@ class ActivationCheckpointing(Callback):
             "split_graphs": self.policy.split_graphs,
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.policy.runs = state_dict.get("runs", self.policy.runs)
         self.policy.compile_setting = state_dict.get("compile_setting", self.policy.compile_setting)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from lightning_memguard import _compiler
 from lightning_memguard._lightning.agreement import StopVote
@@ -272,6 +273,7 @@ class MemGuard(Callback):
 
     # ------------------------------------------------------------------ Lightning hooks
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -287,6 +289,7 @@ class MemGuard(Callback):
             notice_platform(self._probe)
         self._policy.setup(trainer)
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         probe = self._require_probe()
         capacity = judged_capacity(self.capacity, probe.capacity())
@@ -305,16 +308,19 @@ class MemGuard(Callback):
         if self.prevent and trainer.strategy.root_device.type == "cuda":  # (elsewhere: said in setup)
             self._cap.apply(trainer.strategy.root_device, capacity, probe)
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # an epoch resumed mid-way (from the spill checkpoint, say) has no epoch start: this fit's readings start here,
         # not from the peak of the preflight, of the tuners' trials or of an earlier fit in this process
         self._start_readings(trainer)
         self._policy.train_start(trainer, pl_module)  # after the tuners' trials: they train steps of their own
 
+    @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start_readings(trainer)
         self._reports.epoch_start()
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         # every training step passes here: a clock read, the batch's size and the timeline's two appends; now and
         # then memory is read
@@ -337,12 +343,14 @@ class MemGuard(Callback):
                 self._grow(trainer, timeline)
         policy.batch_started(trainer, pl_module)  # an adaptation's report, on the first step in it
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         note = self._reports.batch_end(trainer, pl_module, batch, batch_idx)  # a report armed on it: written
         self._policy.batch_end(trainer, note, self.spill, self._vote, self._batch())
 
+    @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close_step_early()
         if self._policy.judges_validation:
@@ -350,6 +358,7 @@ class MemGuard(Callback):
             self._read_and_judge(trainer)
             self._reset_peak()
 
+    @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         timeline = self._timeline
         if not self._policy.judges_validation or timeline is None or trainer.sanity_checking:
@@ -357,9 +366,11 @@ class MemGuard(Callback):
         self._policy.validation_end(trainer, self._require_probe().read(), timeline.detector.capacity)
         self._reset_peak()  # the next training steps are judged by their own peak
 
+    @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self._close_step_early()
 
+    @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         timeline = self._timeline
         if timeline is None:
@@ -374,13 +385,16 @@ class MemGuard(Callback):
         if self._policy.settle(trainer, pl_module, self.spill, self._vote, self._batch()):
             self._watch_again(trainer)
 
+    @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.epochs:
             rank_zero_info("MemGuard: peak memory against throughput\n" + format_epoch_table(self.epochs))
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._end_fit(trainer)
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._cap.explain(exception)
         self._policy.out_of_memory(trainer, pl_module, exception)
@@ -396,6 +410,7 @@ class MemGuard(Callback):
         self._vote = None
         model_logging_dropped(self)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         timeline = self._timeline
         detector = timeline.detector.state_dict() if timeline is not None else self._restored_detector
@@ -404,6 +419,7 @@ class MemGuard(Callback):
             **self._policy.state_dict(),
         }  # fmt: skip
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.epochs = [EpochRecord.from_dict(row) for row in state_dict.get("epochs", [])]
         own = ("epochs", "fallback_enabled", "adapt")

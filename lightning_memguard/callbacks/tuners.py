@@ -9,6 +9,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from lightning_memguard._lightning.loaders import new_search
 from lightning_memguard._lightning.privates import model_logging_dropped
@@ -60,6 +61,7 @@ class _Tuner(Callback):
         self.compile_s: float | None = None  # of it, the trial steps in which torch.compile compiled
         self.fit_state = workflow.FitBookkeeping()  # this fit's: a resume, the SIGINT handler, the optimizer steps
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "batch_size": self.batch_size,
@@ -67,10 +69,12 @@ class _Tuner(Callback):
             "results": [r.to_dict() for r in self.results],
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         workflow.load_learned(self, state_dict)
         self.fit_state.restored = self.batch_size is not None
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -80,11 +84,13 @@ class _Tuner(Callback):
         before_learning_rate_finder(trainer, self)
         new_search()  # a warning the trials raise is shown once in this fit's search, not once per trial
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # a state loaded after fit start (LearningRateFinder puts the model back from a checkpoint of its own) is
         # not a resume: the next fit measures or re-checks as usual
         self.fit_state.restored = False
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Ctrl+C during a search: Lightning then ignores Ctrl+C for the rest of the process; the handler the
         search started with is put back (a notebook's next Ctrl+C works)."""
@@ -93,6 +99,7 @@ class _Tuner(Callback):
         self.fit_state.sigint = None
         model_logging_dropped(self)  # Lightning calls no teardown after an exception
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         model_logging_dropped(self)  # what it learned stays; the fit's model is not kept
 
@@ -247,6 +254,7 @@ class BatchSizeTuner(_Tuner):
             )
         )  # fmt: skip
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._ready(trainer, pl_module):
             workflow.choose_batch_size(trainer, pl_module, self)
@@ -357,6 +365,7 @@ class AccumulationTuner(_Tuner):
     def per_device_batch(self) -> int:
         return self.effective_batch_size // max(self._world_size, 1)
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -376,10 +385,12 @@ class AccumulationTuner(_Tuner):
         if not pl_module.automatic_optimization:
             raise ValueError("AccumulationTuner needs automatic optimization; this module optimizes manually")
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._world_size = trainer.world_size
         if self._ready(trainer, pl_module):
             workflow.choose_accumulation(trainer, pl_module, self)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "checkpointing": self.checkpointing}

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
+from typing_extensions import override
 
 from lightning_memguard.callbacks import MemGuard
 from lightning_memguard.emulation.models import ImageClassifier
@@ -44,9 +45,11 @@ class _Progress(Callback):
         self.every_s, self.clock = every_s, clock
         self._started = self._said = 0.0
 
+    @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._started = self._said = self.clock()
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -60,6 +63,7 @@ class _Progress(Callback):
             return
         self._said = now
 
+    @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         steps = trainer.fit_loop.epoch_loop.batch_progress.current.completed
         took = self.clock() - self._started

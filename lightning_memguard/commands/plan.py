@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 from lightning_memguard.callbacks import AccumulationTuner
 from lightning_memguard.callbacks._reporting import report_sizes
@@ -51,6 +52,7 @@ class _StopBeforeTraining(Callback):
         self.tuner, self.report = tuner, report
         self.reports: list[str] = []
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.report is not None:
             sizes = sorted({r.size for r in self.tuner.results})
@@ -66,6 +68,7 @@ class _Progress(Callback):
     tuner: AccumulationTuner
     size: Callable[[float], str] | None = None  # writes a peak in bytes
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.started = time.perf_counter()
 

@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 from torch import nn
+from typing_extensions import override
 
 from lightning_memguard import _compiler
 from lightning_memguard.callbacks import MemGuard
@@ -237,9 +238,11 @@ class _TimeStepsThatRan(Callback):
         compiling = sum(t for t, compiled in zip(times, self.compiled, strict=False) if compiled)
         return [times[i] for i in self.timed() if i < len(times)], compiling
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._compiles = _compiler.CompileWatch()
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -260,6 +263,7 @@ class _CtrlC(Callback):
     def __init__(self) -> None:
         self.pressed = False
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self.pressed |= isinstance(exception, KeyboardInterrupt)
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_utilities.core.apply_func import apply_to_collection
+from typing_extensions import override
 
 from lightning_memguard import _autograd, _compiler
 from lightning_memguard._ledger import DEVICE, HOST, Ledger, storage_nbytes
@@ -181,12 +182,14 @@ class SysmemSpillEmulator(Callback):
 
     # ------------------------------------------------------------------ as a callback
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._module = pl_module
         device = trainer.strategy.root_device
         self._begin(device if device.type == "cuda" else None, trainer)
         self._batch = batch  # for the step's existing storages (see _existing_storages)
 
+    @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         step = self._step
         if step is None or step.saw_compiled or self._warned_unseen or not _compiler.compiles():
@@ -203,6 +206,7 @@ class SysmemSpillEmulator(Callback):
                 stacklevel=2,
             )
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -220,10 +224,12 @@ class SysmemSpillEmulator(Callback):
         self._begin(device if device.type == "cuda" else None, trainer)
         self._batch = batch
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._end()
         self._forget_the_fit()  # Lightning calls no teardown after an exception
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._end()
         self._forget_the_fit()

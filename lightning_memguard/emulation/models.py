@@ -10,6 +10,7 @@ import torchvision
 from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 
 class ImageClassifier(LightningModule):
@@ -78,6 +79,7 @@ class ImageClassifier(LightningModule):
         self.register_buffer("images", images, persistent=False)
         self.register_buffer("labels", torch.randint(0, num_classes, (pool_size,), generator=gen), persistent=False)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
@@ -87,20 +89,25 @@ class ImageClassifier(LightningModule):
         idx = batch % images.shape[0]
         return F.cross_entropy(self(images[idx]), labels[idx])
 
+    @override
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True, batch_size=batch.shape[0])
         return loss
 
+    @override
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.log("val_loss", self._loss(batch), batch_size=batch.shape[0])
 
+    @override
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=0.9)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         return _index_loader(self.hparams["steps_per_epoch"] * self.batch_size, self.batch_size)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return _index_loader(max(self.hparams["val_steps"], 0) * self.batch_size, self.batch_size)
 
@@ -118,6 +125,7 @@ class ShardedClassifier(ImageClassifier):
         >>> trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False)
     """
 
+    @override
     def configure_model(self) -> None:
         from torch.distributed.fsdp import FSDPModule, fully_shard
         from torchvision.models.resnet import BasicBlock, Bottleneck
@@ -130,6 +138,7 @@ class ShardedClassifier(ImageClassifier):
                 fully_shard(module, mesh=mesh)
         fully_shard(self.net, mesh=mesh)
 
+    @override
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"] / 50)
 

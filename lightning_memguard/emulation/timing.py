@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 
 class StepTimer(Callback):
@@ -28,9 +29,11 @@ class StepTimer(Callback):
         else:
             self.marks.append(time.perf_counter())
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._mark()
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._mark()
 

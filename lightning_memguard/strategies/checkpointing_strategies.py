@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from lightning_memguard._lightning.loaders import example_for_budget, measuring_said
 from lightning_memguard._lightning.privates import BeforeModelWrapped
@@ -21,9 +22,11 @@ class _ChecksBeforeWrapping(BeforeModelWrapped):
 
     checkpointing: CheckpointingPolicy
 
+    @override
     def before_model_wrapped(self) -> None:
         _checkpoint_before_wrapping(self, self.checkpointing)  # type: ignore[arg-type]
 
+    @override
     def teardown(self) -> None:
         self.checkpointing.release_compile_setting()
         super().teardown()  # type: ignore[misc]

@@ -14,6 +14,7 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities.memory import garbage_collection_cuda, is_oom_error
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from lightning_memguard import _compiler
 from lightning_memguard._lightning.batches import Path, loader_name, loader_parts, loader_paths, samples_in
@@ -97,14 +98,17 @@ class _StepClock(Callback):
             torch.cuda.synchronize()
         return self.clock()
 
+    @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.paths = loader_paths(trainer.train_dataloader)
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         parts = [samples_in(part) for part in loader_parts(batch, self.paths)]
         # a part whose size cannot be read counts as the size set
         self.marks.append((self._now(), tuple(self.size if n is None else n for n in parts)))
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -123,6 +127,7 @@ class _StepClock(Callback):
                 self.cut = True
                 trainer.should_stop = True
 
+    @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.marks.append((self._now(), None))
 
