@@ -142,7 +142,8 @@ def checkpoint_blocks(
         compile = _compiler.is_compiled(measured)
     model_map = map_model(model, check_units(units))  # its links and what its families say, read once for the plan
     links = model_map.links
-    if rebuild_bn_relu and not any(can_rebuild(link, model_map) for link in links):
+    rebuildable = any(can_rebuild(link, model_map) for link in links)  # the rebuild takes something in the links
+    if rebuild_bn_relu and not rebuildable:
         raise ValueError(
             f"`rebuild_bn_relu` needs {families.rebuild_description()} (with nn.BatchNorm2d)"
             f" among its blocks, and {type(model).__name__} has none"
@@ -172,7 +173,9 @@ def checkpoint_blocks(
             return plan_compiled(
                 measured, model_map, memory_budget, example_input, loss_fn, bn_correct, options, tuple(compile_settings)
             )
-        return plan_eager(model_map, memory_budget, example_input, loss_fn, bn_correct, rebuild_bn_relu, config)
+        return plan_eager(
+            model_map, memory_budget, example_input, loss_fn, bn_correct, rebuild_bn_relu, config, rebuildable
+        )
 
 
 def _check_model(model: Any) -> None:

@@ -35,6 +35,8 @@ class ModelMap:
             relative to that model).
         following: what runs next on a module's output, where the model's structure says so: the next child of a
             plain ``nn.Sequential``, and what a family's adapter says (the next stage's first block, the pooling).
+        first_called: of each plain ``nn.Sequential`` with children, what runs first on its input: its first child,
+            or where that is a plain ``nn.Sequential`` too, what runs first in it (None: an empty slot).
         switches: modules whose forward gets keyword arguments while blocks inside them are checkpointed, with
             those arguments.
         switched_on: the blocks whose family's own switch checkpoints them already.
@@ -58,6 +60,7 @@ class ModelMap:
     parts: tuple[tuple[int, Link], ...]
     stems: Mapping[int, Stem]
     following: Mapping[int, nn.Module]
+    first_called: Mapping[int, nn.Module | None]
     switches: tuple[tuple[nn.Module, dict[str, Any]], ...]
     switched_on: frozenset[int]
     wrapped: frozenset[int]
@@ -91,12 +94,6 @@ class ModelMap:
             for run in runs
         ]
 
-    def in_model_order(self, names: Sequence[str]) -> list[str]:
-        """Names of links and parts, sorted as the model runs them (a part after its link)."""
-        order = {link.name: (i, -1) for i, link in enumerate(self.links)}
-        order.update({part.name: (i, k) for k, (i, part) in enumerate(self.parts)})
-        return sorted(names, key=order.__getitem__)
-
 
 def map_model(model: nn.Module, units: Units | None = None) -> ModelMap:
     """Read ``model``'s map: the registry's answers for every module, and with ``units`` (see
@@ -122,6 +119,7 @@ def map_model(model: nn.Module, units: Units | None = None) -> ModelMap:
         parts=tuple(link_parts(links)),
         stems=stems,
         following={**_sequential_order(modules), **layout.following},
+        first_called={id(m): _first_called(m) for m in modules if plain_sequential(m) and len(m._modules)},
         switches=tuple(layout.switches),
         switched_on=frozenset(layout.switched_on),
         wrapped=wrapped,
@@ -139,6 +137,12 @@ def _sequential_order(modules: Sequence[nn.Module]) -> dict[int, nn.Module]:
             children = list(module.children())
             after.update((id(a), b) for a, b in zip(children, children[1:], strict=False))
     return after
+
+
+def _first_called(module: nn.Module | None) -> nn.Module | None:
+    while module is not None and plain_sequential(module) and len(module._modules):
+        module = next(iter(module._modules.values()))
+    return module
 
 
 def model_chain(

@@ -23,16 +23,6 @@ ONE_GRAPH_MARGIN = 0.02
 container to be kept so: one measurement's timing differs by about that much from the next."""
 
 
-def _candidate(setting: float | None, applied: surgery.Applied, peak: int, seconds: float) -> dict[str, Any]:
-    return {
-        "activation_memory_budget": setting,
-        "runs": applied.runs,
-        "graph_splits": applied.splits,
-        "peak_bytes": peak,
-        "step_ms": round(seconds * 1e3, 3),
-    }
-
-
 def plan_compiled(
     measured: nn.Module,
     model_map: ModelMap,
@@ -72,7 +62,13 @@ def plan_compiled(
             applied = surgery.apply(
                 model_map, runs, bn_correct=bn_correct, replacing=applied, split_graphs=split_graphs
             )
-            candidate = _candidate(setting, applied, meter.peak(), meter.seconds())
+            candidate = {
+                "activation_memory_budget": setting,
+                "runs": applied.runs,
+                "graph_splits": applied.splits,
+                "peak_bytes": meter.peak(),  # measured first, then timed
+                "step_ms": round(meter.seconds() * 1e3, 3),
+            }
         candidates.append(candidate)
         return candidate
 
@@ -99,7 +95,7 @@ def plan_compiled(
     _compiler.forget_graphs_apart()  # training compiles its graphs apart anew, under its own settings
     return finished(
         CheckpointPlan(
-            blocks=model_map.in_model_order(applied.checkpointed),
+            blocks=applied.checkpointed,  # in model order, as best_runs cut them
             candidates=len(links),
             runs=applied.runs,
             baseline_bytes=search.tried[0].peak,

@@ -23,7 +23,6 @@ from lightning_memguard.checkpointing.budget import (
 )
 from lightning_memguard.checkpointing.measure import StepMeter, default_loss
 from lightning_memguard.checkpointing.model_map import ModelMap
-from lightning_memguard.checkpointing.rebuild_targets import can_rebuild
 from lightning_memguard.checkpointing.recipes import RebuildConfig
 from lightning_memguard.checkpointing.result import CheckpointPlan, finished, warnings_once
 from lightning_memguard.checkpointing.wrap import Link
@@ -37,9 +36,11 @@ def plan_eager(
     bn_correct: bool,
     rebuild_bn_relu: bool,
     config: RebuildConfig,
+    rebuildable: bool,
 ) -> CheckpointPlan:
     """Measure the links of ``model_map``, choose among them under the budget, and leave the model as the plan says
-    (see :func:`.entrances.checkpoint_blocks`)."""
+    (see :func:`.entrances.checkpoint_blocks`); ``rebuildable``: whether the rebuild takes anything among the links
+    (:func:`.rebuild_targets.can_rebuild`), for what else would lower the floor."""
     links = list(model_map.links)
     meter = StepMeter(model_map.model, example_input, loss_fn or default_loss)
     baseline = meter.peak()
@@ -64,15 +65,15 @@ def plan_eager(
         chosen, peak = plan.choose()
     finer, final_runs = plan.cut(chosen)
     lower = ["a smaller batch"]
-    if not rebuild_bn_relu and any(can_rebuild(link, model_map) for link in links):
+    if not rebuild_bn_relu and rebuildable:
         lower.append("rebuild_bn_relu=True (the rebuild, in the links left unchecked)")
     named_parts = {part.name for part in plan.part_links}
     checkpointed = plan.applied.checkpointed
     return finished(
         CheckpointPlan(
-            # what was really changed, in model order
-            blocks=model_map.in_model_order([name for name in checkpointed if name not in named_parts]),
-            parts=model_map.in_model_order([name for name in checkpointed if name in named_parts]),
+            # what was really changed, in model order (_apply hands over the runs of links in order, then the parts)
+            blocks=[name for name in checkpointed if name not in named_parts],
+            parts=[name for name in checkpointed if name in named_parts],
             candidates=len(links),
             runs=plan.applied.runs,
             rebuilt=plan.applied.rebuilt,

@@ -24,7 +24,7 @@ from lightning_memguard.checkpointing.rebuild import (
     RebuiltStemReLU,
 )
 from lightning_memguard.checkpointing.recipes import RebuildConfig
-from lightning_memguard.checkpointing.wrap import Link, Swap, is_checkpointed, plain_sequential
+from lightning_memguard.checkpointing.wrap import Link, Swap, is_checkpointed
 
 
 def unit_parts(module: nn.Module, model_map: ModelMap) -> tuple[nn.Module, nn.BatchNorm2d, nn.Module | None] | None:
@@ -202,8 +202,8 @@ def _taker(module: nn.Module | None, model_map: ModelMap) -> nn.Module | None:
     """The module to mark :class:`.rebuild.TakesRecipes` when ``module`` runs next on a rebuilt unit's output: the first
     element of a plain ``nn.Sequential``; none if it is a rebuilt unit or holds one (those take recipes already), is
     checkpointed or wrapped by other code (it keeps its input anyway), or keeps nothing of its input."""
-    while module is not None and plain_sequential(module) and len(module._modules):
-        module = next(iter(module._modules.values()))
+    if module is not None:
+        module = model_map.first_called.get(id(module), module)
     if module is None or isinstance(module, RebuiltBatchNormReLU | nn.ModuleList):
         return None
     if is_checkpointed(module) or id(module) in model_map.wrapped or _keeps_nothing(module):
