@@ -320,7 +320,7 @@ def test_a_resumed_compiled_run_reapplies_the_runs_and_compiles_setting_without_
 
     torch._dynamo.reset()
     measured = []
-    from lightning_memguard.checkpointing import plan as plan_module
+    from lightning_memguard.checkpointing import entrances as plan_module
 
     monkeypatch.setattr(plan_module, "plan_compiled", lambda *a, **k: measured.append(1))
     resumed, saved = ActivationCheckpointing(memory_budget=0.3), _Saved()
@@ -343,7 +343,7 @@ def test_the_same_callback_in_a_second_fit_under_compile_reapplies_its_plan_with
 
     torch._dynamo.reset()
     measured = []
-    from lightning_memguard.checkpointing import plan as plan_module
+    from lightning_memguard.checkpointing import entrances as plan_module
 
     monkeypatch.setattr(plan_module, "plan_compiled", lambda *a, **k: measured.append(1))
     saved, second = _Saved(), Net()
