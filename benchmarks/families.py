@@ -279,15 +279,15 @@ def apply(
 @contextlib.contextmanager
 def whole_blocks_only() -> Any:
     """The planner as it was before finer links: whole blocks only (the ``_blocks`` rows, beside the same budget
-    with finer links, in the same run). It replaces the planner's own finder of parts for the call."""
-    from lightning_memguard.checkpointing import plan_eager
+    with finer links, in the same run). It replaces the finder of parts the model's map is read with, for the call."""
+    from lightning_memguard.checkpointing import model_map
 
-    finder = plan_eager.link_parts
-    plan_eager.link_parts = lambda links: []  # type: ignore[assignment]
+    finder = model_map.link_parts
+    model_map.link_parts = lambda links: []  # type: ignore[assignment]
     try:
         yield
     finally:
-        plan_eager.link_parts = finder
+        model_map.link_parts = finder
 
 
 def _gb(n: int | None) -> float | None:

@@ -17,7 +17,7 @@ from lightning_memguard._lightning.privates import (
 from lightning_memguard.checkpointing.checkpointing_settings import CheckpointingSettings
 from lightning_memguard.checkpointing.families import Units
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
-from lightning_memguard.checkpointing.rebuild import RebuildConfig
+from lightning_memguard.checkpointing.recipes import RebuildConfig
 from lightning_memguard.checkpointing.result import CheckpointPlan
 from lightning_memguard.tuning.training_state import holds_shards
 

@@ -2,7 +2,7 @@
 
 from lightning_memguard.checkpointing.entrances import apply_plan, checkpoint_blocks, checkpoint_resnet
 from lightning_memguard.checkpointing.families import find_units
-from lightning_memguard.checkpointing.rebuild import RebuildConfig
+from lightning_memguard.checkpointing.recipes import RebuildConfig
 from lightning_memguard.checkpointing.result import CheckpointPlan
 from lightning_memguard.checkpointing.surgery import rebuild_bn_relu, remove_checkpointing, remove_rebuild
 from lightning_memguard.checkpointing.wrap import is_checkpointed

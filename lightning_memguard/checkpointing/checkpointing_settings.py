@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_memguard.checkpointing.families import Units, check_units
-from lightning_memguard.checkpointing.rebuild import RebuildConfig, check_config
+from lightning_memguard.checkpointing.recipes import RebuildConfig, check_config
 from lightning_memguard.core.checks import check_bool, check_memory_budget
 
 

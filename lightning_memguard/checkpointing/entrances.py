@@ -1,7 +1,8 @@
 """The public entry points: :func:`checkpoint_blocks` (and :func:`checkpoint_resnet`, the same for a torchvision
-ResNet) checks its arguments, sees the model as a chain (:mod:`.measure`) and checkpoints every link, or plans a
-budget eager (:mod:`.plan_eager`) or compiled (:mod:`.plan_compiled`); :func:`apply_plan` re-applies a plan's runs.
-Every change to the model is made by :func:`.surgery.apply`."""
+ResNet) checks its arguments, reads the model's map once (:class:`~.model_map.ModelMap`: its links and what its
+families say of it) and checkpoints every link, or hands the map to a planner, eager (:mod:`.plan_eager`) or compiled
+(:mod:`.plan_compiled`); :func:`apply_plan` re-applies a plan's runs. Every change to the model is made by
+:func:`.surgery.apply`."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from torch import nn
 
 from lightning_memguard import _compiler
 from lightning_memguard.checkpointing import families, surgery
-from lightning_memguard.checkpointing.families import Layout, Units, names_only
-from lightning_memguard.checkpointing.measure import can_rebuild, link_parts, model_chain, runs_named
+from lightning_memguard.checkpointing.families import Units, check_units
+from lightning_memguard.checkpointing.model_map import map_model
 from lightning_memguard.checkpointing.plan_compiled import plan_compiled
 from lightning_memguard.checkpointing.plan_eager import plan_eager
-from lightning_memguard.checkpointing.rebuild import RebuildConfig, check_config
+from lightning_memguard.checkpointing.rebuild_targets import can_rebuild
+from lightning_memguard.checkpointing.recipes import RebuildConfig, check_config
 from lightning_memguard.checkpointing.result import CheckpointPlan
 from lightning_memguard.checkpointing.wrap import is_checkpointed
 from lightning_memguard.core.checks import (
@@ -103,7 +105,7 @@ def checkpoint_blocks(
         loss_fn: turns the model's output into a scalar for the profiling backward; default: the sum.
         bn_correct: BatchNorm running statistics are updated only by the first forward, not by recomputation.
         rebuild_bn_relu: see above.
-        rebuild_config: how the rebuild makes its tensors (:class:`~.rebuild.RebuildConfig`); default: the one-pass
+        rebuild_config: how the rebuild makes its tensors (:class:`~.recipes.RebuildConfig`); default: the one-pass
             kernel where it runs, two of a stage's earlier outputs kept.
         compile: None: measure the model as it runs (compiled if it is); True or ``torch.compile`` keyword
             arguments: it will be compiled so, measure it that way.
@@ -138,21 +140,26 @@ def checkpoint_blocks(
     measured, model = model, _compiler.unwrapped(model)  # the modules of a torch.compile result are its original's
     if compile is None:
         compile = _compiler.is_compiled(measured)
-    layout = Layout(model)  # what the model's families say of it, asked once for the whole plan
-    links, joinable = model_chain(model, layout.blocks(units), layout, with_stems=not names_only(units))
-    if rebuild_bn_relu and not any(can_rebuild(link, layout) for link in links):
+    model_map = map_model(model, check_units(units))  # its links and what its families say, read once for the plan
+    links = model_map.links
+    rebuildable = any(can_rebuild(link, model_map) for link in links)  # the rebuild takes something in the links
+    if rebuild_bn_relu and not rebuildable:
         raise ValueError(
             f"`rebuild_bn_relu` needs {families.rebuild_description()} (with nn.BatchNorm2d)"
             f" among its blocks, and {type(model).__name__} has none"
         )
-    if memory_budget is None and rebuild_bn_relu:
-        applied = surgery.apply(model, rebuilt=links, config=config, layout=layout)
-        return CheckpointPlan(blocks=[], candidates=len(links), rebuilt=applied.rebuilt)
-    if memory_budget is None:  # under compile, a graph per container of blocks
-        every = [[link] for link in links]
-        applied = surgery.apply(model, every, bn_correct=bn_correct, split_graphs=bool(compile), layout=layout)
+    if memory_budget is None:  # every link on its own (under compile, a graph per container of blocks), or the rebuild
+        every = [] if rebuild_bn_relu else [[link] for link in links]
+        rebuilt = links if rebuild_bn_relu else ()
+        applied = surgery.apply(
+            model_map, every, rebuilt, bn_correct=bn_correct, config=config, split_graphs=bool(compile)
+        )
         return CheckpointPlan(
-            blocks=applied.checkpointed, candidates=len(links), runs=applied.runs, graph_splits=applied.splits
+            blocks=applied.checkpointed,
+            candidates=len(links),
+            runs=applied.runs,
+            rebuilt=applied.rebuilt,
+            graph_splits=applied.splits,
         )
     if example_input is None:
         raise ValueError("`memory_budget` needs `example_input`, a real batch to measure the blocks on")
@@ -164,11 +171,10 @@ def checkpoint_blocks(
             if rebuild_bn_relu:
                 warnings.warn("the rebuild stands aside under torch.compile: planning without it", UserWarning, 2)
             return plan_compiled(
-                measured, model, links, joinable, memory_budget, example_input, loss_fn, bn_correct, options,
-                tuple(compile_settings), layout,
-            )  # fmt: skip
+                measured, model_map, memory_budget, example_input, loss_fn, bn_correct, options, tuple(compile_settings)
+            )
         return plan_eager(
-            model, links, joinable, memory_budget, example_input, loss_fn, bn_correct, rebuild_bn_relu, config, layout
+            model_map, memory_budget, example_input, loss_fn, bn_correct, rebuild_bn_relu, config, rebuildable
         )
 
 
@@ -206,13 +212,10 @@ def apply_plan(
     check_bool("rebuild_bn_relu", rebuild_bn_relu)
     check_bool("split_graphs", split_graphs)
     config = check_config(rebuild_config)
-    layout = Layout(model)
-    links, joinable = model_chain(model, layout.blocks(units), layout, with_stems=not names_only(units))
-    named = runs_named(links, joinable, runs, link_parts(links))
-    rebuilt = links if rebuild_bn_relu else ()
-    applied = surgery.apply(
-        model, named, rebuilt, bn_correct=bn_correct, config=config, split_graphs=split_graphs, layout=layout
-    )
+    model_map = map_model(model, check_units(units))
+    named = model_map.runs_named(runs)
+    rebuilt = model_map.links if rebuild_bn_relu else ()
+    applied = surgery.apply(model_map, named, rebuilt, bn_correct=bn_correct, config=config, split_graphs=split_graphs)
     return applied.checkpointed
 
 

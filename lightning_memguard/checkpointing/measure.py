@@ -1,8 +1,7 @@
-"""A model as a chain of links, and measuring it on a real batch.
+"""Measuring a model on a real batch.
 
-:func:`model_chain` sees the model as the planner does: its blocks in order (and a ResNet's stem before its first
-block), with which neighbours may share a run. :class:`StepMeter` runs one forward and backward and reads its peak,
-its time, and each link's saved activations and forward time (:class:`~.budget.BlockProfile`). Nothing here changes
+:class:`StepMeter` runs one forward and backward and reads its peak, its time, and each link's saved activations and
+forward time (:class:`~.budget.BlockProfile`); the links are the model map's (:mod:`.model_map`). Nothing here changes
 the model: :mod:`.surgery` does, as :mod:`.plan_eager` and :mod:`.plan_compiled` decide."""
 
 from __future__ import annotations
@@ -16,140 +15,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from lightning_memguard import _autograd
 from lightning_memguard._ledger import Key, Ledger, storage_key
 from lightning_memguard.checkpointing.budget import BlockProfile
-from lightning_memguard.checkpointing.families import Layout
-from lightning_memguard.checkpointing.rebuild import rebuildable, stem_rebuildable
-from lightning_memguard.checkpointing.wrap import Link, is_checkpointed, plain_sequential, preserved_state
-
-
-def model_chain(
-    model: nn.Module, found: list[tuple[str, nn.Module]], layout: Layout | None = None, with_stems: bool = True
-) -> tuple[list[Link], list[bool]]:
-    """The links to plan over and which neighbours may share a run.
-
-    Blocks that are consecutive children of one ``nn.Sequential`` (with ``nn.Sequential``'s own forward) may share
-    a run, so a stage's output (what feature extractors read) is always its own. In a model whose adapter names a
-    stem (torchvision's and timm's ResNets with their own forward: conv1, bn1, relu / act1, maxpool) the stem is a
-    link too, on its own, before the block it runs before (unless ``with_stems`` is False: blocks chosen by name). A
-    block sharded by FSDP2 (``fully_shard``) is a run of its own.
-    """
-    names = {name for name, _ in found} if with_stems else set()
-    stems = {
-        stem.before: Link(name, stem.modules, stem=True)
-        for name, stem in (layout or Layout(model)).stems
-        if stem.before in names
-    }  # first block's name -> the stem link before it
-    links: list[Link] = []
-    joinable: list[bool] = []
-    modules = dict(model.named_modules())
-    for name, module in found:
-        if name in stems:
-            if links:
-                joinable.append(False)
-            links.append(stems[name])
-            joinable.append(False)
-        elif links:
-            joinable.append(_consecutive_in_sequential(modules, links[-1].name, name))
-        links.append(Link(name, ((name, module),)))
-    return links, joinable
-
-
-def _consecutive_in_sequential(modules: dict[str, nn.Module], a: str, b: str) -> bool:
-    parent_a, _, index_a = a.rpartition(".")
-    parent_b, _, index_b = b.rpartition(".")
-    parent = modules.get(parent_a)
-    # a Sequential subclass with a forward of its own may not call its children one after another
-    if parent_a != parent_b or parent is None or not plain_sequential(parent):
-        return False
-    # a block sharded by FSDP2 gathers its weights in hooks around its own call; a run calls its members' forward
-    if isinstance(modules[a], FSDPModule) or isinstance(modules[b], FSDPModule):
-        return False
-    order = list(modules[parent_a]._modules)
-    return order.index(index_b) == order.index(index_a) + 1
-
-
-def link_parts(links: list[Link]) -> list[tuple[int, Link]]:
-    """Finer links: in each block, the modules it calls that are made of modules and hold parameters (a
-    transformer layer's attention and MLP, a ConvNeXt block's MLP, T5's sub-layers inside its ``layer`` list, the
-    blocks of a plain ``nn.Sequential`` of them where a block is a whole stage), each with the index of its block.
-    A part is checkpointed on its own (the rest of its block kept as it is), or inside its checkpointed block, where
-    its recomputation then holds less at once. A ResNet's stem has none.
-
-    Example:
-        >>> layer = nn.Sequential(nn.LayerNorm(4), nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)))
-        >>> model = nn.Sequential(layer)
-        >>> [(i, part.name) for i, part in link_parts([Link("0", (("0", layer),))])]
-        [(0, '0.1')]
-    """
-    blocks = {id(module) for link in links for _, module in link.modules}
-    parts: list[tuple[int, Link]] = []
-    for i, link in enumerate(links):
-        if link.stem or len(link.modules) != 1:
-            continue
-        name, block = link.modules[0]
-        for path, child in _composite_children(block):
-            if id(child) not in blocks:
-                parts.append((i, Link(f"{name}.{path}", ((f"{name}.{path}", child),), part=True)))
-    return parts
-
-
-def _composite_children(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    for name, child in module._modules.items():
-        if child is None:
-            continue
-        if isinstance(child, nn.ModuleList | nn.ModuleDict):  # never called: the block calls its elements
-            yield from _composite_children(child, f"{prefix}{name}.")
-        elif plain_sequential(child) and any(_composite(c) for c in child._modules.values() if c is not None):
-            # a stage's blocks (a block that is a whole stage, as timm's switch checkpoints RepViT's): each is a part
-            yield from _composite_children(child, f"{prefix}{name}.")
-        elif _composite(child):
-            yield f"{prefix}{name}", child
-
-
-def _composite(module: nn.Module) -> bool:
-    return bool(module._modules) and next(module.parameters(), None) is not None
-
-
-def runs_named(
-    links: list[Link], joinable: list[bool], runs: list[list[str]], parts: Sequence[tuple[int, Link]] = ()
-) -> list[list[Link]]:
-    """The model's links for each run of names (to re-apply a plan on a fresh copy of the model); a part of a block
-    (:func:`link_parts`) is a run of its own.
-
-    Raises:
-        ValueError: a name the model does not have, or a run whose links may not share one checkpoint.
-    """
-    index = {link.name: i for i, link in enumerate(links)}
-    named_parts = {part.name: part for _, part in parts}
-    for run in runs:
-        if len(run) == 1 and run[0] in named_parts and run[0] not in index:
-            continue
-        missing = [n for n in run if n not in index]
-        if missing:
-            raise ValueError(f"the model has no block named {missing[0]!r} to checkpoint")
-        for a, b in zip(run, run[1:], strict=False):
-            if index[b] != index[a] + 1 or not joinable[index[a]]:
-                raise ValueError(
-                    f"{a!r} and {b!r} cannot share a run: a run is made of consecutive blocks of one nn.Sequential,"
-                    " none of them sharded by FSDP2's fully_shard"
-                )
-    return [[named_parts[n] for n in run] if run[0] not in index else [links[index[n]] for n in run] for run in runs]
-
-
-def in_model_order(names: Sequence[str], links: list[Link], parts: Sequence[tuple[int, Link]] = ()) -> list[str]:
-    order = {link.name: (i, -1) for i, link in enumerate(links)}
-    order.update({part.name: (i, k) for k, (i, part) in enumerate(parts)})
-    return sorted(names, key=order.__getitem__)
-
-
-def can_rebuild(link: Link, layout: Layout) -> bool:
-    if link.stem:
-        return len(link.modules) == 4 and stem_rebuildable(*(m for _, m in link.modules[1:]))
-    return any(rebuildable(m, layout) for _, m in link.modules)
+from lightning_memguard.checkpointing.wrap import Link, is_checkpointed, preserved_state
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -240,7 +110,7 @@ class StepMeter:
 
     def profile(self, links: list[Link], parts: Sequence[tuple[int, Link]] = ()) -> list[BlockProfile]:
         """Each link's saved activations (split into input, output and the rest) and forward time, in one pass; then
-        each part's (:func:`link_parts`), whose bytes its block's figures hold too."""
+        each part's (:func:`.model_map.link_parts`), whose bytes its block's figures hold too."""
         return self.agree(self._profile(links, [part for _, part in parts]))
 
     def _seconds(self, steps: int) -> float:

@@ -13,8 +13,8 @@ from torch import nn
 from lightning_memguard import _compiler
 from lightning_memguard.checkpointing import surgery
 from lightning_memguard.checkpointing.budget import CompileBudgetSearch, best_runs, budget_bytes, choose_blocks, value
-from lightning_memguard.checkpointing.families import Layout
-from lightning_memguard.checkpointing.measure import StepMeter, default_loss, in_model_order, runs_named, tensors
+from lightning_memguard.checkpointing.measure import StepMeter, default_loss, tensors
+from lightning_memguard.checkpointing.model_map import ModelMap
 from lightning_memguard.checkpointing.result import CheckpointPlan, finished, warnings_once
 from lightning_memguard.checkpointing.wrap import Link
 
@@ -23,36 +23,25 @@ ONE_GRAPH_MARGIN = 0.02
 container to be kept so: one measurement's timing differs by about that much from the next."""
 
 
-def _candidate(setting: float | None, applied: surgery.Applied, peak: int, seconds: float) -> dict[str, Any]:
-    return {
-        "activation_memory_budget": setting,
-        "runs": applied.runs,
-        "graph_splits": applied.splits,
-        "peak_bytes": peak,
-        "step_ms": round(seconds * 1e3, 3),
-    }
-
-
 def plan_compiled(
     measured: nn.Module,
-    model: nn.Module,
-    links: list[Link],
-    joinable: list[bool],
+    model_map: ModelMap,
     memory_budget: float | int,
     example_input: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     bn_correct: bool,
     options: dict[str, Any] | None,
     settings: tuple[float, ...],
-    layout: Layout,
 ) -> CheckpointPlan:
     """The budget under compile: each of compile's settings alone, then with the fewest most valuable blocks that
     fit where it may still be the fastest (:class:`~lightning_memguard.checkpointing.budget.CompileBudgetSearch`),
     measured compiled, the blocks' containers each a graph of its own; the fastest that fits is applied, in one
-    graph where that fits and is faster (see :func:`.entrances.checkpoint_blocks`)."""
+    graph where that fits and is faster (see :func:`.entrances.checkpoint_blocks`). ``measured`` is the model as it
+    is called (compiled, or not yet), ``model_map`` the map of its modules."""
     loss_fn = loss_fn or default_loss
+    links, joinable = list(model_map.links), list(model_map.joinable)
     with _compiler.eager():  # each link's own bytes and time, to rank them: in eager mode, hooks and all
-        profiles = StepMeter(model, example_input, loss_fn).profile(links)
+        profiles = StepMeter(model_map.model, example_input, loss_fn).profile(links)
     gradients = any(t.is_cuda for t in tensors(example_input))
     now = _compiler.activation_memory_budget_now()
     levels = (None, *(s for s in dict.fromkeys(settings) if s != now))  # the default in force is measured once
@@ -71,9 +60,15 @@ def plan_compiled(
         with _compiler.activation_memory_budget(setting):  # each measurement compiles anew, under its setting
             meter = StepMeter(measured, example_input, loss_fn, _compiler.fresh_compiled(measured, options))
             applied = surgery.apply(
-                model, runs, bn_correct=bn_correct, replacing=applied, split_graphs=split_graphs, layout=layout
+                model_map, runs, bn_correct=bn_correct, replacing=applied, split_graphs=split_graphs
             )
-            candidate = _candidate(setting, applied, meter.peak(), meter.seconds())
+            candidate = {
+                "activation_memory_budget": setting,
+                "runs": applied.runs,
+                "graph_splits": applied.splits,
+                "peak_bytes": meter.peak(),  # measured first, then timed
+                "step_ms": round(meter.seconds() * 1e3, 3),
+            }
         candidates.append(candidate)
         return candidate
 
@@ -88,19 +83,19 @@ def plan_compiled(
         budget = search.budget
         assert budget is not None and search.result is not None
         pick = candidates[search.result]
-        runs = runs_named(links, joinable, pick["runs"])  # the twin below has the same runs
+        runs = model_map.runs_named(pick["runs"])  # the twin below has the same runs
         if pick["graph_splits"]:  # the same blocks in one graph: chosen instead where it fits and is faster
             twin = measure(pick["activation_memory_budget"], runs, split_graphs=False)
             # one graph peaks higher at about the same speed (ResNet50: 0.3 %): it must be faster beyond the noise
             if twin["peak_bytes"] <= budget and twin["step_ms"] < pick["step_ms"] * (1 - ONE_GRAPH_MARGIN):
                 pick = twin
     applied = surgery.apply(
-        model, runs, bn_correct=bn_correct, replacing=applied, split_graphs=bool(pick["graph_splits"]), layout=layout
+        model_map, runs, bn_correct=bn_correct, replacing=applied, split_graphs=bool(pick["graph_splits"])
     )
     _compiler.forget_graphs_apart()  # training compiles its graphs apart anew, under its own settings
     return finished(
         CheckpointPlan(
-            blocks=in_model_order(applied.checkpointed, links),
+            blocks=applied.checkpointed,  # in model order, as best_runs cut them
             candidates=len(links),
             runs=applied.runs,
             baseline_bytes=search.tried[0].peak,

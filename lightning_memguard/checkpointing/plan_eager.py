@@ -8,7 +8,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import nn
 
 from lightning_memguard.checkpointing import surgery
 from lightning_memguard.checkpointing.budget import (
@@ -22,32 +21,32 @@ from lightning_memguard.checkpointing.budget import (
     predict_peak,
     value,
 )
-from lightning_memguard.checkpointing.families import Layout
-from lightning_memguard.checkpointing.measure import StepMeter, can_rebuild, default_loss, in_model_order, link_parts
-from lightning_memguard.checkpointing.rebuild import RebuildConfig
+from lightning_memguard.checkpointing.measure import StepMeter, default_loss
+from lightning_memguard.checkpointing.model_map import ModelMap
+from lightning_memguard.checkpointing.recipes import RebuildConfig
 from lightning_memguard.checkpointing.result import CheckpointPlan, finished, warnings_once
 from lightning_memguard.checkpointing.wrap import Link
 
 
 def plan_eager(
-    model: nn.Module,
-    links: list[Link],
-    joinable: list[bool],
+    model_map: ModelMap,
     memory_budget: float | int,
     example_input: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     bn_correct: bool,
     rebuild_bn_relu: bool,
     config: RebuildConfig,
-    layout: Layout,
+    rebuildable: bool,
 ) -> CheckpointPlan:
-    """Measure, choose links under the budget, and leave the model as the plan says (see
-    :func:`.entrances.checkpoint_blocks`)."""
-    meter = StepMeter(model, example_input, loss_fn or default_loss)
+    """Measure the links of ``model_map``, choose among them under the budget, and leave the model as the plan says
+    (see :func:`.entrances.checkpoint_blocks`); ``rebuildable``: whether the rebuild takes anything among the links
+    (:func:`.rebuild_targets.can_rebuild`), for what else would lower the floor."""
+    links = list(model_map.links)
+    meter = StepMeter(model_map.model, example_input, loss_fn or default_loss)
     baseline = meter.peak()
     budget = budget_bytes(baseline, memory_budget)
     # finer links (a layer's attention and MLP) where no rebuild is planned: the rebuild changes what a block keeps
-    found = [] if rebuild_bn_relu else link_parts(links)
+    found = [] if rebuild_bn_relu else list(model_map.parts)
     measured = meter.profile(links, found)
     profiles = measured[: len(links)]
     kept = [(i, part, p) for (i, part), p in zip(found, measured[len(links) :], strict=True) if p.saving > 0]
@@ -55,27 +54,26 @@ def plan_eager(
     applied = surgery.Applied()
     if rebuild_bn_relu:
         plain = profiles  # what a checkpointed block brings back when it is recomputed: the rebuild stands aside
-        applied = surgery.apply(model, rebuilt=links, config=config, layout=layout)
+        applied = surgery.apply(model_map, rebuilt=links, config=config)
         profiles = _rebuilt_profiles(meter.profile(links), plain)
         start -= sum(q.saved_bytes for q in plain) - sum(p.saved_bytes for p in profiles)  # what the rebuild frees
     plan = _Planning(
-        model, meter, links, joinable, profiles, [Part(i, p) for i, _, p in kept], [part for _, part, _ in kept],
-        start, budget, links if rebuild_bn_relu else [], bn_correct, config, layout, applied,
+        model_map, meter, links, list(model_map.joinable), profiles, [Part(i, p) for i, _, p in kept],
+        [part for _, part, _ in kept], start, budget, links if rebuild_bn_relu else [], bn_correct, config, applied,
     )  # fmt: skip
     with warnings_once():
         chosen, peak = plan.choose()
     finer, final_runs = plan.cut(chosen)
     lower = ["a smaller batch"]
-    if not rebuild_bn_relu and any(can_rebuild(link, layout) for link in links):
+    if not rebuild_bn_relu and rebuildable:
         lower.append("rebuild_bn_relu=True (the rebuild, in the links left unchecked)")
     named_parts = {part.name for part in plan.part_links}
-    every = [(part.link, link) for part, link in zip(plan.parts, plan.part_links, strict=True)]
     checkpointed = plan.applied.checkpointed
     return finished(
         CheckpointPlan(
-            # what was really changed, in model order
-            blocks=in_model_order([name for name in checkpointed if name not in named_parts], links),
-            parts=in_model_order([name for name in checkpointed if name in named_parts], links, every),
+            # what was really changed, in model order (_apply hands over the runs of links in order, then the parts)
+            blocks=[name for name in checkpointed if name not in named_parts],
+            parts=[name for name in checkpointed if name in named_parts],
             candidates=len(links),
             runs=plan.applied.runs,
             rebuilt=plan.applied.rebuilt,
@@ -95,7 +93,7 @@ class _Planning:
     (``applied``). Index ``len(links) + k`` is the finer link ``part_links[k]`` (``parts[k]`` as the budget sees
     it), a run of its own."""
 
-    model: nn.Module
+    model_map: ModelMap
     meter: StepMeter
     links: list[Link]
     joinable: list[bool]
@@ -107,7 +105,6 @@ class _Planning:
     rebuilt: Sequence[Link]
     bn_correct: bool
     config: RebuildConfig
-    layout: Layout
     applied: surgery.Applied
 
     def choose(self) -> tuple[set[int], int]:
@@ -173,9 +170,8 @@ class _Planning:
         runs = [[self.links[i] for i in run] for run in self.cut(indices)[1]]
         runs += [[self.part_links[i - n]] for i in sorted(indices) if i >= n]
         self.applied = surgery.apply(
-            self.model, runs, self.rebuilt, bn_correct=self.bn_correct, config=self.config, replacing=self.applied,
-            layout=self.layout,
-        )  # fmt: skip
+            self.model_map, runs, self.rebuilt, bn_correct=self.bn_correct, config=self.config, replacing=self.applied
+        )
 
 
 def _rebuilt_profiles(rebuilt: list[BlockProfile], plain: list[BlockProfile]) -> list[BlockProfile]:

@@ -5,8 +5,9 @@ left unchecked, and re-links outputs (which block outputs can be rebuilt depends
 order; if anything raises part-way, every module gets back its class and attributes as they were before the call.
 :func:`remove_checkpointing` and :func:`remove_rebuild` take this library's mixins off a model; what a mixin's
 module carries goes with its last mixin (:data:`ATTRIBUTES` says which). The other modules describe: ``wrap`` the
-checkpointing mixins and a model's links, ``rebuild`` its mixins and which modules get them (:class:`.wrap.Swap`);
-this module makes the changes.
+checkpointing mixins and a model's links, ``rebuild`` the rebuild's mixins and ``rebuild_targets`` which modules get
+them (:class:`.wrap.Swap`); this module makes the changes. Which modules are what it reads from the model's map
+(:class:`~.model_map.ModelMap`), made once by a plan's entrance.
 """
 
 from __future__ import annotations
@@ -19,20 +20,16 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memguard.checkpointing.families import Layout
+from lightning_memguard.checkpointing.model_map import ModelMap, map_model
 from lightning_memguard.checkpointing.rebuild import (
-    DEFAULT_CONFIG,
-    RebuildConfig,
     RebuildMixin,
     RebuiltBatchNormReLU,
     RebuiltConvNormActivation,
     RebuiltStemReLU,
     TakesRecipes,
-    output_tails,
-    rebuild_swaps,
-    recipe_takers,
-    stem_swaps,
 )
+from lightning_memguard.checkpointing.rebuild_targets import output_tails, rebuild_swaps, recipe_takers, stem_swaps
+from lightning_memguard.checkpointing.recipes import DEFAULT_CONFIG, RebuildConfig
 from lightning_memguard.checkpointing.wrap import (
     CheckpointedMember,
     CheckpointedUnit,
@@ -77,7 +74,7 @@ one of them and goes when the module's last one does. Teaching the rebuild a new
 Mixins that carry none: :class:`.wrap.CheckpointedMember` outside a run, :class:`.rebuild.RebuiltStemPool` and
 :class:`.rebuild.TakesRecipes` (given and taken by :func:`link_outputs`). Nothing else is put on a module: a rebuilt
 unit's in-place activation runs out of place for one call (its own ``inplace`` flag, set back when the call ends),
-and which tensors have recipes is kept beside the model (``rebuild._RECIPES``, weakly, with each tensor's version)."""
+and which tensors have recipes is kept beside the model (``recipes._RECIPES``, weakly, with each tensor's version)."""
 
 CHECKPOINT: tuple[type[SwappedModule], ...] = (CheckpointedUnit, CheckpointedMember, GraphSplit, TrainingKeywords)
 """The checkpointing mixins (a graph split and a family's keyword arguments go with them)."""
@@ -112,7 +109,7 @@ class Applied:
 
 
 def apply(
-    model: nn.Module,
+    model_map: ModelMap,
     runs: Sequence[Sequence[Link]] = (),
     rebuilt: Sequence[Link] = (),
     *,
@@ -120,28 +117,26 @@ def apply(
     config: RebuildConfig = DEFAULT_CONFIG,
     replacing: Applied | None = None,
     split_graphs: bool = False,
-    layout: Layout | None = None,
 ) -> Applied:
-    """Change ``model`` in place: undo ``replacing`` (an earlier call's changes), checkpoint each run of links (one
-    checkpoint per run), rebuild BatchNorm + ReLU outputs (and Conv2dNormActivation units' BatchNorm and activation
-    outputs) in the links of ``rebuilt`` that are not checkpointed, and re-link outputs; return what was really
-    changed. With ``split_graphs``, where the checkpointed links lie in more than one container below the model (a
-    ResNet's stages), each such container begins a compiled graph of its own (:class:`.wrap.GraphSplit`).
+    """Change the model of ``model_map`` in place: undo ``replacing`` (an earlier call's changes), checkpoint each run
+    of links (one checkpoint per run), rebuild BatchNorm + ReLU outputs (and Conv2dNormActivation units' BatchNorm and
+    activation outputs) in the links of ``rebuilt`` that are not checkpointed, and re-link outputs; return what was
+    really changed. With ``split_graphs``, where the checkpointed links lie in more than one container below the
+    model (a ResNet's stages), each such container begins a compiled graph of its own (:class:`.wrap.GraphSplit`).
 
     A run with a module already checkpointed, or wrapped by other code (or checkpointed by its family's own switch:
     timm's ``set_grad_checkpointing()``, Hugging Face's ``gradient_checkpointing_enable()``), is left alone, with one
     warning for each kind. If anything raises, the model is as it was before the call (classes and attributes) and the
-    error passes. ``layout`` is the model's :class:`~.families.Layout` (a plan makes it once and hands it to every
-    call; made here where none is given).
+    error passes. ``model_map`` is the model's map (:class:`~.model_map.ModelMap`: a plan reads it once and hands it
+    to every call).
     """
-    layout = layout or Layout(model)
-    with restored_on_failure(model):
+    with restored_on_failure(model_map.model):
         if replacing is not None:
             for module, mixin in reversed(replacing.swaps):
                 _take_off(module, (mixin,))
         swaps: list[tuple[nn.Module, type[SwappedModule]]] = []
-        done = _checkpoint(runs, bn_correct, swaps, layout)
-        splits = _split(model, runs, done, swaps, layout) if split_graphs else []
+        done = _checkpoint(runs, bn_correct, swaps, model_map)
+        splits = _split(model_map, runs, done, swaps) if split_graphs else []
         names = []
         for link in rebuilt:
             if link.stem and len(link.modules) == 4:
@@ -150,13 +145,13 @@ def apply(
             elif link.stem:
                 found = []
             else:
-                found = [swap for _, module in link.modules for swap in rebuild_swaps(module, config, layout)]
+                found = [swap for _, module in link.modules for swap in rebuild_swaps(module, config, model_map)]
             for swap in found:
                 _give(swap, swaps)
             if found:
                 names.append(link.name)
-        link_outputs(model, layout)
-        link_switches(model, layout)
+        _link_outputs(model_map)
+        link_switches(model_map)
         return Applied(runs=done, rebuilt=names, splits=splits, swaps=swaps)
 
 
@@ -164,10 +159,10 @@ def _checkpoint(
     runs: Sequence[Sequence[Link]],
     bn_correct: bool,
     swaps: list[tuple[nn.Module, type[SwappedModule]]],
-    layout: Layout,
+    model_map: ModelMap,
 ) -> list[list[str]]:
     """Checkpoint each run (one checkpoint per run), except those already checkpointed, wrapped by other code, or
-    holding a block whose family's own switch checkpoints it (``layout.switched_on``); return the runs done."""
+    holding a block whose family's own switch checkpoints it (``model_map.switched_on``); return the runs done."""
     done: list[list[str]] = []
     ours: list[str] = []
     theirs: list[str] = []
@@ -176,7 +171,7 @@ def _checkpoint(
         if any(is_checkpointed(m) for m in modules):
             ours.append(run[0].name)
             continue
-        if any(layout.wrapped_by_someone_else(m) or id(m) in layout.switched_on for m in modules):
+        if any(id(m) in model_map.wrapped or id(m) in model_map.switched_on for m in modules):
             theirs.append(run[0].name)
             continue
         head, members = modules[0], modules[1:]
@@ -204,11 +199,10 @@ def _checkpoint(
 
 
 def _split(
-    model: nn.Module,
+    model_map: ModelMap,
     runs: Sequence[Sequence[Link]],
     done: list[list[str]],
     swaps: list[tuple[nn.Module, type[SwappedModule]]],
-    layout: Layout,
 ) -> list[str]:
     """Make each container (below the model) of the checkpointed links begin a compiled graph of its own, where
     there are at least two; return their names."""
@@ -226,12 +220,12 @@ def _split(
         return []
     split = []
     for name in containers:
-        module = model.get_submodule(name)
+        module = model_map.model.get_submodule(name)
         if isinstance(module, GraphSplit):  # split already (by an earlier change that was not replaced)
             split.append(name)
         elif isinstance(module, nn.ModuleList | nn.ModuleDict):  # never called: its parent calls the blocks
             continue
-        elif not is_checkpointed(module) and not layout.wrapped_by_someone_else(module):
+        elif not is_checkpointed(module) and id(module) not in model_map.wrapped:
             _give(Swap(module, GraphSplit, {"memguard_split": name}), swaps)
             split.append(name)
     return split
@@ -281,21 +275,25 @@ def restored_on_failure(model: nn.Module) -> Iterator[None]:
         raise
 
 
-def link_outputs(model: nn.Module, layout: Layout | None = None) -> int:
-    """Set which rebuilt blocks of ``model`` rebuild their own output too (see :func:`.rebuild.output_tails`), and
-    which modules save a rebuilt unit's output as its recipe (:class:`.rebuild.TakesRecipes`, see
-    :func:`.rebuild.recipe_takers`), giving and taking that mixin; return how many outputs are linked (tails and
-    takers). :func:`apply` and the removals call it after every change."""
-    layout = layout or Layout(model)
+def link_outputs(model: nn.Module) -> int:
+    """Set which rebuilt blocks of ``model`` rebuild their own output too (see :func:`.rebuild_targets.output_tails`),
+    and which modules save a rebuilt unit's output as its recipe (:class:`.rebuild.TakesRecipes`, see
+    :func:`.rebuild_targets.recipe_takers`), giving and taking that mixin, as the model is now (its map read afresh);
+    return how many outputs are linked (tails and takers). :func:`apply` and the removals do the same after every
+    change, with the map they have."""
+    return _link_outputs(map_model(model))
+
+
+def _link_outputs(model_map: ModelMap) -> int:
     count = 0
-    for module, tail in output_tails(model, layout):
+    for module, tail in output_tails(model_map):
         if tail is not None:
             module.__dict__["memguard_tail"] = tail
             count += 1
         else:
             module.__dict__.pop("memguard_tail", None)
-    takers = {id(taker) for taker in recipe_takers(model, layout)}
-    for module in model.modules():
+    takers = {id(taker) for taker in recipe_takers(model_map)}
+    for module in model_map.model.modules():
         if id(module) in takers and not isinstance(module, TakesRecipes):
             _give(Swap(module, TakesRecipes, {}), [])
         elif id(module) not in takers and isinstance(module, TakesRecipes):
@@ -303,16 +301,16 @@ def link_outputs(model: nn.Module, layout: Layout | None = None) -> int:
     return count + len(takers)
 
 
-def link_switches(model: nn.Module, layout: Layout | None = None) -> int:
+def link_switches(model_map: ModelMap) -> int:
     """Give each module whose forward must get keyword arguments while blocks inside it are checkpointed (as the
     adapters of :mod:`.families` say: a Hugging Face base model's ``use_cache=False``) those arguments
     (:class:`.wrap.TrainingKeywords`) where a block inside it is checkpointed, and take them where none is any more;
     return how many modules have them. :func:`apply` and the removals call it after every change."""
     wanted: dict[int, tuple[nn.Module, dict[str, Any]]] = {}
-    for module, keywords in (layout or Layout(model)).switches:
+    for module, keywords in model_map.switches:
         if any(is_checkpointed(m) for m in module.modules()):
             wanted[id(module)] = (module, keywords)
-    for module in model.modules():
+    for module in model_map.model.modules():
         if id(module) not in wanted and isinstance(module, TrainingKeywords):
             _take_off(module, (TrainingKeywords,))
     for module, keywords in wanted.values():
@@ -324,9 +322,9 @@ def link_switches(model: nn.Module, layout: Layout | None = None) -> int:
 def _remove(model: nn.Module, kinds: tuple[type[SwappedModule], ...]) -> int:
     with restored_on_failure(model):
         count = sum(_take_off(module, kinds) for module in model.modules())
-        layout = Layout(model)
-        link_outputs(model, layout)
-        link_switches(model, layout)
+        model_map = map_model(model)  # what the registry says of the model as the removal left it
+        _link_outputs(model_map)
+        link_switches(model_map)
         return count
 
 
@@ -343,10 +341,10 @@ def remove_rebuild(model: nn.Module) -> int:
 def rebuild_bn_relu(model: nn.Module, *, fused: bool = True, chain_kept: int = 2) -> int:
     """Rebuild BatchNorm + ReLU outputs in backward in every Bottleneck (after bn1 and bn2), BasicBlock (after bn1) and
     ResNet stem (after bn1) of torchvision's or timm's ResNet family in ``model`` that is not checkpointed, and the
-    BatchNorm and activation outputs of every torchvision Conv2dNormActivation (:func:`.rebuild.unit_parts` says which)
-    not inside a checkpointed module, in place; return how many blocks, stems and units changed. The output of a block
-    that feeds another rebuilt block is rebuilt too (see :func:`link_outputs`): in a ResNet, every block's; a unit's
-    output is saved as its recipe also by the module that runs next on it.
+    BatchNorm and activation outputs of every torchvision Conv2dNormActivation (:func:`.rebuild_targets.unit_parts`
+    says which) not inside a checkpointed module, in place; return how many blocks, stems and units changed. The output
+    of a block that feeds another rebuilt block is rebuilt too (see :func:`link_outputs`): in a ResNet, every block's;
+    a unit's output is saved as its recipe also by the module that runs next on it.
 
     ``state_dict`` keys do not change; :func:`remove_rebuild` undoes it.
 
@@ -365,4 +363,4 @@ def rebuild_bn_relu(model: nn.Module, *, fused: bool = True, chain_kept: int = 2
         35
     """
     config = RebuildConfig(fused=fused, chain_kept=chain_kept)
-    return apply(model, rebuilt=[Link("", (("", model),))], config=config).units(REBUILD)
+    return apply(map_model(model), rebuilt=[Link("", (("", model),))], config=config).units(REBUILD)

@@ -12,7 +12,7 @@ from lightning_memguard._lightning.loaders import example_for_budget, measuring_
 from lightning_memguard._lightning.privates import BeforeModelWrapped
 from lightning_memguard.checkpointing.checkpointing_settings import CheckpointingSettings
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
-from lightning_memguard.checkpointing.rebuild import RebuildConfig
+from lightning_memguard.checkpointing.recipes import RebuildConfig
 
 
 class _ChecksBeforeWrapping(BeforeModelWrapped):

@@ -23,7 +23,7 @@ from lightning_memguard.checkpointing import (
     remove_checkpointing,
     remove_rebuild,
 )
-from lightning_memguard.checkpointing.measure import model_chain
+from lightning_memguard.checkpointing.model_map import model_chain
 from lightning_memguard.checkpointing.rebuild import RebuiltBatchNormReLU, RebuiltStemReLU
 from lightning_memguard.checkpointing.surgery import link_outputs
 from lightning_memguard.checkpointing.wrap import preserved_state
@@ -556,10 +556,10 @@ def test_block_outputs_are_rebuilt_too_except_where_they_leave_the_rebuilt_block
 
 
 def test_a_stage_rebuilds_its_outputs_with_few_kept_at_once(monkeypatch):
-    from lightning_memguard.checkpointing import rebuild as rb
+    from lightning_memguard.checkpointing import recipes as rb
 
     made, builds, most = [], [0], [0]
-    init, build = rb._Recipe.__init__, rb._Recipe._build
+    init, build = rb.Recipe.__init__, rb.Recipe._build
 
     def recorded_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -570,8 +570,8 @@ def test_a_stage_rebuilds_its_outputs_with_few_kept_at_once(monkeypatch):
         most[0] = max(most[0], sum(r.rebuilt is not None for r in made))
         return build(self, depth)
 
-    monkeypatch.setattr(rb._Recipe, "__init__", recorded_init)
-    monkeypatch.setattr(rb._Recipe, "_build", counted_build)
+    monkeypatch.setattr(rb.Recipe, "__init__", recorded_init)
+    monkeypatch.setattr(rb.Recipe, "_build", counted_build)
     torch.manual_seed(0)
     model = torchvision.models.resnet50(num_classes=10)
     x = torch.randn(2, 3, 64, 64)
@@ -814,7 +814,7 @@ def test_the_stems_relu_output_is_rebuilt_too_and_the_model_still_copies_and_pic
 
 
 def test_a_recipe_rebuilds_what_batchnorm_and_relu_made():
-    from lightning_memguard.checkpointing import rebuild as rb
+    from lightning_memguard.checkpointing import recipes as rb
 
     torch.manual_seed(0)
     bn = nn.BatchNorm2d(8)
@@ -823,7 +823,7 @@ def test_a_recipe_rebuilds_what_batchnorm_and_relu_made():
     x = torch.randn(4, 8, 6, 6, requires_grad=True)
     out = bn(x)
     y = torch.relu(out)
-    recipe = rb._Recipe(x.detach(), bn, *rb._batch_stats(out))  # type: ignore[misc]
+    recipe = rb.Recipe(x.detach(), bn, *rb.batch_stats(out))  # type: ignore[misc]
     recipe.packed = 2
     first, second = recipe.rebuild(), recipe.rebuild()
     assert first is second and recipe.rebuilt is None  # built once, let go after its last use

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_memguard.checkpointing import apply_plan, checkpoint_blocks
 from lightning_memguard.checkpointing.families import find_units
-from lightning_memguard.checkpointing.measure import link_parts, model_chain
+from lightning_memguard.checkpointing.model_map import link_parts, model_chain
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -23,7 +23,7 @@ from lightning_memguard.checkpointing import (
     remove_rebuild,
     surgery,
 )
-from lightning_memguard.checkpointing.measure import model_chain
+from lightning_memguard.checkpointing.model_map import map_model, model_chain
 from lightning_memguard.checkpointing.rebuild import RebuiltBatchNormReLU, TakesRecipes
 from lightning_memguard.checkpointing.wrap import CheckpointedUnit, Swap, preserved_state
 
@@ -167,12 +167,12 @@ def test_a_failure_while_linking_outputs_leaves_the_model_exactly_as_before(monk
 def test_a_failure_while_replacing_an_earlier_change_restores_that_change(monkeypatch):
     model, _ = _model("resnet18")
     links, _ = model_chain(model, find_units(model))
-    rebuilt = surgery.apply(model, rebuilt=links)  # what a budget's first measurement sees
+    rebuilt = surgery.apply(map_model(model), rebuilt=links)  # what a budget's first measurement sees
     before = _state(model)
     assert any(isinstance(m, RebuiltBatchNormReLU) for m in model.modules())
     _failing_on_the_third_swap(monkeypatch)
     with pytest.raises(RuntimeError, match="injected failure"):
-        surgery.apply(model, [[link] for link in links[:3]], links, replacing=rebuilt)  # undoes, then fails
+        surgery.apply(map_model(model), [[link] for link in links[:3]], links, replacing=rebuilt)  # undoes, then fails
     assert _state(model) == before
     for (_, old), (_, now) in zip(before, _state(model), strict=True):  # the very same objects, not copies
         assert all(now[k] is v for k, v in old.items())

@@ -257,7 +257,7 @@ def test_rebuilt_batchnorm_relu_under_bf16_and_channels_last(monkeypatch):
 
 def test_the_one_pass_rebuild_makes_what_batchnorm_add_and_relu_made_on_cuda():
     """CPU twin: test_the_one_pass_rebuild_kernel_trains_like_the_plain_model (Triton's interpreter)."""
-    from lightning_memguard.checkpointing import rebuild as rb
+    from lightning_memguard.checkpointing import recipes as rb
 
     torch.manual_seed(0)
     bns = [torch.nn.BatchNorm2d(64).cuda() for _ in range(2)]
@@ -268,16 +268,16 @@ def test_the_one_pass_rebuild_makes_what_batchnorm_add_and_relu_made_on_cuda():
         for _ in range(3)
     )
     ya, yb = bns[0](x), bns[1](d)  # training mode: the batch's statistics, saved for backward
-    shortcut = rb._Recipe(d, bns[1], *rb._batch_stats(yb), relu=False)
+    shortcut = rb.Recipe(d, bns[1], *rb.batch_stats(yb), relu=False)
     cases = {
-        "relu(bn(x))": (rb._Recipe(x, bns[0], *rb._batch_stats(ya)), ya.relu()),
-        "relu(bn(x) + r)": (rb._Recipe(x, bns[0], *rb._batch_stats(ya), identity=r), (ya + r).relu()),
-        "relu(bn(x) + bn(d))": (rb._Recipe(x, bns[0], *rb._batch_stats(ya), identity=shortcut), (ya + yb).relu()),
+        "relu(bn(x))": (rb.Recipe(x, bns[0], *rb.batch_stats(ya)), ya.relu()),
+        "relu(bn(x) + r)": (rb.Recipe(x, bns[0], *rb.batch_stats(ya), identity=r), (ya + r).relu()),
+        "relu(bn(x) + bn(d))": (rb.Recipe(x, bns[0], *rb.batch_stats(ya), identity=shortcut), (ya + yb).relu()),
     }
     for name, (recipe, expected) in cases.items():
         fused = recipe._build(0)
         for part in (recipe, recipe.identity):  # the same recipe, made with PyTorch's own kernels
-            if isinstance(part, rb._Recipe):
+            if isinstance(part, rb.Recipe):
                 part.config = rb.RebuildConfig(fused=False)
         eager = recipe._build(0)
         assert fused.stride() == expected.stride() and fused.dtype == torch.bfloat16
