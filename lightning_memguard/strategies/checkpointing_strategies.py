@@ -26,8 +26,7 @@ class _ChecksBeforeWrapping(BeforeModelWrapped):
     def before_model_wrapped(self) -> None:
         _checkpoint_before_wrapping(self, self.checkpointing)  # type: ignore[arg-type]
 
-    @override
-    def teardown(self) -> None:
+    def teardown(self) -> None:  # the strategy's, through the class this is mixed into
         self.checkpointing.release_compile_setting()
         super().teardown()  # type: ignore[misc]
 
