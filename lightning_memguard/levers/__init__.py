@@ -1,0 +1,1 @@
+"""Memory levers beyond recomputation."""
