@@ -178,7 +178,6 @@ def exposed_transfer_ms(
     return round(clock - plain, 6)
 
 
-
 class _BlockCall:
     """One forward call of a block of the chain: its place in the step, its offloaded tensors (weakly: autograd owns
     them), the event of their copies to the host and, once fetched, of their copies back."""
@@ -278,7 +277,8 @@ class ActivationOffload:
                 raise ValueError(f"`blocks` must not hold one another: block {i} holds blocks {held}")
         indices = range(len(self.blocks)) if offloaded is None else list(offloaded)
         if not all(isinstance(i, int) and 0 <= i < len(self.blocks) for i in indices):
-            raise ValueError(f"`offloaded` must be indices of `blocks` (0 to {len(self.blocks) - 1}), got {offloaded!r}")
+            last = len(self.blocks) - 1
+            raise ValueError(f"`offloaded` must be indices of `blocks` (0 to {last}), got {offloaded!r}")
         self.offloaded = sorted(set(indices))
         self.min_bytes = check_size("min_bytes", min_bytes, 1)
         self._max_host_bytes = None if max_host_bytes is None else check_size("max_host_bytes", max_host_bytes, 1)
@@ -486,7 +486,8 @@ class ActivationOffload:
         for ref in call.handles:
             handle = ref()
             if handle is not None and handle.device is None:
-                handle.device = torch.empty_strided(handle.shape, handle.stride, dtype=handle.dtype, device=self._device)
+                shape, stride, dtype = handle.shape, handle.stride, handle.dtype
+                handle.device = torch.empty_strided(shape, stride, dtype=dtype, device=self._device)
                 pairs.append((handle.host, handle.device))
         if pairs:
             call.fetched = self._streams.to_device(pairs, call.offloaded)  # type: ignore[union-attr]

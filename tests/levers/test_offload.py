@@ -173,7 +173,8 @@ def test_a_full_host_offloads_fewer_blocks_and_names_them_with_the_figures():
 def test_a_full_host_is_refused_with_the_figures_when_asked():
     model = _model()
     offload = _offload(model, RecordedCopies(), max_host_bytes=80_000, on_full="refuse")
-    with pytest.raises(ValueError, match=r"the host cannot hold it: block 2 needs 16\.4 kB .* `max_host_bytes` is 80\.0 kB"):
+    match = r"the host cannot hold it: block 2 needs 16\.4 kB .* `max_host_bytes` is 80\.0 kB"
+    with pytest.raises(ValueError, match=match):
         _step(model, torch.randn(BATCH, 64), offload)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
@@ -181,7 +182,8 @@ def test_a_full_host_is_refused_with_the_figures_when_asked():
 def test_a_bound_beyond_the_available_ram_is_refused_and_the_default_is_a_share_of_it():
     model = _model()
     with pytest.raises(ValueError, match=r"`max_host_bytes` is 8\.00 GB, but only 4\.00 GB of system RAM"):
-        ActivationOffload(list(model), max_host_bytes="8GB", streams=RecordedCopies(), ram=lambda: 4 * 10**9).__enter__()
+        offload = ActivationOffload(list(model), max_host_bytes="8GB", streams=RecordedCopies(), ram=lambda: 4 * 10**9)
+        offload.__enter__()
     offload = ActivationOffload(list(model), streams=RecordedCopies(), ram=lambda: 4 * 10**9)
     with offload:
         assert offload.max_host_bytes == 2 * 10**9
