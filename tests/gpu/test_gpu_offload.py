@@ -24,26 +24,29 @@ def _model() -> nn.Sequential:
 
 
 def _step(model, x, offload=None):
+    """The gradients, and the memory the forward leaves allocated once its copies are done."""
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
     with offload if offload is not None else torch.enable_grad():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(x).float().square().mean()
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda")  # the allocator takes back what waited for the copies
+        kept = torch.cuda.memory_allocated() - start
         loss.backward()
     torch.cuda.synchronize()
-    return [p.grad.clone() for p in model.parameters()], torch.cuda.max_memory_allocated() - start
+    return [p.grad.clone() for p in model.parameters()], kept
 
 
-def test_offloaded_blocks_train_to_the_same_gradients_with_a_lower_peak_and_leave_nothing_behind():
+def test_offloaded_blocks_train_to_the_same_gradients_keep_less_on_the_device_and_leave_nothing_behind():
     x = torch.randn(8192, 1024, device="cuda")
-    plain, plain_peak = _step(_model(), x)
+    plain, plain_kept = _step(_model(), x)
     model = _model()
     offload = ActivationOffload(list(model), offloaded=range(6))
-    grads, peak = _step(model, x, offload)
+    grads, kept = _step(model, x, offload)
     assert all(torch.equal(a, b) for a, b in zip(grads, plain, strict=True))
     assert offload.moved_bytes > 6 * 8192 * 4096 * 2  # at least each block's wide activation, in bf16
-    assert peak < plain_peak - offload.moved_bytes // 2
+    assert kept <= plain_kept - 0.9 * offload.moved_bytes
     assert offload.in_use_bytes == 0 and offload.host_bytes == 0  # released on exit
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
