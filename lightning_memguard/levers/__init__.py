@@ -2,11 +2,20 @@
 
 :func:`fused_linear_cross_entropy` (in :mod:`.fused_loss`) computes a language model's loss without its logits;
 :func:`apply_fused_loss` (in :mod:`.huggingface_loss`) makes a Hugging Face model's own ``forward(labels=...)`` use it.
+:class:`ActivationOffload` (in :mod:`.offload`) keeps chosen blocks' saved activations in pinned host memory, copied on
+side streams while the step computes.
 """
 
 from __future__ import annotations
 
 from lightning_memguard.levers.fused_loss import fused_linear_cross_entropy
 from lightning_memguard.levers.huggingface_loss import FusedLossRefused, apply_fused_loss, remove_fused_loss
+from lightning_memguard.levers.offload import ActivationOffload
 
-__all__ = ["FusedLossRefused", "apply_fused_loss", "fused_linear_cross_entropy", "remove_fused_loss"]
+__all__ = [
+    "ActivationOffload",
+    "FusedLossRefused",
+    "apply_fused_loss",
+    "fused_linear_cross_entropy",
+    "remove_fused_loss",
+]
