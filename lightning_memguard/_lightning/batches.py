@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities.data import extract_batch_size
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_memguard.checkpointing.measure import example_arguments
 
@@ -147,3 +148,68 @@ def _taken_by(forward: Callable[..., Any], batch: Mapping[Any, Any]) -> dict[str
     if not taken:
         raise ValueError(f"forward takes none of its keys {sorted(map(str, batch))}")
     return taken
+
+
+# ------------------------------------------------------------------ a batch split into micro-batches, outputs joined
+
+
+def tensors_in(batch: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, found.append)
+    return found
+
+
+def split_batch(batch: Any, samples: int, chunks: int) -> list[tuple[Any, int]]:
+    """``batch`` cut into ``chunks`` near-equal micro-batches, each with its samples: see :func:`take_samples` for
+    what is cut and what every micro-batch gets whole.
+
+    Example:
+        >>> x, y = torch.arange(10).reshape(5, 2), torch.arange(5)
+        >>> [(tuple(part[0].shape), n) for part, n in split_batch((x, y), 5, 2)]
+        [((2, 2), 2), ((3, 2), 3)]
+        >>> [part[2] for part, _ in split_batch((x, y, ["a", "b", "c", "d", "e"]), 5, 2)]
+        [['a', 'b'], ['c', 'd', 'e']]
+    """
+    chunks = min(chunks, samples)
+    bounds = [round(i * samples / chunks) for i in range(chunks + 1)]
+    return [(take_samples(batch, samples, bounds[i], bounds[i + 1]), bounds[i + 1] - bounds[i]) for i in range(chunks)]
+
+
+def take_samples(batch: Any, samples: int, start: int, stop: int) -> Any:
+    """The samples ``start:stop`` of a batch of ``samples``: the rows of every tensor whose first dimension holds
+    ``samples``, and the items of every list or tuple of ``samples`` items that is not a record of batched fields
+    (a default collate's list of names, a tuple of per-image targets; a namedtuple is always a record); dicts,
+    namedtuples, dataclasses and other lists and tuples are taken field by field, as Lightning moves a batch to its
+    device. Everything else (a tensor or list of another length, a string, a number) is the same in every part.
+
+    Example:
+        >>> batch = {"x": torch.zeros(4, 3), "names": ["a", "b", "c", "d"], "vocab": ["a", "b"], "split": "train"}
+        >>> part = take_samples(batch, 4, 1, 3)
+        >>> tuple(part["x"].shape), part["names"], part["vocab"], part["split"]
+        ((2, 3), ['b', 'c'], ['a', 'b'], 'train')
+    """
+
+    def cut(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            return item[start:stop] if item.dim() > 0 and item.shape[0] == samples else item
+        if per_sample_sequence(item, samples):
+            return item[start:stop]
+        taken = [take_samples(child, samples, start, stop) for child in item]
+        return type(item)(*taken) if is_namedtuple(item) else type(item)(taken)
+
+    return apply_to_collection(batch, (torch.Tensor, list, tuple), cut)
+
+
+def per_sample_sequence(item: Any, samples: int) -> bool:
+    """Whether ``item`` is a list or tuple of one entry per sample: ``samples`` long, not a namedtuple, and holding
+    no tensor batched along its first dimension (``(inputs, targets)`` of a batch of two is a record, not samples)."""
+    return (
+        isinstance(item, list | tuple)
+        and not is_namedtuple(item)
+        and len(item) == samples
+        and not any(t.dim() > 0 and t.shape[0] == samples for t in tensors_in(item))
+    )
+
+
+def is_namedtuple(item: Any) -> bool:
+    return isinstance(item, tuple) and hasattr(item, "_fields")

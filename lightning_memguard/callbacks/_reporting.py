@@ -40,7 +40,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from lightning_memguard import _autograd, _compiler
-from lightning_memguard._lightning.batches import samples_in
+from lightning_memguard._lightning.batches import samples_in, split_batch
 from lightning_memguard._lightning.spill_checkpoint import checkpoint_folder
 from lightning_memguard.core.spill import SpillReport
 from lightning_memguard.forensics.attribution import (
@@ -55,7 +55,7 @@ from lightning_memguard.forensics.attribution import (
 )
 from lightning_memguard.forensics.memory_report import MemoryReport, Situation
 from lightning_memguard.probes.cuda import CudaProbe
-from lightning_memguard.tuning.adapter import free_memory, split_batch
+from lightning_memguard.tuning.adapter import free_memory
 
 HISTORY_ENTRIES = 100_000  # allocator events kept by ``record_memory=True``: the latest, a ring
 

@@ -31,7 +31,15 @@ from lightning.pytorch.utilities.memory import is_oom_error
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_memguard._lightning.batches import inputs_from_batch, samples_in
+from lightning_memguard._lightning.batches import (
+    inputs_from_batch,
+    is_namedtuple,
+    per_sample_sequence,
+    samples_in,
+    split_batch,
+    take_samples,
+    tensors_in,
+)
 from lightning_memguard._lightning.privates import (
     logged_as_batch,
     rng_states,
@@ -55,62 +63,6 @@ from lightning_memguard.tuning.adapt import (
 # A callback with this method is told when a micro-batch's backward is done (the spill emulator: a micro-batch's
 # saved activations are freed there, as on a card)
 MICRO_BATCH_END = "memguard_micro_batch_end"
-
-
-def split_batch(batch: Any, samples: int, chunks: int) -> list[tuple[Any, int]]:
-    """``batch`` cut into ``chunks`` near-equal micro-batches, each with its samples: see :func:`take_samples` for
-    what is cut and what every micro-batch gets whole.
-
-    Example:
-        >>> x, y = torch.arange(10).reshape(5, 2), torch.arange(5)
-        >>> [(tuple(part[0].shape), n) for part, n in split_batch((x, y), 5, 2)]
-        [((2, 2), 2), ((3, 2), 3)]
-        >>> [part[2] for part, _ in split_batch((x, y, ["a", "b", "c", "d", "e"]), 5, 2)]
-        [['a', 'b'], ['c', 'd', 'e']]
-    """
-    chunks = min(chunks, samples)
-    bounds = [round(i * samples / chunks) for i in range(chunks + 1)]
-    return [(take_samples(batch, samples, bounds[i], bounds[i + 1]), bounds[i + 1] - bounds[i]) for i in range(chunks)]
-
-
-def take_samples(batch: Any, samples: int, start: int, stop: int) -> Any:
-    """The samples ``start:stop`` of a batch of ``samples``: the rows of every tensor whose first dimension holds
-    ``samples``, and the items of every list or tuple of ``samples`` items that is not a record of batched fields
-    (a default collate's list of names, a tuple of per-image targets; a namedtuple is always a record); dicts,
-    namedtuples, dataclasses and other lists and tuples are taken field by field, as Lightning moves a batch to its
-    device. Everything else (a tensor or list of another length, a string, a number) is the same in every part.
-
-    Example:
-        >>> batch = {"x": torch.zeros(4, 3), "names": ["a", "b", "c", "d"], "vocab": ["a", "b"], "split": "train"}
-        >>> part = take_samples(batch, 4, 1, 3)
-        >>> tuple(part["x"].shape), part["names"], part["vocab"], part["split"]
-        ((2, 3), ['b', 'c'], ['a', 'b'], 'train')
-    """
-
-    def cut(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            return item[start:stop] if item.dim() > 0 and item.shape[0] == samples else item
-        if per_sample_sequence(item, samples):
-            return item[start:stop]
-        taken = [take_samples(child, samples, start, stop) for child in item]
-        return type(item)(*taken) if _is_namedtuple(item) else type(item)(taken)
-
-    return apply_to_collection(batch, (torch.Tensor, list, tuple), cut)
-
-
-def per_sample_sequence(item: Any, samples: int) -> bool:
-    """Whether ``item`` is a list or tuple of one entry per sample: ``samples`` long, not a namedtuple, and holding
-    no tensor batched along its first dimension (``(inputs, targets)`` of a batch of two is a record, not samples)."""
-    return (
-        isinstance(item, list | tuple)
-        and not _is_namedtuple(item)
-        and len(item) == samples
-        and not any(t.dim() > 0 and t.shape[0] == samples for t in _tensors(item))
-    )
-
-
-def _is_namedtuple(item: Any) -> bool:
-    return isinstance(item, tuple) and hasattr(item, "_fields")
 
 
 class OutputsNotJoined(ValueError):
@@ -160,7 +112,7 @@ def join_outputs(outputs: list[Any], counts: list[int], where: str = "output") -
         if all(len(o) == len(first) for o in outputs):
             rows = enumerate(zip(*outputs, strict=True))
             items = [join_outputs(list(row), counts, f"{where}[{i}]") for i, row in rows]
-            return type(first)(*items) if _is_namedtuple(first) else type(first)(items)
+            return type(first)(*items) if is_namedtuple(first) else type(first)(items)
     elif all(type(o) is type(first) and o == first for o in outputs):  # a string, a flag, the same number
         return first
     raise OutputsNotJoined(
@@ -220,7 +172,7 @@ def _labels(batch: Any) -> torch.Tensor | None:
     if isinstance(batch, Mapping):
         labels = batch.get("labels")
         return labels if isinstance(labels, torch.Tensor) and not labels.is_floating_point() else None
-    found = [t for t in _tensors(batch) if t.dim() > 0 and not t.is_floating_point() and t.dtype != torch.bool]
+    found = [t for t in tensors_in(batch) if t.dim() > 0 and not t.is_floating_point() and t.dtype != torch.bool]
     return found[-1] if found else None
 
 
@@ -537,12 +489,6 @@ def _explain(error: BaseException, why_not: str) -> None:
         )
 
 
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    apply_to_collection(batch, torch.Tensor, found.append)
-    return found
-
-
 def free_memory() -> None:
     """Let go of what a failed step held: Python's cycles collected, the CUDA allocator's cache emptied."""
     gc.collect()
@@ -748,7 +694,7 @@ class RunAdapter:
             return "the model optimizes manually (`automatic_optimization=False`): its steps cannot be split"
         if samples < 2 or self.chunks >= samples:
             return "each micro-batch holds one sample"
-        rows = sorted({t.shape[0] for t in _tensors(batch) if t.dim() > 0})
+        rows = sorted({t.shape[0] for t in tensors_in(batch) if t.dim() > 0})
         if len(rows) > 1:
             return (
                 f"the batch's tensors do not agree on its samples (first dimensions {rows}: a time-first sequence, a"

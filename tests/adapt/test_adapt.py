@@ -11,9 +11,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memguard import MemGuard
+from lightning_memguard._lightning.batches import split_batch
 from lightning_memguard.testing import SysmemSpillEmulator
 from lightning_memguard.tuning.adapt import Adaptation
-from lightning_memguard.tuning.adapter import split_batch
 
 WIDTH = 4096  # 16 kB of saved activations per sample and layer: a batch of 32 saves about 1 MB
 

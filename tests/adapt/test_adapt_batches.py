@@ -13,7 +13,7 @@ from test_adapt import TAKEN, SamplesProbe, Validated, Wide, _close, _run
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_memguard import MemGuard
-from lightning_memguard.tuning.adapter import split_batch
+from lightning_memguard._lightning.batches import split_batch
 
 
 def _trained(model, tmp_path) -> list[torch.Tensor]:
