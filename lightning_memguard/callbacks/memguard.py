@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -41,6 +41,13 @@ from lightning_memguard.tuning.adapt import Adaptation
 
 _ON_SPILL = ("raise", "stop", "warn", "adapt")
 _ADAPT_LOSS = ("auto", "mean", "sum", "coupled")
+
+
+class OffloadHolder(Protocol):
+    """What MemGuard reads of an offloader given as ``offload``: the bytes it keeps in host memory now."""
+
+    @property
+    def host_bytes(self) -> int: ...
 
 
 class MemGuard(Callback):
@@ -111,9 +118,11 @@ class MemGuard(Callback):
             split: an in-batch contrastive loss), or a function of a micro-batch returning the count its loss
             averages over (``lambda b: (b["labels"][:, 1:] != -100).sum()``).
         offload: bytes this run keeps in system RAM on purpose (activation offload, block swap; bytes or a
-            string). On Windows MemGuard reads how much of this process's GPU memory the driver counts in system RAM
-            (Task Manager's "Shared GPU memory", through pywin32); beyond what was there at fit start, what PyTorch
-            pins (``pin_memory=True`` loaders) and this, it is a spill.
+            string), or what holds them: an object with a ``host_bytes`` attribute (an
+            :class:`~lightning_memguard.levers.offload.ActivationOffload`), read again at every memory reading. On
+            Windows MemGuard reads how much of this process's GPU memory the driver counts in system RAM (Task
+            Manager's "Shared GPU memory", through pywin32); beyond what was there at fit start, what PyTorch pins
+            (``pin_memory=True`` loaders) and this, it is a spill.
         memory_report: on a spill, an out-of-memory error, allocator thrash (PyTorch's allocator retrying
             allocations after freeing its cache, read with MemGuard's memory readings) and each adaptation, write a
             report of which modules hold the step's memory beside the spill checkpoint
@@ -182,7 +191,7 @@ class MemGuard(Callback):
         prevent_margin: int | str = "512MiB",
         clock: Callable[[], float] = time.perf_counter,
         spill_checkpoint: bool | str | os.PathLike[str] = True,
-        offload: int | str = 0,
+        offload: int | str | OffloadHolder = 0,
         adapt_batchnorm: bool = False,
         grow_every: int = 200,
         adapt_loss: str | Callable[[Any], Any] = "auto",
@@ -212,7 +221,7 @@ class MemGuard(Callback):
         self.collapse = float(collapse)
         self.read_every = check_int("read_every", read_every, 1)
         self.prevent_margin = check_size("prevent_margin", prevent_margin, 0)
-        self.offload = check_size("offload", offload, 0)
+        self.offload = offload if hasattr(offload, "host_bytes") else check_size("offload", offload, 0)
         check_bool("adapt_batchnorm", adapt_batchnorm)
         self.adapt_batchnorm = adapt_batchnorm
         self.grow_every = check_int("grow_every", grow_every, 1)
@@ -461,8 +470,13 @@ class MemGuard(Callback):
     def _new_detector(self, capacity: int) -> SpillDetector:
         return SpillDetector(
             capacity, self.headroom, self.warmup_steps, self.reference_steps, self.collapse, patience=3,
-            offload=self.offload,
+            offload=self._offloaded(),
         )  # fmt: skip
+
+    def _offloaded(self) -> int:
+        """The bytes kept in system RAM on purpose now: as given, or what the offloader given holds."""
+        offload = self.offload
+        return int(offload.host_bytes) if not isinstance(offload, int) else offload
 
     def _grow(self, trainer: Trainer, timeline: StepTimeline) -> None:
         """Now and then, while batches are split: fewer micro-batches where they fit what is free now."""
@@ -508,6 +522,7 @@ class MemGuard(Callback):
         self._policy.read(trainer, reading)  # read between steps: what the next step starts from; allocator thrash
         timeline = self._timeline
         if timeline is not None:
+            timeline.detector.offload = self._offloaded()  # an offloader's pinned bytes change as it runs
             report = timeline.judge(reading, trainer.global_step)
             if report is not None:  # once a fit: detection stops when a spill is recorded
                 self._policy.found(trainer, report, self._batch())

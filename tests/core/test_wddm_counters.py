@@ -310,3 +310,40 @@ def test_the_trials_judge_the_counter_from_the_baseline_before_them(tmp_path, sp
         assert set(outcomes.values()) == {"ok"} and tuner.batch_size == max(outcomes)
     else:  # 2 GB more in system RAM from size 16 on: spills, and the tuner stays below
         assert outcomes[16] == "spill" and tuner.batch_size == 8
+
+
+class _Offloader:
+    """What MemGuard reads of an ActivationOffload given as ``offload``: the pinned host bytes it holds now."""
+
+    host_bytes = 0
+
+
+class _OffloadMore(Callback):
+    """From step 20 on, the offloader holds 1.15 GB more each step, and Windows counts it in system RAM."""
+
+    def __init__(self, windows: _Windows, offloader: _Offloader) -> None:
+        self.windows, self.offloader = windows, offloader
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= 20:
+            self.offloader.host_bytes = (trainer.global_step - 19) * 1150 * 10**6
+            self.windows.counts(8 * GB, 2 * GB + 50 * 10**6 + self.offloader.host_bytes)
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_an_offloader_given_to_memguard_is_read_at_every_reading(tmp_path, monkeypatch, declared):
+    """What the offloader holds grows as it runs: MemGuard reads it again with each reading, so Windows' count of it is
+    no spill; the same bytes not declared are one."""
+    windows = _Windows(monkeypatch, FakePdh(), pinned=2 * GB)
+    offloader = _Offloader()
+    trainer, guard = _fit(tmp_path, windows, _OffloadMore(windows, offloader), on_spill="stop",
+                          **({"offload": offloader} if declared else {}))  # fmt: skip
+    if declared:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            trainer.fit(TinyModel())
+        assert guard.spill is None and len(guard.epochs) == 4 and offloader.host_bytes > 10 * GB
+    else:
+        with pytest.warns(RuntimeWarning, match="of this run's GPU memory is in system RAM"):
+            trainer.fit(TinyModel())
+        assert guard.spill is not None and guard.spill.reason.startswith("Windows counts")
