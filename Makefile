@@ -30,7 +30,7 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal --durations=15
 
-# the tests measured under 4 s that need no two-rank launch, in under 3 minutes on two cores: tests/conftest.py marks
+# the tests measured under 2 s that need no two-rank launch, in under 3 minutes on two cores: tests/conftest.py marks
 # the others `slow` or `ddp` from tests/costs.json, what each test cost in a full run
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not cuda and not slow and not ddp" -n auto --dist worksteal -q

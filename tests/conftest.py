@@ -38,7 +38,7 @@ with contextlib.suppress(RuntimeError):
 # more is marked `slow`; a test that needs the suite's two-rank launch (its fixture `ddp_launch`, minutes for the
 # first test that asks) is marked `ddp`. `make test-fast` leaves both out. A test not measured yet is neither.
 COSTS = Path(__file__).with_name("costs.json")
-SLOW_SECONDS = 4.0
+SLOW_SECONDS = 2.0
 LAUNCHES = ("ddp_launch", "two_ranks")  # the fixtures that start two-rank launches (a fixture's own fixtures count)
 
 
