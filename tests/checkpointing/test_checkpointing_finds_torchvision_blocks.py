@@ -90,7 +90,9 @@ def test_every_torchvision_model_is_found_trains_and_stays_bit_identical(name, s
     budgeted = copy.deepcopy(plain)
     torch.manual_seed(1)
     plan = checkpoint_blocks(budgeted, memory_budget=0.6, example_input=x)
-    assert plan.blocks
+    # something is checkpointed within the budget: whole blocks, or parts of blocks (a ConvNeXt CNBlock's `block`),
+    # which depends on the measured forward times
+    assert (plan.blocks or plan.parts) and plan.held, plan.summary()
     _same(expected, _step(budgeted, x))
 
 
