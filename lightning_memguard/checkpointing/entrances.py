@@ -1,11 +1,12 @@
 """The public entry points: :func:`checkpoint_blocks` (and :func:`checkpoint_resnet`, the same for a torchvision
 ResNet) checks its arguments, reads the model's map once (:class:`~.model_map.ModelMap`: its links and what its
 families say of it) and checkpoints every link, or hands the map to a planner, eager (:mod:`.plan_eager`) or compiled
-(:mod:`.plan_compiled`); :func:`apply_plan` re-applies a plan's runs. Every change to the model is made by
-:func:`.surgery.apply`."""
+(:mod:`.plan_compiled`), and makes each change the planner asks for; :func:`apply_plan` re-applies a plan's runs.
+Every change to the model is made by :func:`.surgery.apply`."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -21,8 +22,8 @@ from lightning_memguard.checkpointing.plan_compiled import plan_compiled
 from lightning_memguard.checkpointing.plan_eager import plan_eager
 from lightning_memguard.checkpointing.rebuild_targets import can_rebuild
 from lightning_memguard.checkpointing.recipes import RebuildConfig, check_config
-from lightning_memguard.checkpointing.result import CheckpointPlan
-from lightning_memguard.checkpointing.wrap import is_checkpointed
+from lightning_memguard.checkpointing.result import Change, CheckpointPlan, Planner
+from lightning_memguard.checkpointing.wrap import Link, is_checkpointed
 from lightning_memguard.core.checks import (
     check_bool,
     check_callable,
@@ -149,33 +150,56 @@ def checkpoint_blocks(
             f" among its blocks, and {type(model).__name__} has none"
         )
     if memory_budget is None:  # every link on its own (under compile, a graph per container of blocks), or the rebuild
-        every = [] if rebuild_bn_relu else [[link] for link in links]
-        rebuilt = links if rebuild_bn_relu else ()
-        applied = surgery.apply(
-            model_map, every, rebuilt, bn_correct=bn_correct, config=config, split_graphs=bool(compile)
-        )
-        return CheckpointPlan(
-            blocks=applied.checkpointed,
-            candidates=len(links),
-            runs=applied.runs,
-            rebuilt=applied.rebuilt,
-            graph_splits=applied.splits,
-        )
-    if example_input is None:
-        raise ValueError("`memory_budget` needs `example_input`, a real batch to measure the blocks on")
-    if any(is_checkpointed(m) for link in links for _, m in link.modules):
-        warnings.warn("the model is already checkpointed; applying twice changes nothing", UserWarning, stacklevel=2)
-        return CheckpointPlan(blocks=[], candidates=len(links))
-    with surgery.restored_on_failure(model):  # a planning pass that fails leaves the model as it was
+        planner = _every_link(links, rebuild_bn_relu, bool(compile))
+    else:
+        if example_input is None:
+            raise ValueError("`memory_budget` needs `example_input`, a real batch to measure the blocks on")
+        if any(is_checkpointed(m) for link in links for _, m in link.modules):
+            warnings.warn(
+                "the model is already checkpointed; applying twice changes nothing", UserWarning, stacklevel=2
+            )
+            return CheckpointPlan(blocks=[], candidates=len(links))
         if compile:
             if rebuild_bn_relu:
                 warnings.warn("the rebuild stands aside under torch.compile: planning without it", UserWarning, 2)
-            return plan_compiled(
-                measured, model_map, memory_budget, example_input, loss_fn, bn_correct, options, tuple(compile_settings)
+            planner = plan_compiled(
+                measured, model_map, memory_budget, example_input, loss_fn, options, tuple(compile_settings)
             )
-        return plan_eager(
-            model_map, memory_budget, example_input, loss_fn, bn_correct, rebuild_bn_relu, config, rebuildable
-        )
+        else:
+            planner = plan_eager(model_map, memory_budget, example_input, loss_fn, rebuild_bn_relu, rebuildable)
+    # a planning pass that fails leaves the model as it was, and a planner stopped part-way is closed
+    with surgery.restored_on_failure(model), contextlib.closing(planner):
+        applied = surgery.Applied()
+        try:
+            change = next(planner)
+            while True:  # each change the planner asks for, in place of the one before; it measures the model then
+                applied = surgery.apply(
+                    model_map,
+                    change.runs,
+                    change.rebuilt,
+                    bn_correct=bn_correct,
+                    config=config,
+                    replacing=applied,
+                    split_graphs=change.split_graphs,
+                )
+                change = planner.send(applied)
+        except StopIteration as done:
+            plan: CheckpointPlan = done.value
+        return plan
+
+
+def _every_link(links: Sequence[Link], rebuild_bn_relu: bool, split_graphs: bool) -> Planner:
+    """Without a budget: every link checkpointed on its own, or with ``rebuild_bn_relu`` every link rebuilt
+    instead; with ``split_graphs`` (compiled) a graph per container of blocks."""
+    every = [] if rebuild_bn_relu else [[link] for link in links]
+    applied = yield Change(every, links if rebuild_bn_relu else (), split_graphs)
+    return CheckpointPlan(
+        blocks=applied.checkpointed,
+        candidates=len(links),
+        runs=applied.runs,
+        rebuilt=applied.rebuilt,
+        graph_splits=applied.splits,
+    )
 
 
 def _check_model(model: Any) -> None:

@@ -1,15 +1,15 @@
-"""Planning a budget in eager mode: measure each link, let :class:`~.budget.BudgetSearch` choose, and hand each
-choice to :func:`.surgery.apply`, the rebuild first where asked (see :func:`.entrances.checkpoint_blocks`)."""
+"""Planning a budget in eager mode: measure each link, let :class:`~.budget.BudgetSearch` choose, and ask for each
+choice to be applied (a :class:`~.result.Change` the entrance hands to :func:`.surgery.apply`), the rebuild first
+where asked (see :func:`.entrances.checkpoint_blocks`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_memguard.checkpointing import surgery
 from lightning_memguard.checkpointing.budget import (
     NEAR,
     BlockProfile,
@@ -23,9 +23,11 @@ from lightning_memguard.checkpointing.budget import (
 )
 from lightning_memguard.checkpointing.measure import StepMeter, default_loss
 from lightning_memguard.checkpointing.model_map import ModelMap
-from lightning_memguard.checkpointing.recipes import RebuildConfig
-from lightning_memguard.checkpointing.result import CheckpointPlan, finished, warnings_once
+from lightning_memguard.checkpointing.result import Change, CheckpointPlan, Planner, Steps, finished, warnings_once
 from lightning_memguard.checkpointing.wrap import Link
+
+if TYPE_CHECKING:
+    from lightning_memguard.checkpointing.surgery import Applied
 
 
 def plan_eager(
@@ -33,14 +35,13 @@ def plan_eager(
     memory_budget: float | int,
     example_input: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None,
-    bn_correct: bool,
     rebuild_bn_relu: bool,
-    config: RebuildConfig,
     rebuildable: bool,
-) -> CheckpointPlan:
+) -> Planner:
     """Measure the links of ``model_map``, choose among them under the budget, and leave the model as the plan says
     (see :func:`.entrances.checkpoint_blocks`); ``rebuildable``: whether the rebuild takes anything among the links
-    (:func:`.rebuild_targets.can_rebuild`), for what else would lower the floor."""
+    (:func:`.rebuild_targets.can_rebuild`), for what else would lower the floor. A :data:`~.result.Planner`: each
+    choice is a change asked of the entrance, measured once made."""
     links = list(model_map.links)
     meter = StepMeter(model_map.model, example_input, loss_fn or default_loss)
     baseline = meter.peak()
@@ -51,23 +52,24 @@ def plan_eager(
     profiles = measured[: len(links)]
     kept = [(i, part, p) for (i, part), p in zip(found, measured[len(links) :], strict=True) if p.saving > 0]
     start = baseline  # the peak the blocks are chosen against: after the rebuild, where there is one
-    applied = surgery.Applied()
+    applied: Applied | None = None
     if rebuild_bn_relu:
         plain = profiles  # what a checkpointed block brings back when it is recomputed: the rebuild stands aside
-        applied = surgery.apply(model_map, rebuilt=links, config=config)
+        applied = yield Change(rebuilt=links)
         profiles = _rebuilt_profiles(meter.profile(links), plain)
         start -= sum(q.saved_bytes for q in plain) - sum(p.saved_bytes for p in profiles)  # what the rebuild frees
     plan = _Planning(
-        model_map, meter, links, list(model_map.joinable), profiles, [Part(i, p) for i, _, p in kept],
-        [part for _, part, _ in kept], start, budget, links if rebuild_bn_relu else [], bn_correct, config, applied,
+        meter, links, list(model_map.joinable), profiles, [Part(i, p) for i, _, p in kept],
+        [part for _, part, _ in kept], start, budget, links if rebuild_bn_relu else [], applied,
     )  # fmt: skip
     with warnings_once():
-        chosen, peak = plan.choose()
+        chosen, peak = yield from plan.choose()
     finer, final_runs = plan.cut(chosen)
     lower = ["a smaller batch"]
     if not rebuild_bn_relu and rebuildable:
         lower.append("rebuild_bn_relu=True (the rebuild, in the links left unchecked)")
     named_parts = {part.name for part in plan.part_links}
+    assert plan.applied is not None  # every search measures at least one change
     checkpointed = plan.applied.checkpointed
     return finished(
         CheckpointPlan(
@@ -93,7 +95,6 @@ class _Planning:
     (``applied``). Index ``len(links) + k`` is the finer link ``part_links[k]`` (``parts[k]`` as the budget sees
     it), a run of its own."""
 
-    model_map: ModelMap
     meter: StepMeter
     links: list[Link]
     joinable: list[bool]
@@ -103,11 +104,9 @@ class _Planning:
     start: int  # the peak the links are chosen against
     budget: int
     rebuilt: Sequence[Link]
-    bn_correct: bool
-    config: RebuildConfig
-    applied: surgery.Applied
+    applied: Applied | None
 
-    def choose(self) -> tuple[set[int], int]:
+    def choose(self) -> Steps[tuple[set[int], int]]:
         """Links and parts of links left unchecked first; where even that does not fit, parts nested in the chosen
         links, kept where the budget then fits or the floor drops by :data:`~.budget.NEAR`. Returns the chosen
         indices and their measured peak, the model left as they say."""
@@ -116,21 +115,21 @@ class _Planning:
         # a link a checkpoint may not recompute (it changes its input in place) is never applied, not even to measure
         every = [*self.profiles, *(part.profile for part in self.parts)]
         among = {i for i, p in enumerate(every) if p.recomputable}
-        chosen, peak = self._search(self._alone(predicted), among, nested=False)
+        chosen, peak = yield from self._search(self._alone(predicted), among, nested=False)
         chosen = self._alone(chosen)
         inside = {n + k for k, part in enumerate(self.parts) if part.link in chosen}
         if peak <= budget or not inside:
             return chosen, peak
         flat = (chosen, peak)
         # every part nested at once first: where even that is not 1 % lower, no nesting is worth a search
-        self._apply(chosen | inside)
+        yield from self._apply(chosen | inside)
         if self.meter.peak() > flat[1] * (1 - NEAR):
-            self._apply(chosen)
+            yield from self._apply(chosen)
             return flat
-        chosen, peak = self._search(chosen | (predicted & inside), inside, nested=True)
+        chosen, peak = yield from self._search(chosen | (predicted & inside), inside, nested=True)
         if peak > budget and peak > flat[1] * (1 - NEAR):  # a hair lower is not worth a third forward
             chosen, peak = flat
-            self._apply(chosen)
+            yield from self._apply(chosen)
         return chosen, peak
 
     def _alone(self, indices: set[int]) -> set[int]:
@@ -138,7 +137,7 @@ class _Planning:
         n = len(self.links)
         return {i for i in indices if i < n or self.parts[i - n].link not in indices}
 
-    def _search(self, chosen: set[int], among: set[int], nested: bool) -> tuple[set[int], int]:
+    def _search(self, chosen: set[int], among: set[int], nested: bool) -> Steps[tuple[set[int], int]]:
         """Apply each of a :class:`~.budget.BudgetSearch`'s proposals (nested parts only where ``nested``) and tell
         it the peak measured; its result, applied (the last proposal is the result's own set)."""
         every = [*self.profiles, *(part.profile for part in self.parts)]
@@ -150,7 +149,7 @@ class _Planning:
         seen: dict[frozenset[int], int] = {}  # a proposal that applies what was measured already is not measured
         while (indices := search.propose()) is not None:
             applied = frozenset(indices if nested else self._alone(indices))
-            self._apply(set(applied))
+            yield from self._apply(set(applied))
             if applied not in seen:
                 seen[applied] = self.meter.peak()
             search.observe(seen[applied])
@@ -164,14 +163,13 @@ class _Planning:
             {i for i in indices if i < n}, self.profiles, self.start, self.joinable, self.meter.cuda, finer
         )
 
-    def _apply(self, indices: set[int]) -> None:
-        """Checkpoint the links and parts ``indices`` names (cut into runs), in place of what was applied before."""
+    def _apply(self, indices: set[int]) -> Steps[None]:
+        """Ask for the links and parts ``indices`` names (cut into runs) to be checkpointed, in place of what was
+        applied before."""
         n = len(self.links)
         runs = [[self.links[i] for i in run] for run in self.cut(indices)[1]]
         runs += [[self.part_links[i - n]] for i in sorted(indices) if i >= n]
-        self.applied = surgery.apply(
-            self.model_map, runs, self.rebuilt, bn_correct=self.bn_correct, config=self.config, replacing=self.applied
-        )
+        self.applied = yield Change(runs, self.rebuilt)
 
 
 def _rebuilt_profiles(rebuilt: list[BlockProfile], plain: list[BlockProfile]) -> list[BlockProfile]:

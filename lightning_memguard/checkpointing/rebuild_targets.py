@@ -1,7 +1,7 @@
 """Which modules of a model the rebuild takes, as :class:`~.wrap.Swap` records for :mod:`.surgery` to make: ResNet
 stems, residual blocks and convolution-norm-activation units of the stock layers it knows (:func:`rebuild_swaps`);
 and, after every change, which rebuilt blocks rebuild their own output too (:func:`output_tails`) and which modules
-save a rebuilt unit's output as its recipe (:func:`recipe_takers`).
+save a rebuilt unit's output as its recipe (:func:`recipe_takers`), read together (:func:`linked_outputs`).
 
 What the model's blocks, stems, tails and units are, and what runs after a module, the model's map says
 (:class:`~.model_map.ModelMap`, its adapters' answers read once); this module decides which layer types the rebuild
@@ -177,7 +177,18 @@ def _takes_recipes(module: nn.Module | None, model_map: ModelMap) -> bool:
     return module is not None and _keeps_nothing(module)
 
 
-def output_tails(model_map: ModelMap) -> list[tuple[nn.Module, tuple[nn.Module, nn.Module | None] | None]]:
+Tails = list[tuple[nn.Module, tuple[nn.Module, nn.Module | None] | None]]
+"""Each rebuilt block and what its output is rebuilt from (None: it keeps its output), as :func:`output_tails` says."""
+
+
+def linked_outputs(model_map: ModelMap) -> tuple[Tails, list[nn.Module]]:
+    """How the rebuilt outputs are linked as the model is now, read together after every change for
+    :mod:`.surgery` to make: each rebuilt block's tail (:func:`output_tails`) and the modules that save a unit's
+    output as its recipe (:func:`recipe_takers`)."""
+    return output_tails(model_map), recipe_takers(model_map)
+
+
+def output_tails(model_map: ModelMap) -> Tails:
     """For each rebuilt block of the model, what its output is rebuilt from (``memguard_tail``: its last BatchNorm
     and its shortcut's or None), or None where it keeps its output.
 
@@ -189,7 +200,7 @@ def output_tails(model_map: ModelMap) -> list[tuple[nn.Module, tuple[nn.Module, 
     :func:`.surgery.link_outputs` sets it after every change.
     """
     after = model_map.following
-    out: list[tuple[nn.Module, tuple[nn.Module, nn.Module | None] | None]] = []
+    out: Tails = []
     for module in model_map.model.modules():
         if isinstance(module, RebuiltBatchNormReLU):
             tail = _tail(module, model_map) if not is_checkpointed(module) else None  # a checkpoint recomputes it whole

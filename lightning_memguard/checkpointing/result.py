@@ -1,16 +1,21 @@
-"""What a plan checkpointed and why (:class:`CheckpointPlan`), and how a planner hands one over."""
+"""What a plan checkpointed and why (:class:`CheckpointPlan`), and how a planner hands one over: a planner asks for
+each change to the model it wants measured (:class:`Change`) and returns the plan (:data:`Planner`)."""
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lightning_memguard import _compiler
 from lightning_memguard.checkpointing.budget import BlockProfile
 from lightning_memguard.core.units import size_formatter
+
+if TYPE_CHECKING:
+    from lightning_memguard.checkpointing.surgery import Applied
+    from lightning_memguard.checkpointing.wrap import Link
 
 
 @dataclass
@@ -108,6 +113,25 @@ class CheckpointPlan:
                 " input in place in its forward, or runs past the module hooks)"
             )
         return text
+
+
+@dataclass(frozen=True)
+class Change:
+    """What a planner asks of :func:`.surgery.apply`, in place of the change it asked for before: checkpoint these
+    runs of links, rebuild these links, with ``split_graphs`` a compiled graph per container of blocks."""
+
+    runs: Sequence[Sequence[Link]] = ()
+    rebuilt: Sequence[Link] = ()
+    split_graphs: bool = False
+
+
+T = TypeVar("T")
+Steps = Generator[Change, "Applied", T]
+"""A search as a step object in generator form: it yields each :class:`Change` it wants made, is sent what
+:func:`.surgery.apply` really changed (and measures the model as it is then), and returns what it found."""
+Planner = Steps[CheckpointPlan]
+"""A plan's search, which returns the plan, the model left as its last change made it:
+:func:`.entrances.checkpoint_blocks` makes every change it asks for, in one place."""
 
 
 def finished(plan: CheckpointPlan) -> CheckpointPlan:

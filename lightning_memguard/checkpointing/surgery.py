@@ -28,7 +28,12 @@ from lightning_memguard.checkpointing.rebuild import (
     RebuiltStemReLU,
     TakesRecipes,
 )
-from lightning_memguard.checkpointing.rebuild_targets import output_tails, rebuild_swaps, recipe_takers, stem_swaps
+from lightning_memguard.checkpointing.rebuild_targets import (
+    Tails,
+    linked_outputs,
+    rebuild_swaps,
+    stem_swaps,
+)
 from lightning_memguard.checkpointing.recipes import DEFAULT_CONFIG, RebuildConfig
 from lightning_memguard.checkpointing.wrap import (
     CheckpointedMember,
@@ -136,7 +141,6 @@ def apply(
                 _take_off(module, (mixin,))
         swaps: list[tuple[nn.Module, type[SwappedModule]]] = []
         done = _checkpoint(runs, bn_correct, swaps, model_map)
-        splits = _split(model_map, runs, done, swaps) if split_graphs else []
         names = []
         for link in rebuilt:
             if link.stem and len(link.modules) == 4:
@@ -150,7 +154,10 @@ def apply(
                 _give(swap, swaps)
             if found:
                 names.append(link.name)
-        _link_outputs(model_map)
+        tails, takers = linked_outputs(model_map)  # as the checkpoints and the rebuild leave the model
+        # a container of checkpointed links (no rebuild takes it) begins a graph of its own: changes no tail or taker
+        splits = _split(model_map, runs, done, swaps) if split_graphs else []
+        _link_outputs(model_map.model, tails, takers)
         link_switches(model_map)
         return Applied(runs=done, rebuilt=names, splits=splits, swaps=swaps)
 
@@ -281,24 +288,26 @@ def link_outputs(model: nn.Module) -> int:
     :func:`.rebuild_targets.recipe_takers`), giving and taking that mixin, as the model is now (its map read afresh);
     return how many outputs are linked (tails and takers). :func:`apply` and the removals do the same after every
     change, with the map they have."""
-    return _link_outputs(map_model(model))
+    return _link_outputs(model, *linked_outputs(map_model(model)))
 
 
-def _link_outputs(model_map: ModelMap) -> int:
+def _link_outputs(model: nn.Module, tails: Tails, takers: list[nn.Module]) -> int:
+    """Make the links :func:`.rebuild_targets.linked_outputs` described: set or clear each rebuilt block's
+    ``memguard_tail``, give the modules that save a unit's recipe their mixin and take it from the others."""
     count = 0
-    for module, tail in output_tails(model_map):
+    for module, tail in tails:
         if tail is not None:
             module.__dict__["memguard_tail"] = tail
             count += 1
         else:
             module.__dict__.pop("memguard_tail", None)
-    takers = {id(taker) for taker in recipe_takers(model_map)}
-    for module in model_map.model.modules():
-        if id(module) in takers and not isinstance(module, TakesRecipes):
+    taking = {id(taker) for taker in takers}
+    for module in model.modules():
+        if id(module) in taking and not isinstance(module, TakesRecipes):
             _give(Swap(module, TakesRecipes, {}), [])
-        elif id(module) not in takers and isinstance(module, TakesRecipes):
+        elif id(module) not in taking and isinstance(module, TakesRecipes):
             _take_off(module, (TakesRecipes,))
-    return count + len(takers)
+    return count + len(taking)
 
 
 def link_switches(model_map: ModelMap) -> int:
@@ -323,7 +332,7 @@ def _remove(model: nn.Module, kinds: tuple[type[SwappedModule], ...]) -> int:
     with restored_on_failure(model):
         count = sum(_take_off(module, kinds) for module in model.modules())
         model_map = map_model(model)  # what the registry says of the model as the removal left it
-        _link_outputs(model_map)
+        _link_outputs(model, *linked_outputs(model_map))
         link_switches(model_map)
         return count
 
