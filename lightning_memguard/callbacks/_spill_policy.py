@@ -255,17 +255,7 @@ class StopOnSpill(SpillPolicy):
         self._stop_due = True
         return False
 
-    def settle(
-        self,
-        trainer: Trainer,
-        pl_module: LightningModule,
-        spill: SpillReport | None,
-        vote: StopVote | None,
-        size: int | None,
-    ) -> bool:
-        if trainer.strategy.reduce_boolean_decision(spill is not None, all=False):
-            self._act(trainer, spill, vote, size)
-        return False
+    settle = RaiseOnSpill.settle  # at an epoch's end no batch is left to train first: every rank acts now
 
     def batch_end(
         self,
