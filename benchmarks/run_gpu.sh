@@ -8,7 +8,8 @@
 # recording the allocator's history, in turns, about 4 minutes), zoo compile_frontier compile_rerun compile_tuner compile_budgets compile_peak (each 3-8
 # minutes), families (timm and Hugging Face against their own switches; FAMILY_MODELS=a,b picks a part: the twelve
 # models take two calls, the vision ones by default, then FAMILY_MODELS=gpt2,llama,bert,t5,whisper; each within 9 minutes), checkpoint_overhead (timm's switch against ours and the ablations
-# between them, profiled; CKPT_MODEL=resnet50 or vit_small_patch16_224 for another model than convnext_tiny; 3-4 minutes).
+# between them, profiled; CKPT_MODEL=resnet50 or vit_small_patch16_224 for another model than convnext_tiny; 3-4 minutes),
+# offload (overlapped activation offload's cost per GB moved, GPT-2 small and ResNet50, about 4 minutes).
 # Results and plots land in OUT_DIR; copy them to benchmarks/results/ and docs/,
 # then update the README's "Measured" section.
 set -uo pipefail
@@ -21,8 +22,9 @@ quiet='Warning|warn\(|LOCAL_RANK|available|Tip|AMP|Restor|weights_only'
 run() { echo "== $*"; "$@" 2>&1 | grep -vE "$quiet" | tail -"${TAIL:-6}"; }
 want() { [[ $steps == *" $1 "* ]]; }
 if want tests; then
-    echo "== pytest -m cuda tests/gpu/test_gpu.py tests/gpu/test_gpu_sharded.py"
-    timeout 540 python3 -m pytest -m cuda -q -rA -p no:cacheprovider tests/gpu/test_gpu.py tests/gpu/test_gpu_sharded.py \
+    echo "== pytest -m cuda tests/gpu/test_gpu.py tests/gpu/test_gpu_sharded.py tests/gpu/test_gpu_offload.py"
+    timeout 560 python3 -m pytest -m cuda -q -rA -p no:cacheprovider tests/gpu/test_gpu.py tests/gpu/test_gpu_sharded.py \
+        tests/gpu/test_gpu_offload.py \
         -o addopts=--strict-markers 2>&1 |
         grep -vE "$quiet" >"$out/gpu_tests.txt"  # the compiled test takes about a minute
     tail -4 "$out/gpu_tests.txt"
@@ -53,6 +55,7 @@ want families && TAIL=80 run timeout 540 python3 benchmarks/families.py \
     --out "$out/families.json"
 want checkpoint_overhead && TAIL=200 run timeout 420 python3 benchmarks/checkpoint_overhead.py \
     --model "${CKPT_MODEL:-convnext_tiny}" --profile --out "$out/checkpoint_overhead.json"
+want offload && TAIL=40 run timeout 300 python3 benchmarks/offload.py --out "$out"
 want sharded && TAIL=4 run timeout 420 python3 benchmarks/sharded.py --out "$out/sharded.json"
 want adapt && TAIL=4 run timeout 420 python3 benchmarks/adapt.py --out "$out/adapt.json"
 want forensics && TAIL=12 run timeout 420 python3 benchmarks/forensics.py --out "$out/forensics.json"
