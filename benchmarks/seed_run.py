@@ -106,8 +106,7 @@ def prepare(row: str, model: torch.nn.Module, capacity: int, batch: torch.Tensor
     budget = capacity - resting_bytes(model) - margin
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
-    context = torch.autocast(device, dtype=torch.bfloat16) if device == "cuda" else torch.autocast(device, enabled=False)
-    with context:
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
         plan = checkpoint_blocks(
             model,
             memory_budget=budget,
