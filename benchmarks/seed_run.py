@@ -74,7 +74,7 @@ class FineTune(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-5)
 
     def train_dataloader(self) -> DataLoader[torch.Tensor]:
-        vocab = self.model.config.vocab_size  # type: ignore[union-attr]
+        vocab = int(self.model.config.vocab_size)  # type: ignore[union-attr, arg-type]
         return DataLoader(Tokens(self.batch * (self.steps + 1), self.tokens, vocab), batch_size=self.batch)
 
 
@@ -120,7 +120,7 @@ def prepare(row: str, model: torch.nn.Module, capacity: int, batch: torch.Tensor
 def measure(row: str, args: argparse.Namespace, root: str) -> dict[str, Any]:
     free_memory()
     model = gpt2(args.smoke)
-    batch = Tokens(args.batch, args.tokens, model.config.vocab_size).data  # type: ignore[union-attr]
+    batch = Tokens(args.batch, args.tokens, int(model.config.vocab_size)).data  # type: ignore[union-attr, arg-type]
     capacity = int(args.capacity_gb * 1e9)
     result: dict[str, Any] = {"row": row, "batch": args.batch, "tokens": args.tokens, "error": None}
     start = time.perf_counter()
