@@ -100,7 +100,7 @@ def fused_linear_cross_entropy(
         >>> torch.allclose(loss, plain)
         True
     """
-    _refuse_sharded(hidden=hidden, weight=weight, bias=bias)
+    _refuse_sharded(weight=weight, hidden=hidden, bias=bias)
     _check(hidden, weight, labels, bias, label_smoothing, reduction, shift, logit_scale, softcap, chunk_tokens)
     if implementation not in ("auto", "chunked", "torch"):
         raise ValueError(f"`implementation` must be 'auto', 'chunked' or 'torch', got {implementation!r}")
