@@ -203,7 +203,9 @@ def compared(module: CausalLM, plain: CausalLM | None, steps: int = 3, accumulat
         "reference_losses": ref_losses,
         "grads_from_reference": largest_difference(module.grads, ref_grads),
         "grads_from_plain": None if plain is None else largest_difference(module.grads, plain.grads),
-        "losses_from_plain": None if plain is None else max(abs(a - b) for a, b in zip(module.losses, plain.losses)),
+        "losses_from_plain": None
+        if plain is None
+        else max(abs(a - b) for a, b in zip(module.losses, plain.losses, strict=True)),
     }
 
 
@@ -232,9 +234,12 @@ def ddp() -> dict:
     module = CausalLM(loss="direct")
     fit(module, strategy())
     result["direct"] = compared(module, plain)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     module = CausalLM(loss="fused", compiled=True)
     fit(module, strategy())
-    result["compiled"] = compared(module, plain)
+    result["compiled"] = {**compared(module, plain), "frames_compiled": counters["frames"]["ok"]}
     return result
 
 
