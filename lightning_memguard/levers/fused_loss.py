@@ -133,7 +133,7 @@ def fused_linear_cross_entropy(
 
 
 def _refuse_sharded(**tensors: Tensor | None) -> None:
-    """Refuse a sharded tensor (a ``DTensor``) by name: the chunks need the whole head on every rank, and the
+    """Refuse a ``DTensor`` (a sharded parameter, a tensor-parallel input) by name: the chunks need the whole head on every rank, and the
     gradients they compute in the forward would bypass the sharded parameter's own reduction.
 
     FSDP2's ``fully_shard`` (Lightning's ``ModelParallelStrategy``) leaves a parameter sharded outside the forward of
@@ -142,9 +142,9 @@ def _refuse_sharded(**tensors: Tensor | None) -> None:
     for name, tensor in tensors.items():
         if isinstance(tensor, DTensor):
             raise ValueError(
-                f"fused_linear_cross_entropy: `{name}` is a sharded DTensor (placements {tuple(tensor.placements)} "
-                f"on a mesh of {tensor.device_mesh.size()} ranks), as FSDP2's fully_shard or tensor parallelism "
-                "(Lightning's ModelParallelStrategy) leave it; the fused loss needs the whole head on every rank. "
+                f"fused_linear_cross_entropy: `{name}` is a DTensor (placements {tuple(tensor.placements)} on a mesh "
+                f"of {tensor.device_mesh.size()} ranks), as FSDP2's fully_shard or tensor parallelism (Lightning's "
+                "ModelParallelStrategy) leave a sharded parameter; the fused loss needs the whole head on every rank. "
                 "Under fully_shard, call it inside the forward of the module that holds the head, where the weight is "
                 "gathered (apply_fused_loss does so for a Hugging Face model; or call the head through a module of "
                 "yours whose forward computes the loss); a tensor-parallel head is not supported: leave it out of "
