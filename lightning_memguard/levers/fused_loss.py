@@ -133,8 +133,8 @@ def fused_linear_cross_entropy(
 
 
 def _refuse_sharded(**tensors: Tensor | None) -> None:
-    """Refuse a ``DTensor`` (a sharded parameter, a tensor-parallel input) by name: the chunks need the whole head on every rank, and the
-    gradients they compute in the forward would bypass the sharded parameter's own reduction.
+    """Refuse a ``DTensor`` (a sharded parameter, a tensor-parallel input) by name: the chunks need the whole head
+    on every rank, and the gradients they compute in the forward would bypass the sharded parameter's reduction.
 
     FSDP2's ``fully_shard`` (Lightning's ``ModelParallelStrategy``) leaves a parameter sharded outside the forward of
     the module that owns it, and gathers it, as a plain tensor, for that forward; a tensor-parallel head
