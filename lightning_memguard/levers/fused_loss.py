@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 DEFAULT_CHUNK_TOKENS = 2048
 """Tokens per chunk: each chunk's float32 logits take ``chunk_tokens x vocabulary x 4`` bytes (411 MB for GPT-2)."""
@@ -85,7 +86,8 @@ def fused_linear_cross_entropy(
 
     Raises:
         ValueError: for a shape, reduction, smoothing, scale, cap, chunk size or implementation it does not
-            support, quoting the value.
+            support, quoting the value; for a sharded ``weight``, ``hidden`` or ``bias`` (a ``DTensor``: FSDP2's
+            ``fully_shard`` outside the head's forward, or tensor parallelism), naming what to do instead.
 
     Example:
         >>> import torch
@@ -98,6 +100,7 @@ def fused_linear_cross_entropy(
         >>> torch.allclose(loss, plain)
         True
     """
+    _refuse_sharded(weight=weight, hidden=hidden, bias=bias)
     _check(hidden, weight, labels, bias, label_smoothing, reduction, shift, logit_scale, softcap, chunk_tokens)
     if implementation not in ("auto", "chunked", "torch"):
         raise ValueError(f"`implementation` must be 'auto', 'chunked' or 'torch', got {implementation!r}")
@@ -127,6 +130,26 @@ def fused_linear_cross_entropy(
             return _chunks(flat_hidden, weight, bias, flat_labels, settings, (False, False, False))[0]
     loss: Tensor = _ChunkedLoss.apply(flat_hidden, weight, bias, flat_labels, settings)
     return loss
+
+
+def _refuse_sharded(**tensors: Tensor | None) -> None:
+    """Refuse a ``DTensor`` (a sharded parameter, a tensor-parallel input) by name: the chunks need the whole head
+    on every rank, and the gradients they compute in the forward would bypass the sharded parameter's reduction.
+
+    FSDP2's ``fully_shard`` (Lightning's ``ModelParallelStrategy``) leaves a parameter sharded outside the forward of
+    the module that owns it, and gathers it, as a plain tensor, for that forward; a tensor-parallel head
+    (``ColwiseParallel``) stays sharded inside its forward too."""
+    for name, tensor in tensors.items():
+        if isinstance(tensor, DTensor):
+            raise ValueError(
+                f"fused_linear_cross_entropy: `{name}` is a DTensor (placements {tuple(tensor.placements)} on a mesh "
+                f"of {tensor.device_mesh.size()} ranks), as FSDP2's fully_shard or tensor parallelism (Lightning's "
+                "ModelParallelStrategy) leave a sharded parameter; the fused loss needs the whole head on every rank. "
+                "Under fully_shard, call it inside the forward of the module that holds the head, where the weight is "
+                "gathered (apply_fused_loss does so for a Hugging Face model; or call the head through a module of "
+                "yours whose forward computes the loss); a tensor-parallel head is not supported: leave it out of "
+                "the tensor-parallel plan, or use the plain loss"
+            )
 
 
 def _check(

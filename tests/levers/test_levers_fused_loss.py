@@ -269,3 +269,43 @@ def test_shapes_that_do_not_fit_are_refused_with_them():
         fused_linear_cross_entropy(hidden, weight, labels[:, :6])
     with pytest.raises(ValueError, match=r"`shift=True` needs .* got \(21, 16\)"):
         fused_linear_cross_entropy(hidden.flatten(0, 1), weight, labels.flatten(), shift=True)
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A device mesh of this process alone (gloo), as FSDP2 and tensor parallelism build theirs; torn down after."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_sharded_head_or_a_tensor_parallel_input_is_refused_saying_what_to_do(one_rank_mesh, implementation):
+    """The CPU twin of the two-rank refusals (test_levers_fused_loss_distributed.py): a DTensor weight (FSDP2's
+    parameter outside its module's forward, a ``ColwiseParallel`` head), hidden states or bias, by name, before
+    anything is computed."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    hidden, weight, bias, labels = _inputs()
+    sharded = {
+        "weight": distribute_tensor(weight.detach(), one_rank_mesh, [Shard(0)]),
+        "hidden": distribute_tensor(hidden.detach(), one_rank_mesh, [Replicate()]),
+        "bias": distribute_tensor(bias.detach(), one_rank_mesh, [Shard(0)]),
+    }
+    placements = {"weight": r"\(Shard\(dim=0\),\)", "hidden": r"\(Replicate\(\),\)", "bias": r"\(Shard\(dim=0\),\)"}
+    for name, tensor in sharded.items():
+        given = {"hidden": hidden, "weight": weight, "bias": bias, name: tensor}
+        match = (
+            rf"`{name}` is a DTensor \(placements {placements[name]} on a mesh of 1 ranks\), as FSDP2's fully_shard "
+            r"or tensor parallelism .* call it inside the forward of the module that holds the head, where the "
+            r"weight is gathered .*a tensor-parallel head is not supported"
+        )
+        with pytest.raises(ValueError, match=match):
+            fused_linear_cross_entropy(
+                given["hidden"], given["weight"], labels, bias=given["bias"], implementation=implementation
+            )

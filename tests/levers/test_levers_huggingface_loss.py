@@ -12,6 +12,9 @@ import warnings
 
 import pytest
 import torch
+from conftest import trainer_kwargs
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
 
 transformers = pytest.importorskip("transformers")
 
@@ -180,6 +183,58 @@ def test_torch_compile_gives_the_same_loss_and_gradients():
     compiled = torch.compile(model, backend="aot_eager")
     _, *fused = _step(compiled, batch)
     _assert_close(fused, plain, atol=1e-5, rtol=1e-4)
+
+
+class _CausalLM(LightningModule):
+    """GPT-2 (dropout off) in a LightningModule whose ``training_step`` calls its ``forward``: what
+    ``Trainer.fit(torch.compile(module))`` compiles. Records every step's loss and gradients."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCABULARY, n_positions=32)
+        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+        self.model = transformers.GPT2LMHeadModel(config)
+        if fused:
+            apply_fused_loss(self.model, chunk_tokens=7)
+        self.losses: list[torch.Tensor] = []
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def forward(self, tokens, labels):
+        return self.model(tokens, labels=labels).loss
+
+    def training_step(self, batch, batch_idx):
+        loss = self(*batch)
+        self.losses.append(loss.detach())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self.grads.append({n: p.grad.clone() for n, p in self.named_parameters()})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self):
+        batch = _batch("gpt2")
+        data = TensorDataset(batch["input_ids"].repeat(2, 1), batch["labels"].repeat(2, 1))
+        return DataLoader(data, batch_size=2)
+
+
+def test_a_compiled_lightning_fit_trains_as_the_plain_eager_fit(tmp_path):
+    """``Trainer.fit(torch.compile(module, backend="aot_eager"))`` with the fused loss: every step's loss and gradients
+    are the plain model's, uncompiled (DDP with the model compiled inside: test_levers_fused_loss_distributed.py)."""
+    from torch._dynamo.utils import counters
+
+    plain, fused = _CausalLM(fused=False), _CausalLM(fused=True)
+    Trainer(**trainer_kwargs(tmp_path, max_steps=3)).fit(plain)
+    counters.clear()
+    Trainer(**trainer_kwargs(tmp_path, max_steps=3)).fit(torch.compile(fused, backend="aot_eager"))
+    assert counters["frames"]["ok"] > 0  # compiled, not run eagerly
+    assert len(fused.grads) == len(plain.grads) == 3
+    for got, want in zip(fused.losses, plain.losses, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for got, want in zip(fused.grads, plain.grads, strict=True):
+        _assert_close((torch.zeros(()), got), (torch.zeros(()), want), atol=1e-5, rtol=1e-4)
 
 
 def test_what_cannot_be_fused_is_refused_by_name():
