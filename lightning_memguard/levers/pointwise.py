@@ -266,14 +266,15 @@ def recompute_pointwise(model: nn.Module, units: Any = None) -> nn.Module:
         model: a block (``units=None``) or a model.
         units: None: ``model`` itself is the block. ``"auto"``: the blocks of a model of a known family, as
             :func:`~lightning_memguard.checkpointing.checkpoint_blocks` finds them (every layer of a timm ViT, every
-            ConvNeXt block, every ResNet bottleneck). A list of module names or of block classes: those.
+            ConvNeXt block, every ResNet bottleneck); a set of module classes, a list of module names or a predicate on
+            ``(name, module)``, as there. A ResNet's stem (several modules) is left alone.
 
     Returns:
         ``model``, changed in place; :func:`remove_pointwise` undoes it.
 
     Raises:
         ValueError: a block already checkpointed whole (by ``checkpoint_blocks`` or ``ActivationCheckpointing``),
-            or ``units`` naming no block.
+            or ``units`` finding no block (as ``checkpoint_blocks`` says it).
 
     Example:
         >>> block = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 32), torch.nn.GELU())
