@@ -207,11 +207,41 @@ def _contexts(block: nn.Module, name: str) -> Callable[[], tuple[Any, Any]]:
     return contexts
 
 
+_CACHES = ("past_key_values", "past_key_value", "layer_past", "cache")
+"""A Hugging Face layer's cache arguments: a recomputed layer would write its keys and values into them again."""
+
+
+@functools.cache
+def _cache_positions(cls: type) -> tuple[int, ...]:
+    """Where a block's own forward takes a cache argument by position (GPT-2's ``cache``, its second)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    try:
+        parameters = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return ()
+    positional = [p.name for p in parameters if p.kind in kinds]
+    return tuple(i for i, name in enumerate(positional) if name in _CACHES)
+
+
+def _without_cache(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A layer's arguments with no cache (``use_cache=False``, every cache argument None, by name or by position),
+    as Hugging Face's own checkpointing of a layer calls it; what has none is given as it is."""
+    positions = [i for i in _cache_positions(cls) if i < len(args) and args[i] is not None]
+    if positions:
+        args = tuple(None if i in positions else a for i, a in enumerate(args))
+    if any(kwargs.get(name) is not None for name in _CACHES) or kwargs.get("use_cache"):
+        kwargs = {name: None if name in _CACHES else value for name, value in kwargs.items()}
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
+    return args, kwargs
+
+
 class PointwiseRecomputed(SwappedModule):
     """Put in front of a block's class by :func:`recompute_pointwise`: its forward runs in a selective checkpoint
     that saves its matrix products and recomputes the rest (:func:`pointwise_policy`). Without gradients, it runs as
-    its class does. The block keeps its attributes, parameters and ``state_dict`` keys; it pickles as its class with
-    this mixin."""
+    its class does. With them, a Hugging Face layer is called without its cache (``use_cache=False``, its cache
+    arguments None), as the family's own checkpointing calls it. The block keeps its attributes, parameters and
+    ``state_dict`` keys; it pickles as its class with this mixin."""
 
     memguard_prefix = "PointwiseRecomputed"
     memguard_unit = False  # not one of checkpointing's units
@@ -219,6 +249,7 @@ class PointwiseRecomputed(SwappedModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return super().forward(*args, **kwargs)
+        args, kwargs = _without_cache(swap_chain(type(self))[1], args, kwargs)
         if _compiler.compiling():
             # compiled, the policy marks the traced graph's nodes and the partitioner saves and recomputes as they
             # say; the compiled backward does not apply BatchNorm's buffer updates again (whole blocks: the same)

@@ -290,3 +290,32 @@ def test_every_block_of_a_timm_model_bit_for_bit(name):
     assert len(blocks) == (2 if name.startswith("vit") else 4)
     assert_same(step(model, x), plain)
     assert remove_pointwise(model) == len(blocks)
+
+
+def _logits_step(model: nn.Module, tokens: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(3)
+    model(tokens).logits.float().sum().backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_every_layer_of_a_hugging_face_model_bit_for_bit(family):
+    """Llama (RMSNorm, SwiGLU, rotary positions by keyword) and GPT-2 (dropout in attention and after it, its cache
+    given by position): each layer called without its cache, as Hugging Face's own checkpointing calls it."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if family == "llama":
+        config = LlamaConfig(
+            vocab_size=100, hidden_size=C, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2,
+        )  # fmt: skip
+        model = LlamaForCausalLM(config).train()
+    else:
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=C, n_head=4, vocab_size=100, n_positions=N)).train()
+    tokens = torch.randint(0, 100, (B, N))
+    plain = _logits_step(model, tokens)
+    recompute_pointwise(model, units="auto")
+    assert sum(isinstance(m, PointwiseRecomputed) for m in model.modules()) == 2
+    assert all(torch.equal(a, b) for a, b in zip(plain, _logits_step(model, tokens), strict=True))
