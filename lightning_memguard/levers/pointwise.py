@@ -211,16 +211,21 @@ _CACHES = ("past_key_values", "past_key_value", "layer_past", "cache")
 """A Hugging Face layer's cache arguments: a recomputed layer would write its keys and values into them again."""
 
 
-@functools.cache
+_POSITIONS: dict[type, tuple[int, ...]] = {}
+
+
 def _cache_positions(cls: type) -> tuple[int, ...]:
     """Where a block's own forward takes a cache argument by position (GPT-2's ``cache``, its second)."""
+    if cls in _POSITIONS:
+        return _POSITIONS[cls]
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     try:
         parameters = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
     except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
         return ()
     positional = [p.name for p in parameters if p.kind in kinds]
-    return tuple(i for i, name in enumerate(positional) if name in _CACHES)
+    _POSITIONS[cls] = tuple(i for i, name in enumerate(positional) if name in _CACHES)
+    return _POSITIONS[cls]
 
 
 def _without_cache(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -239,9 +244,9 @@ def _without_cache(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 class PointwiseRecomputed(SwappedModule):
     """Put in front of a block's class by :func:`recompute_pointwise`: its forward runs in a selective checkpoint
     that saves its matrix products and recomputes the rest (:func:`pointwise_policy`). Without gradients, it runs as
-    its class does. With them, a Hugging Face layer is called without its cache (``use_cache=False``, its cache
-    arguments None), as the family's own checkpointing calls it. The block keeps its attributes, parameters and
-    ``state_dict`` keys; it pickles as its class with this mixin."""
+    its class does. With them, in eager mode, a Hugging Face layer is called without its cache (``use_cache=False``,
+    its cache arguments None), as the family's own checkpointing calls it. The block keeps its attributes, parameters
+    and ``state_dict`` keys; it pickles as its class with this mixin."""
 
     memguard_prefix = "PointwiseRecomputed"
     memguard_unit = False  # not one of checkpointing's units
@@ -249,12 +254,13 @@ class PointwiseRecomputed(SwappedModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return super().forward(*args, **kwargs)
-        args, kwargs = _without_cache(swap_chain(type(self))[1], args, kwargs)
         if _compiler.compiling():
             # compiled, the policy marks the traced graph's nodes and the partitioner saves and recomputes as they
-            # say; the compiled backward does not apply BatchNorm's buffer updates again (whole blocks: the same)
+            # say; the compiled backward replays no Python (a cache is not written again) and does not apply
+            # BatchNorm's buffer updates again (whole blocks: the same)
             contexts = functools.partial(create_selective_checkpoint_contexts, pointwise_policy)
             return checkpoint(super().forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        args, kwargs = _without_cache(swap_chain(type(self))[1], args, kwargs)
         watch = _watching.get()
         name = self.__dict__.get("memguard_pointwise_name", "")
         if watch is not None:
