@@ -104,7 +104,7 @@ SAVED_OPS: tuple[str, ...] = (
 attention of a block, and the few other ops that cost like them; every other op is recomputed. Names this torch
 does not have are skipped."""
 
-_HOOKS_CHOICE = (
+_HOOKS_CHOICE: dict[str, Any] = (
     {"respect_saved_tensors_hooks": False}
     if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
     else {}
@@ -211,10 +211,10 @@ _CACHES = ("past_key_values", "past_key_value", "layer_past", "cache")
 """A Hugging Face layer's cache arguments: a recomputed layer would write its keys and values into them again."""
 
 
-_POSITIONS: dict[type, tuple[int, ...]] = {}
+_POSITIONS: dict[type[nn.Module], tuple[int, ...]] = {}
 
 
-def _cache_positions(cls: type) -> tuple[int, ...]:
+def _cache_positions(cls: type[nn.Module]) -> tuple[int, ...]:
     """Where a block's own forward takes a cache argument by position (GPT-2's ``cache``, its second)."""
     if cls in _POSITIONS:
         return _POSITIONS[cls]
@@ -456,10 +456,10 @@ def measure_pointwise(
         return ledger.on_device, watch.recompute_s
 
     # measured against the plain step: blocks already recomputing pointwise are plain for it, and again after
-    already = [(block, block.__dict__.get("memguard_pointwise_name", "")) for block in model.modules()]
-    already = [(block, name) for block, name in already if isinstance(block, PointwiseRecomputed)]
-    for block, _ in already:
-        remove_pointwise(block)
+    already = [(m, m.__dict__.get("memguard_pointwise_name", "")) for m in model.modules()]
+    already = [(m, name) for m, name in already if isinstance(m, PointwiseRecomputed)]
+    for m, _ in already:
+        remove_pointwise(m)
     try:
         before, _ = step()
         costs = []
@@ -475,7 +475,7 @@ def measure_pointwise(
                 remove_pointwise(block)
             costs.append(PointwiseCost(name, before - after, round(spent.get(name, 0.0) * 1e3, 6)))
     finally:
-        for block, name in already:
-            recompute_pointwise(block)
-            block.__dict__["memguard_pointwise_name"] = name
+        for m, name in already:
+            recompute_pointwise(m)
+            m.__dict__["memguard_pointwise_name"] = name
     return costs

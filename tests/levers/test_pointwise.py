@@ -177,8 +177,9 @@ EXPECTED_FREED = {
     # RMSNorm's reciprocal root (one per token), its normalised input and output, SiLU's output and the gate's
     # product (hidden 96 each); - down's output
     "swiglu": B * N * F32 + 2 * B * N * C * F32 + 2 * B * N * 96 * F32 - B * N * C * F32,
-    # LayerNorm's (channels last) input copy, output and statistics, GELU's output (4C); - fc2's output
-    "convnext": _ln_stats(2 * 8 * 8) + (1 + 1 + 4 - 1) * 2 * 8 * 8 * 32 * F32,
+    # LayerNorm's (channels last) output and statistics, GELU's output (4C); the depthwise convolution's output
+    # (LayerNorm's input), fc1's (GELU's input) and fc2's (the layer scale's input) were saved already
+    "convnext": _ln_stats(2 * 8 * 8) + (1 + 4) * 2 * 8 * 8 * 32 * F32,
     # the ReLUs' outputs after bn1 and bn2 (16 channels), the block's output (64), BatchNorm's batch statistics
     # (mean and inverse deviation per channel); the convolutions' outputs were saved already (BatchNorm's inputs)
     "bottleneck": (16 + 16 + 64) * 2 * 8 * 8 * F32 + 2 * (16 + 16 + 64) * F32,
