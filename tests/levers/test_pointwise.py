@@ -278,13 +278,21 @@ def test_compiled_with_aot_eager_it_matches_the_compiled_plain_block():
     [
         "vit_tiny_patch16_224",  # every transformer layer
         "convnext_atto",  # every ConvNeXt block
+        "swin_tiny_patch4_window7_224",  # shifted windows (a roll, a mask, a gathered position bias), drop path
     ],
 )
 def test_every_block_of_a_timm_model_bit_for_bit(name):
     torch.manual_seed(0)
-    kwargs = {"img_size": 32, "depth": 2} if name.startswith("vit") else {"depths": (1, 1, 1, 1)}
+    kwargs, size = {
+        "vit_tiny_patch16_224": ({"img_size": 32, "depth": 2}, 32),
+        "convnext_atto": ({"depths": (1, 1, 1, 1)}, 32),
+        "swin_tiny_patch4_window7_224": (
+            {"img_size": 56, "embed_dim": 24, "depths": (2, 2), "num_heads": (2, 4), "drop_path_rate": 0.1},
+            56,
+        ),
+    }[name]
     model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs).train()
-    x = torch.randn(2, 3, 32, 32, requires_grad=True)
+    x = torch.randn(2, 3, size, size, requires_grad=True)
     plain = step(copy.deepcopy(model), x)
     recompute_pointwise(model, units="auto")
     blocks = [m for m in model.modules() if isinstance(m, PointwiseRecomputed)]
