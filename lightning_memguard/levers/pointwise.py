@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_memguard import _compiler
+from lightning_memguard import _autograd, _compiler
 from lightning_memguard._ledger import Ledger
 from lightning_memguard.checkpointing.measure import default_loss, example_arguments, tensors
 from lightning_memguard.checkpointing.wrap import (
@@ -190,18 +190,13 @@ class _Recompute:
             self._watch.recompute_s[self._name] = self._watch.recompute_s.get(self._name, 0.0) + spent
 
 
-def _contexts(block: nn.Module, name: str) -> Callable[[], tuple[Any, Any]]:
-    watch = _watching.get()
-
-    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        decision = pointwise_policy(ctx, func, *args, **kwargs)
-        if watch is not None and decision == CheckpointPolicy.MUST_SAVE:
-            for t in tensors(list(ctx.op_output) if isinstance(ctx.op_output, tuple) else ctx.op_output):
-                watch.save(t, name)
-        return decision
+def _contexts(block: nn.Module, name: str, made: list[Any]) -> Callable[[], tuple[Any, Any]]:
+    """The checkpoint's ``context_fn``: the selective checkpoint's pair, its recomputation in :class:`_Recompute`;
+    each forward mode made is put in ``made`` (a measurement reads what it saved)."""
 
     def contexts() -> tuple[Any, Any]:
-        caching, cached = create_selective_checkpoint_contexts(policy)
+        caching, cached = create_selective_checkpoint_contexts(pointwise_policy)
+        made.append(caching)
         return caching, _Recompute(cached, tracked_batchnorms([block]), name)
 
     return contexts
@@ -269,7 +264,14 @@ class PointwiseRecomputed(SwappedModule):
         # every tensor an argument of its own, so recomputation sees the inputs the forward saw (whole blocks: the same)
         function, leaves = _recomputable(super().forward, args, kwargs)
         given = [(t, t._version) for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
-        out = checkpoint(function, *leaves, use_reentrant=False, context_fn=_contexts(self, name), **_HOOKS_CHOICE)
+        made: list[Any] = []
+        out = checkpoint(
+            function, *leaves, use_reentrant=False, context_fn=_contexts(self, name, made), **_HOOKS_CHOICE
+        )
+        if watch is not None:
+            for caching in made:
+                for t in _autograd.selectively_saved(caching):
+                    watch.save(t, name)
         if any(t._version != v for t, v in given):
             raise RuntimeError(
                 f"{type(self).__name__} changes its input in place in its forward (nn.ReLU(inplace=True) first,"
