@@ -302,7 +302,8 @@ def recompute_pointwise(model: nn.Module, units: Any = None) -> nn.Module:
     is refused by torch's selective checkpoint).
 
     Args:
-        model: a block (``units=None``) or a model.
+        model: a block (``units=None``) or a model; a ``torch.compile`` result is changed in the module it wraps
+            (changed before its first call, or Dynamo compiles again).
         units: None: ``model`` itself is the block. ``"auto"``: the blocks of a model of a known family, as
             :func:`~lightning_memguard.checkpointing.checkpoint_blocks` finds them (every layer of a timm ViT, every
             ConvNeXt block, every ResNet bottleneck); a set of module classes, a list of module names or a predicate on
@@ -325,7 +326,7 @@ def recompute_pointwise(model: nn.Module, units: Any = None) -> nn.Module:
         >>> remove_pointwise(block)
         1
     """
-    blocks = _blocks(model, units)
+    blocks = _blocks(_compiler.unwrapped(model), units)  # a torch.compile result: the module it wraps
     if not blocks:
         raise ValueError(f"`units`={units!r} names no block of {type(model).__name__} to recompute pointwise")
     for name, block in blocks:

@@ -264,6 +264,13 @@ def test_a_block_that_changes_its_input_in_place_is_refused_plainly():
         module(torch.randn(2, 8, requires_grad=True) * 1)
 
 
+def test_a_compiled_block_is_changed_in_the_module_it_wraps():
+    module, _ = block("vit")
+    compiled = torch.compile(module, backend="aot_eager")
+    assert recompute_pointwise(compiled) is compiled and isinstance(module, PointwiseRecomputed)
+    assert remove_pointwise(compiled) == 1
+
+
 def test_compiled_with_aot_eager_it_matches_the_compiled_plain_block():
     for kind in ("vit", "bottleneck"):
         module, x = block(kind)
