@@ -223,7 +223,9 @@ def _cache_positions(cls: type[nn.Module]) -> tuple[int, ...]:
     return _POSITIONS[cls]
 
 
-def _without_cache(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _without_cache(
+    cls: type[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A layer's arguments with no cache (``use_cache=False``, every cache argument None, by name or by position),
     as Hugging Face's own checkpointing of a layer calls it; what has none is given as it is."""
     positions = [i for i in _cache_positions(cls) if i < len(args) and args[i] is not None]
@@ -263,7 +265,7 @@ class PointwiseRecomputed(SwappedModule):
                 watch.save(t, name)
         # every tensor an argument of its own, so recomputation sees the inputs the forward saw (whole blocks: the same)
         function, leaves = _recomputable(super().forward, args, kwargs)
-        given = [(t, t._version) for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
+        given = [(t, _autograd.version(t)) for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
         made: list[Any] = []
         out = checkpoint(
             function, *leaves, use_reentrant=False, context_fn=_contexts(self, name, made), **_HOOKS_CHOICE
@@ -272,7 +274,7 @@ class PointwiseRecomputed(SwappedModule):
             for caching in made:
                 for t in _autograd.selectively_saved(caching):
                     watch.save(t, name)
-        if any(t._version != v for t, v in given):
+        if any(_autograd.version(t) != v for t, v in given):
             raise RuntimeError(
                 f"{type(self).__name__} changes its input in place in its forward (nn.ReLU(inplace=True) first,"
                 " `x += ...`): its recomputation in backward would start from the changed input. Make its first"
