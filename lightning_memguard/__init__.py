@@ -20,6 +20,8 @@ _EXPORTS = {
     "fused_linear_cross_entropy": "lightning_memguard.levers.fused_loss",
     "apply_fused_loss": "lightning_memguard.levers.huggingface_loss",
     "remove_fused_loss": "lightning_memguard.levers.huggingface_loss",
+    "recompute_pointwise": "lightning_memguard.levers.pointwise",
+    "remove_pointwise": "lightning_memguard.levers.pointwise",
     "SysmemSpillError": "lightning_memguard.core.messages",
 }
 
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
     from lightning_memguard.levers.fused_loss import fused_linear_cross_entropy as fused_linear_cross_entropy
     from lightning_memguard.levers.huggingface_loss import apply_fused_loss as apply_fused_loss
     from lightning_memguard.levers.huggingface_loss import remove_fused_loss as remove_fused_loss
+    from lightning_memguard.levers.pointwise import recompute_pointwise as recompute_pointwise
+    from lightning_memguard.levers.pointwise import remove_pointwise as remove_pointwise
 
 __all__ = [*_EXPORTS, "__version__"]
 

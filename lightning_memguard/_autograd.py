@@ -29,6 +29,9 @@ tensors, and the saved-tensor hooks in force, which torch offers no public way t
 - :func:`record_memory_history`, :func:`dump_memory_snapshot`: the CUDA allocator's history, recorded and written
   for PyTorch's memory viewer (``torch.cuda.memory._record_memory_history``, ``_dump_snapshot``): MemGuard's
   ``record_memory=True`` and its reports' snapshot.
+- :func:`selectively_saved`: the tensors a selective activation checkpoint's forward mode cached for backward (its
+  ``storage``, each entry a ``_VersionWrapper`` holding ``val``): what pointwise recomputation keeps of a block,
+  which no saved-tensor hook sees before torch 2.14.
 
 A torch release that renames one of them breaks here and nowhere else; where a node's attribute or the hooks'
 reader is missing, the functions answer None (nothing saved, no hooks), so the rebuild keeps the tensor as autograd
@@ -169,3 +172,20 @@ def flatten(structure: Any) -> tuple[list[Any], Any]:
 def unflatten(leaves: list[Any], description: Any) -> Any:
     """The structure :func:`flatten` described, made anew around ``leaves`` (new containers)."""
     return _pytree.tree_unflatten(leaves, description)
+
+
+def selectively_saved(caching_mode: Any) -> list[torch.Tensor]:
+    """The tensors ``caching_mode`` (the first of ``create_selective_checkpoint_contexts``'s pair) holds for
+    backward: its ``storage`` maps each op to its calls' entries (a list before torch 2.12, a dict by call after),
+    each output wrapped with its version (``_VersionWrapper.val``), or a marker for a call recomputed. Empty where
+    the mode has no storage."""
+    storage = getattr(caching_mode, "storage", None) or {}
+    found: list[torch.Tensor] = []
+    for calls in storage.values():
+        entries = calls.values() if isinstance(calls, dict) else calls
+        for entry in entries:
+            for leaf in _pytree.tree_leaves(entry):
+                value = getattr(leaf, "val", None)
+                if isinstance(value, torch.Tensor):
+                    found.append(value)
+    return found

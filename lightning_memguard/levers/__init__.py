@@ -3,7 +3,9 @@
 :func:`fused_linear_cross_entropy` (in :mod:`.fused_loss`) computes a language model's loss without its logits;
 :func:`apply_fused_loss` (in :mod:`.huggingface_loss`) makes a Hugging Face model's own ``forward(labels=...)`` use it.
 :class:`ActivationOffload` (in :mod:`.offload`) keeps chosen blocks' saved activations in pinned host memory, copied on
-side streams while the step computes.
+side streams while the step computes. :func:`recompute_pointwise` (in :mod:`.pointwise`) keeps a block's matrix
+products saved and recomputes the pointwise work between them in backward (:func:`pointwise_policy` for a checkpoint of
+your own; :func:`measure_pointwise`: per link, the bytes it frees and the milliseconds it adds).
 """
 
 from __future__ import annotations
@@ -11,11 +13,23 @@ from __future__ import annotations
 from lightning_memguard.levers.fused_loss import fused_linear_cross_entropy
 from lightning_memguard.levers.huggingface_loss import FusedLossRefused, apply_fused_loss, remove_fused_loss
 from lightning_memguard.levers.offload import ActivationOffload
+from lightning_memguard.levers.pointwise import (
+    PointwiseCost,
+    measure_pointwise,
+    pointwise_policy,
+    recompute_pointwise,
+    remove_pointwise,
+)
 
 __all__ = [
     "ActivationOffload",
     "FusedLossRefused",
+    "PointwiseCost",
     "apply_fused_loss",
     "fused_linear_cross_entropy",
+    "measure_pointwise",
+    "pointwise_policy",
+    "recompute_pointwise",
     "remove_fused_loss",
+    "remove_pointwise",
 ]
