@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_memguard.core.units import size_formatter
 
@@ -210,6 +211,8 @@ class LeverPlan:
         host_bytes: pinned host memory the chosen offloads hold.
         tried: every set measured, in order: ``(what it was, peak measured)``.
         loss_refused: why the fused loss was not offered (a model without a vocabulary head), or None.
+        offload: what runs the offloads chosen, to enter around the training steps (an ``ActivationOffload``, from
+            :func:`~.plan_levers.plan_levers`), or None.
     """
 
     loss: bool
@@ -225,6 +228,7 @@ class LeverPlan:
     host_bytes: int = 0
     tried: list[tuple[str, int]] = field(default_factory=list)
     loss_refused: str | None = None
+    offload: Any = None
 
     @property
     def held(self) -> bool:
