@@ -3,7 +3,8 @@
 :func:`fused_linear_cross_entropy` (in :mod:`.fused_loss`) computes a language model's loss without its logits;
 :func:`apply_fused_loss` (in :mod:`.huggingface_loss`) makes a Hugging Face model's own ``forward(labels=...)`` use it.
 :class:`ActivationOffload` (in :mod:`.offload`) keeps chosen blocks' saved activations in pinned host memory, copied on
-side streams while the step computes.
+side streams while the step computes. :func:`plan_levers` (in :mod:`.plan_levers`) chooses among them and activation
+checkpointing for a memory budget, measured (the pure choice in :mod:`.choose`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ from __future__ import annotations
 from lightning_memguard.levers.fused_loss import fused_linear_cross_entropy
 from lightning_memguard.levers.huggingface_loss import FusedLossRefused, apply_fused_loss, remove_fused_loss
 from lightning_memguard.levers.offload import ActivationOffload
+from lightning_memguard.levers.plan_levers import InjectedLever, LeverPlan, plan_levers
 
 __all__ = [
     "ActivationOffload",
     "FusedLossRefused",
+    "InjectedLever",
+    "LeverPlan",
     "apply_fused_loss",
     "fused_linear_cross_entropy",
+    "plan_levers",
     "remove_fused_loss",
 ]

@@ -213,6 +213,9 @@ class LeverPlan:
         loss_refused: why the fused loss was not offered (a model without a vocabulary head), or None.
         offload: what runs the offloads chosen, to enter around the training steps (an ``ActivationOffload``, from
             :func:`~.plan_levers.plan_levers`), or None.
+        checkpointed: the links checkpointed, by name: the blocks chosen whole (a ResNet's ``"stem"`` too) and the
+            parts of those chosen by parts, each a run of its own as ``apply_plan(model, runs)`` takes them (with
+            the ``units`` the plan was made with).
     """
 
     loss: bool
@@ -229,6 +232,7 @@ class LeverPlan:
     tried: list[tuple[str, int]] = field(default_factory=list)
     loss_refused: str | None = None
     offload: Any = None
+    checkpointed: list[str] = field(default_factory=list)
 
     @property
     def held(self) -> bool:
@@ -243,6 +247,24 @@ class LeverPlan:
             if names:
                 by_kind[kind] = names
         return by_kind
+
+    def calls(self) -> list[str]:
+        """The calls that apply this plan to a fresh copy of its model, one a line.
+
+        Example:
+            >>> plan = LeverPlan(True, {"h.0": LinkOption("block", 30, 2.0)}, 100, 50, checkpointed=["h.0"])
+            >>> plan.calls()
+            ['apply_fused_loss(model)', "apply_plan(model, [['h.0']])"]
+        """
+        lines = ["apply_fused_loss(model)"] if self.loss else []
+        if self.checkpointed:
+            lines.append(f"apply_plan(model, {[[name] for name in self.checkpointed]!r})")
+        kinds = self.kinds()
+        if "pointwise" in kinds:
+            lines.append(f"the pointwise lever's own call on {kinds['pointwise']!r}")
+        if "offload" in kinds:
+            lines.append(f"with plan.offload:  # ActivationOffload of {kinds['offload']!r}, around the training steps")
+        return lines
 
     def summary(self) -> str:
         """One line: the levers taken, the figures, and where the budget is not met, the floor reached.

@@ -8,9 +8,10 @@ What it measures: the step's peak and each link's saved activations and forward 
 links' forward times (CUDA only: on the CPU offload does nothing). A lever built elsewhere (the pointwise chains) comes
 in as an :class:`InjectedLever` with its own measurement and application.
 
-What it applies: :func:`~lightning_memguard.checkpointing.entrances.checkpoint_blocks` with the blocks and parts
-chosen by name, :func:`~.huggingface_loss.apply_fused_loss`, an injected lever's ``apply``; offload is not a change to
-the model but a context around the steps: the plan holds the :class:`~.offload.ActivationOffload` to enter.
+What it applies: :func:`~lightning_memguard.checkpointing.entrances.apply_plan` with the blocks and parts chosen,
+each a run of its own, :func:`~.huggingface_loss.apply_fused_loss`, an injected lever's ``apply``; offload is not a
+change to the model but a context around the steps: the plan holds the :class:`~.offload.ActivationOffload` to
+enter.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from lightning_memguard.checkpointing.budget import BlockProfile
-from lightning_memguard.checkpointing.entrances import checkpoint_blocks
+from lightning_memguard.checkpointing.entrances import apply_plan
 from lightning_memguard.checkpointing.families import Units, check_units
 from lightning_memguard.checkpointing.measure import StepMeter, default_loss, tensors
 from lightning_memguard.checkpointing.model_map import ModelMap, map_model
@@ -129,6 +130,7 @@ def plan_levers(
     model_map = map_model(model, check_units(units))
     cuda = any(t.is_cuda for t in tensors(example))
     levers = _Levers(model, model_map, example, loss_fn or hugging_face_loss, list(injected))
+    levers.units = units
     levers.offload = cuda if offload is None else offload
     levers.bandwidth_gb_s = bandwidth_gb_s
     reason = refusal(model) if fused_loss else "not offered (fused_loss=False)"
@@ -143,7 +145,7 @@ def plan_levers(
     plan = search.result
     assert plan is not None
     plan.loss_refused = reason
-    plan.offload = levers.offloader
+    plan.offload, plan.checkpointed = levers.offloader, levers.checkpointed  # the last proposal's: the plan's own
     return plan
 
 
@@ -161,9 +163,11 @@ class _Levers:
         self.model, self.map, self.example, self.loss_fn, self.injected = model, model_map, example, loss_fn, injected
         self.links = list(model_map.links)
         self.offload = False
+        self.units: Units = "auto"
         self.bandwidth_gb_s = 25.0
         self.offloader: ActivationOffload | None = None
         self.tried = False  # the fused loss was measured
+        self.checkpointed: list[str] = []
         self.parts: dict[str, list[str]] = {}  # each link's parts that free memory, as last measured
         self._undo: list[Callable[[], None]] = []
 
@@ -185,8 +189,9 @@ class _Levers:
             apply_fused_loss(self.model)
         names = [name for name, o in proposal.links.items() if o.kind == "block"]
         names += [part for name, o in proposal.links.items() if o.kind == "parts" for part in self.parts[name]]
-        if names:
-            checkpoint_blocks(self.model, units=names)
+        if names:  # each a run of its own: a block by its link's name ("stem" too), a part by its module's
+            apply_plan(self.model, [[name] for name in names], units=self.units)
+        self.checkpointed = names
         for lever in self.injected:
             chosen = [name for name, o in proposal.links.items() if o.kind == lever.kind]
             if chosen:
