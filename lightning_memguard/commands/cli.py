@@ -141,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _compile_args(plan)
     plan.add_argument("--report", default=None, metavar="DIR", help=REPORT_HELP)
+    plan.add_argument(
+        "--levers",
+        default=None,
+        metavar="BUDGET",
+        help="instead of the micro-batch search: the levers' plan (checkpointing blocks or their parts, offload on"
+        " CUDA) for one batch of --effective-batch images to meet BUDGET, a fraction of its peak (0.5) or a size"
+        " ('6GB'), each choice measured",
+    )
     return parser
 
 
@@ -190,6 +198,22 @@ def _model_source(text: str) -> Any:
         return model_source(text)
     except ValueError as err:
         raise UsageError(str(err)) from None
+
+
+def _levers_budget(text: str | None) -> float | int | None:
+    """``--levers``' budget: a fraction in (0, 1] (``0.5``) or a size (``6GB``), as ``memory_budget`` takes it."""
+    if text is None:
+        return None
+    from lightning_memguard.core.checks import check_memory_budget
+
+    try:
+        value: float | str = float(text)
+    except ValueError:
+        value = text
+    try:
+        return check_memory_budget(value)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"--levers {text}: {str(err).replace('`memory_budget`', 'the budget')}") from None
 
 
 def _batch_sizes(text: str) -> tuple[int, ...]:
@@ -488,6 +512,12 @@ def _plan(args: argparse.Namespace) -> int:
         )
     _positive("--image-size", args.image_size)
     _positive("--steps", args.trial_steps)
+    levers = _levers_budget(args.levers)
+    if levers is not None and source.lightning:
+        raise UsageError(
+            f"--levers plans a network's levers on images; {source.text} is a LightningModule: call"
+            " plan_levers(model, batch, memory_budget=...) on its network with one of its batches"
+        )
     capacity = _capacity(args.emulate_capacity)
     precision = _precision(args.precision, args.device)
     backend = _compile_backend(args.compile, args.compile_backend, args.device)
@@ -498,6 +528,12 @@ def _plan(args: argparse.Namespace) -> int:
     model = _check_model_input(source, args.image_size, given_size, args.channels_last, cuda, smallest,
                                f"micro-batch {smallest} (--min-micro-batch)")  # fmt: skip
     filled = _not_defaults(filled, model, args.image_size)
+    if levers is not None:
+        what = f"{model.described}, the levers for one batch of {args.effective_batch} to meet {args.levers}"
+        print(_settings_line("plan", cuda, precision, what, filled), file=sys.stderr, flush=True)
+        from lightning_memguard.commands.plan import run_levers
+
+        return run_levers(source, model.image_size or 0, args.effective_batch, levers, cuda)
     warmup = (CUDA_DEFAULTS if cuda else CPU_DEFAULTS).trial_warmup
     what = (f"{model.described}, micro-batches from {smallest} up to {args.effective_batch},"
             f" {warmup} warm-up + {_steps(args.trial_steps, 'timed optimizer step')} each")  # fmt: skip

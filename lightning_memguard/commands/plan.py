@@ -1,5 +1,5 @@
 """`memguard plan`: AccumulationTuner's search for one effective batch, each trial printed as it is measured, then
-the choice and the lines to paste."""
+the choice and the lines to paste; with ``--levers``, the levers' plan for one batch instead (:func:`run_levers`)."""
 
 from __future__ import annotations
 
@@ -132,6 +132,31 @@ def run_plan(cfg: PlanConfig, smallest: int) -> int:
     if stop.reports:
         print(f"memory reports: {', '.join(stop.reports)} (and .html beside each)")
     return 0
+
+
+def run_levers(source: ModelSource, image_size: int, batch: int, budget: float | int, cuda: bool) -> int:
+    """``memguard plan --levers``: :func:`~lightning_memguard.levers.plan_levers.plan_levers` on the network and one
+    batch of random images; prints the plan, every set measured and the calls to paste; 1 where the budget is not
+    met (the floor said)."""
+    from lightning_memguard.levers.plan_levers import plan_levers
+
+    device = torch.device("cuda" if cuda else "cpu")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        net = source.build().to(device).train()
+        images = torch.randn(batch, 3, image_size, image_size, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_levers(net, images, memory_budget=budget)
+    size = size_formatter(plan.baseline_bytes)
+    print(plan.summary())
+    print("measured:")
+    for what, peak in plan.tried:
+        print(f"  {what}: peak {size(peak)}")
+    print("paste:")
+    for line in plan.calls() or ["nothing: the step already meets the budget"]:
+        print(f"  {line}")
+    return 0 if plan.held else 1
 
 
 def _size(cfg: PlanConfig) -> Callable[[float], str]:

@@ -2,8 +2,8 @@
 
 A rule looks at the step's split and its top modules and answers a sentence, or None where it does not apply. The
 report lists every rule that applies, the one whose target holds most of the peak first: checkpoint the blocks
-holding the activations; compute a large vocabulary's logits and loss in chunks; a lighter optimizer state or
-sharding; then a smaller micro-batch (always, last).
+holding the activations; a large vocabulary's loss without its logits (``apply_fused_loss``,
+``fused_linear_cross_entropy``); a lighter optimizer state or sharding; then a smaller micro-batch (always, last).
 
 Where the card's capacity is known two causes come before them all, since no change to the batch or the activations
 helps: other processes holding the memory the step would fit in without them (:func:`others_fix`), and weights,
@@ -59,19 +59,29 @@ def checkpoint_fix(top: Sequence[str], blocks: Sequence[str], plain: bool = Fals
 
 def vocabulary_fix(top: Sequence[str], vocabularies: Sequence[str]) -> str | None:
     """A Linear of a vocabulary's size (32k outputs or more) whose logits, kept by the loss outside the modules or
-    by the layers after it, are among the largest: compute the logits and the loss in chunks.
+    by the layers after it, are among the largest: the fused loss, which computes the loss and its gradients chunk by
+    chunk and never builds the logits whole (the calls that run it, for a Hugging Face model and for one's own
+    training step), then the levers' planner for what holds the peak after it.
 
     Example:
-        >>> vocabulary_fix(["", "blocks.0.mlp"], ["lm_head"]).startswith("compute the logits of lm_head and the loss")
-        True
+        >>> print(vocabulary_fix(["", "blocks.0.mlp"], ["lm_head"]))  # doctest: +NORMALIZE_WHITESPACE
+        the logits of lm_head and their loss: compute the loss without building the logits, apply_fused_loss(model)
+        for a Hugging Face model (its own forward(labels=...), the same loss), or in a training_step
+        fused_linear_cross_entropy(hidden, model.lm_head.weight, labels, shift=True) on the hidden states before
+        lm_head; then plan_levers(model, batch, memory_budget=...) chooses among checkpointing and offload for what
+        holds the peak after it
         >>> vocabulary_fix(["blocks.0.mlp"], ["lm_head"]) is None, vocabulary_fix([""], []) is None
         (True, True)
     """
     if not vocabularies or not any(m == OUTSIDE or m in vocabularies for m in top):
         return None
+    head = vocabularies[0]
     return (
-        f"compute the logits of {', '.join(vocabularies)} and the loss in chunks of the sequence (a chunked"
-        " cross-entropy), so that a vocabulary's logits never exist for the whole batch at once"
+        f"the logits of {', '.join(vocabularies)} and their loss: compute the loss without building the logits,"
+        " apply_fused_loss(model) for a Hugging Face model (its own forward(labels=...), the same loss), or in a"
+        f" training_step fused_linear_cross_entropy(hidden, model.{head}.weight, labels, shift=True) on the hidden"
+        f" states before {head}; then plan_levers(model, batch, memory_budget=...) chooses among checkpointing and"
+        " offload for what holds the peak after it"
     )
 
 
@@ -171,7 +181,7 @@ def fixes(
         >>> len(fixes(["fc"], [], [], 0, 100))
         1
         >>> first = fixes(["", "h.0.mlp"], ["h.0"], ["lm_head"], 0, 100, shares=[0.6, 0.02])[0]
-        >>> first.startswith("compute the logits")  # the loss's 60 % before a block's 2 %
+        >>> first.startswith("the logits of lm_head")  # the loss's 60 % before a block's 2 %
         True
     """
     if any(c.startswith("weights, gradients and optimizer state alone") for c in cause):

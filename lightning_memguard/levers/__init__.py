@@ -5,7 +5,9 @@
 :class:`ActivationOffload` (in :mod:`.offload`) keeps chosen blocks' saved activations in pinned host memory, copied on
 side streams while the step computes. :func:`recompute_pointwise` (in :mod:`.pointwise`) keeps a block's matrix
 products saved and recomputes the pointwise work between them in backward (:func:`pointwise_policy` for a checkpoint of
-your own; :func:`measure_pointwise`: per link, the bytes it frees and the milliseconds it adds).
+your own; :func:`measure_pointwise`: per link, the bytes it frees and the milliseconds it adds). :func:`plan_levers`
+(in :mod:`.plan_levers`) chooses among them and activation checkpointing for a memory budget, measured (the pure
+choice in :mod:`.choose`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from lightning_memguard.levers.fused_loss import fused_linear_cross_entropy
 from lightning_memguard.levers.huggingface_loss import FusedLossRefused, apply_fused_loss, remove_fused_loss
 from lightning_memguard.levers.offload import ActivationOffload
+from lightning_memguard.levers.plan_levers import InjectedLever, LeverPlan, plan_levers
 from lightning_memguard.levers.pointwise import (
     PointwiseCost,
     measure_pointwise,
@@ -30,6 +33,9 @@ __all__ = [
     "measure_pointwise",
     "pointwise_policy",
     "recompute_pointwise",
+    "InjectedLever",
+    "LeverPlan",
+    "plan_levers",
     "remove_fused_loss",
     "remove_pointwise",
 ]

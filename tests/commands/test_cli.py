@@ -716,3 +716,25 @@ def test_a_cpu_sweep_on_an_emulated_card_shows_the_spill_as_a_slowdown():
         spills, _ = run_one(cfg, 16, root)
     assert (fits.status, spills.status) == ("ok", "spill")
     assert spills.samples_per_sec < fits.samples_per_sec
+
+
+def test_plan_levers_prints_the_levers_plan_every_set_measured_and_the_calls(capsys):
+    assert main(["plan", *TINY, "--effective-batch", "8", "--levers", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("levers: block recomputed in stem, ") and "no fused loss: ResNet is not a Hugging Face" in out
+    assert "measured:\n  as it is: peak " in out
+    assert "paste:\n  apply_plan(model, [['stem'], " in out
+
+
+def test_plan_levers_says_the_floor_where_no_set_meets_the_budget(capsys):
+    assert main(["plan", *TINY, "--effective-batch", "8", "--levers", "0.05"]) == 1
+    assert "budget not met: the floor reached is " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("budget", "message"),
+    [("3", "--levers 3: the budget as a fraction must be in (0, 1]"), ("lots", "--levers lots: ")],
+)
+def test_plan_levers_refuses_a_budget_it_cannot_read(capsys, budget, message):
+    assert main(["plan", *TINY, "--effective-batch", "8", "--levers", budget]) == 2
+    assert message in capsys.readouterr().err

@@ -138,9 +138,12 @@ def test_blocks_holding_the_top_modules_are_named_for_checkpointing():
     assert rules.checkpoint_fix(["fc"], ["layer1.0"]) is None
 
 
-def test_a_vocabulary_sized_head_with_the_loss_among_the_largest_asks_for_a_chunked_loss():
-    assert "in chunks" in rules.vocabulary_fix(["", "h.0"], ["lm_head"])
-    assert "in chunks" in rules.vocabulary_fix(["lm_head"], ["lm_head"])
+def test_a_vocabulary_sized_head_with_the_loss_among_the_largest_asks_for_the_fused_loss_by_its_call():
+    fix = rules.vocabulary_fix(["", "h.0"], ["lm_head"])
+    assert "apply_fused_loss(model)" in fix
+    assert "fused_linear_cross_entropy(hidden, model.lm_head.weight, labels, shift=True)" in fix
+    assert "plan_levers(model, batch, memory_budget=...)" in fix
+    assert "apply_fused_loss(model)" in rules.vocabulary_fix(["lm_head"], ["lm_head"])
     assert rules.vocabulary_fix(["h.0"], ["lm_head"]) is None
     assert rules.vocabulary_fix([""], []) is None
 
@@ -156,7 +159,7 @@ def test_a_smaller_micro_batch_is_always_the_last_fix_with_memguards_figures():
     assert found[0].endswith("a batch of at most 56 fits")
 
 
-def test_a_language_model_is_told_to_chunk_its_loss():
+def test_a_language_model_whose_logits_hold_the_peak_is_given_the_fused_loss_by_its_call():
     class Tiny(nn.Module):
         def __init__(self):
             super().__init__()
@@ -171,13 +174,14 @@ def test_a_language_model_is_told_to_chunk_its_loss():
     tokens = torch.randint(0, 100, (2, 16))
     report = MemoryReport.from_step(measure_step(model, lambda: model(tokens)), "plan")
     assert report.top[0]["name"] == ""  # the logits, kept by the loss outside every module
-    assert "chunks" in report.fixes[0] and "lm_head" in report.fixes[0]
+    assert report.fixes[0].startswith("the logits of lm_head and their loss")  # the largest share: named first
+    assert "apply_fused_loss(model)" in report.fixes[0] and "fused_linear_cross_entropy(" in report.fixes[0]
     assert "(outside any module: the loss)" in report.verdict()
 
 
 def test_the_fix_for_the_largest_share_comes_first_not_the_blocks_holding_a_few_percent():
     """A language model with blocks and a vocabulary-sized head: the loss's logits hold most of the peak, so the
-    chunked loss is the first fix and the verdict's; checkpointing the blocks (a few percent) comes after it."""
+    fused loss is the first fix and the verdict's; checkpointing the blocks (a few percent) comes after it."""
 
     class Block(nn.Module):
         def __init__(self):
@@ -204,9 +208,9 @@ def test_the_fix_for_the_largest_share_comes_first_not_the_blocks_holding_a_few_
     tokens = torch.randint(0, 100, (2, 16))
     report = MemoryReport.from_step(measure_step(model, lambda: model(tokens)), "spill")
     assert report.top[0]["name"] == "" and report.top[0]["share"] > 0.5
-    assert "chunks" in report.fixes[0]
+    assert "apply_fused_loss(model)" in report.fixes[0]
     assert any(f.startswith("checkpoint the blocks") for f in report.fixes[1:-1])
-    assert "Fix: compute the logits of lm_head" in report.verdict()
+    assert "Fix: the logits of lm_head and their loss: compute the loss without building the logits" in report.verdict()
 
 
 def test_a_resnet_is_told_which_blocks_to_checkpoint():

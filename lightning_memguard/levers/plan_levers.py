@@ -1,0 +1,290 @@
+"""The levers' planner on a real model: :func:`plan_levers` measures each lever with the existing measurements, lets
+:class:`~.choose.LeverSearch` choose, and applies each choice with the levers' own public calls, measured once made.
+
+What it measures: the step's peak and each link's saved activations and forward time (checkpointing's
+:class:`~lightning_memguard.checkpointing.measure.StepMeter`, the links and their parts of
+:func:`~lightning_memguard.checkpointing.model_map.map_model`); the fused loss as one step with and one without
+:func:`~.huggingface_loss.apply_fused_loss`; offload's copies as :func:`~.offload.exposed_transfer_ms` says from the
+links' forward times (CUDA only: on the CPU offload does nothing). A lever built elsewhere (the pointwise chains) comes
+in as an :class:`InjectedLever` with its own measurement and application.
+
+What it applies: :func:`~lightning_memguard.checkpointing.entrances.apply_plan` with the blocks and parts chosen,
+each a run of its own, :func:`~.huggingface_loss.apply_fused_loss`, an injected lever's ``apply``; offload is not a
+change to the model but a context around the steps: the plan holds the :class:`~.offload.ActivationOffload` to
+enter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memguard.checkpointing.budget import BlockProfile
+from lightning_memguard.checkpointing.entrances import apply_plan
+from lightning_memguard.checkpointing.families import Units, check_units
+from lightning_memguard.checkpointing.measure import StepMeter, default_loss, tensors
+from lightning_memguard.checkpointing.model_map import ModelMap, map_model
+from lightning_memguard.checkpointing.surgery import remove_checkpointing
+from lightning_memguard.core.checks import check_instance, check_memory_budget, check_size
+from lightning_memguard.levers.choose import LeverPlan, LeverSearch, LinkOption, LossOption, Measurement, Proposal
+from lightning_memguard.levers.huggingface_loss import apply_fused_loss, refusal, remove_fused_loss
+from lightning_memguard.levers.offload import ActivationOffload, bucket_size, exposed_transfer_ms
+
+OUTSIDE_OWNER = "the head and the loss (outside the blocks)"
+"""What holds the peak where the activations saved outside every link are more than any link's."""
+
+BACKWARD_PER_FORWARD = 2.0
+"""A link's backward time, in forward times, where offload's exposed copies are predicted (a matmul's backward is two
+matmuls)."""
+
+
+@dataclass(frozen=True)
+class InjectedLever:
+    """A lever measured and applied by code outside this planner (the pointwise chains' lever), one option per link.
+
+    Attributes:
+        kind: its kind among :data:`~.choose.KINDS` (``"pointwise"``).
+        measure: ``measure(model, links)`` on the model as it is then (the fused loss applied or not): for each link
+            name it helps, ``(bytes freed, milliseconds added per step)``.
+        apply: ``apply(model, links)`` applies it to the links named and returns a function that undoes it.
+    """
+
+    kind: str
+    measure: Callable[[nn.Module, Sequence[str]], Mapping[str, tuple[int, float]]]
+    apply: Callable[[nn.Module, Sequence[str]], Callable[[], None]]
+
+
+def hugging_face_loss(output: Any) -> torch.Tensor:
+    """The model's own loss where its output has one (a Hugging Face model given labels), else the sum of its
+    output (checkpointing's default)."""
+    loss = getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else default_loss(output)
+
+
+def plan_levers(
+    model: nn.Module,
+    example: Any,
+    memory_budget: float | int | str,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    units: Units = "auto",
+    fused_loss: bool = True,
+    offload: bool | None = None,
+    bandwidth_gb_s: float = 25.0,
+    max_host_bytes: int | str | None = None,
+    injected: Sequence[InjectedLever] = (),
+) -> LeverPlan:
+    """Choose, apply and measure the levers that bring a training step's peak within ``memory_budget``.
+
+    The fused loss first, where the model has a vocabulary head (a Hugging Face model
+    :func:`~.huggingface_loss.apply_fused_loss` takes): it frees the logits for about nothing, and what then holds
+    the peak is measured again. Then, per link (a block of the model's chain), at most one of: checkpointing the
+    whole block, its parts (a layer's attention and MLP), an injected lever (the pointwise chains), or on CUDA
+    offloading it; the cheapest set in milliseconds per byte freed whose predicted peak fits, measured once applied
+    (see :class:`~.choose.LeverSearch`). The model is left as the plan says; a failure part-way leaves it as it was.
+
+    Args:
+        model: the model, changed in place.
+        example: a real batch, as ``checkpoint_blocks``' ``example_input`` (a Hugging Face model's dict with its
+            ``labels``, for the fused loss to be measured).
+        memory_budget: a fraction in (0, 1] of the step's peak before any lever, or bytes (``"6GB"``).
+        loss_fn: the output's scalar loss; default: its ``loss`` where it has one, else the sum of the output.
+        units: the links, as ``checkpoint_blocks`` finds them (``"auto"``, classes, names or a predicate).
+        fused_loss: offer the fused loss (where the model takes it).
+        offload: offer offload; default: where the example is on CUDA (on the CPU offload does nothing).
+        bandwidth_gb_s: the host link's bandwidth each way, for offload's exposed copies.
+        max_host_bytes: the most pinned host memory offload may hold (default: no bound beyond what
+            ``ActivationOffload`` allows when it is entered).
+        injected: levers measured and applied elsewhere (:class:`InjectedLever`).
+
+    Returns:
+        The :class:`~.choose.LeverPlan`: ``summary()`` says it; ``plan.offload`` is the ``ActivationOffload`` to
+        enter around the training steps where offload was chosen.
+
+    Raises:
+        ValueError: a budget out of range, no links found, a bad bandwidth or host bound.
+        TypeError: ``model`` not an ``nn.Module``.
+
+    Example:
+        >>> import torch
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <...>
+        >>> model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+        ...                               for _ in range(4)))
+        >>> plan = plan_levers(model, torch.randn(256, 64, requires_grad=True), memory_budget=0.6, units=[
+        ...     torch.nn.Sequential])
+        >>> plan.held, sorted(plan.kinds())
+        (True, ['block'])
+    """
+    check_instance("model", model, nn.Module, "be a torch.nn.Module (the model itself, built)")
+    budget = check_memory_budget(memory_budget)
+    if budget is None:
+        raise ValueError("`memory_budget` must be given: a fraction in (0, 1] or bytes")
+    if not bandwidth_gb_s > 0:
+        raise ValueError(f"`bandwidth_gb_s` must be positive, got {bandwidth_gb_s!r}")
+    host_limit = None if max_host_bytes is None else check_size("max_host_bytes", max_host_bytes, 0)
+    model_map = map_model(model, check_units(units))
+    cuda = any(t.is_cuda for t in tensors(example))
+    levers = _Levers(model, model_map, example, loss_fn or hugging_face_loss, list(injected))
+    levers.units = units
+    levers.offload = cuda if offload is None else offload
+    levers.bandwidth_gb_s = bandwidth_gb_s
+    reason = refusal(model) if fused_loss else "not offered (fused_loss=False)"
+    search = LeverSearch(budget, host_limit)
+    try:
+        while (proposal := search.propose()) is not None:
+            levers.apply(proposal)
+            search.observe(levers.measure(with_options=not proposal.links, loss=reason is None and not levers.tried))
+    except BaseException:
+        levers.undo()
+        raise
+    plan = search.result
+    assert plan is not None
+    plan.loss_refused = reason
+    plan.offload, plan.checkpointed = levers.offloader, levers.checkpointed  # the last proposal's: the plan's own
+    return plan
+
+
+class _Levers:
+    """The model's levers: applies a proposal in place of the last, and measures the model as it is then."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        model_map: ModelMap,
+        example: Any,
+        loss_fn: Callable[[Any], torch.Tensor],
+        injected: list[InjectedLever],
+    ) -> None:
+        self.model, self.map, self.example, self.loss_fn, self.injected = model, model_map, example, loss_fn, injected
+        self.links = list(model_map.links)
+        self.offload = False
+        self.units: Units = "auto"
+        self.bandwidth_gb_s = 25.0
+        self.offloader: ActivationOffload | None = None
+        self.tried = False  # the fused loss was measured
+        self.checkpointed: list[str] = []
+        self.parts: dict[str, list[str]] = {}  # each link's parts that free memory, as last measured
+        self._undo: list[Callable[[], None]] = []
+
+    def meter(self) -> StepMeter:
+        return StepMeter(self.model, self.example, self.loss_fn)
+
+    def undo(self) -> None:
+        """Put the model back as it was given."""
+        while self._undo:
+            self._undo.pop()()
+        remove_checkpointing(self.model)
+        remove_fused_loss(self.model)
+        self.offloader = None
+
+    def apply(self, proposal: Proposal) -> None:
+        """The proposal's levers, in place of the last proposal's."""
+        self.undo()
+        if proposal.loss:
+            apply_fused_loss(self.model)
+        names = [name for name, o in proposal.links.items() if o.kind == "block"]
+        names += [part for name, o in proposal.links.items() if o.kind == "parts" for part in self.parts[name]]
+        if names:  # each a run of its own: a block by its link's name ("stem" too), a part by its module's
+            apply_plan(self.model, [[name] for name in names], units=self.units)
+        self.checkpointed = names
+        for lever in self.injected:
+            chosen = [name for name, o in proposal.links.items() if o.kind == lever.kind]
+            if chosen:
+                self._undo.append(lever.apply(self.model, chosen))
+        chain = [link for link in self.links if len(link.modules) == 1]  # a stem of several modules is not offloaded
+        offloaded = [i for i, link in enumerate(chain) if proposal.links.get(link.name, _NONE).kind == "offload"]
+        if offloaded:
+            self.offloader = ActivationOffload([link.modules[0][1] for link in chain], offloaded=offloaded)
+
+    def peak(self) -> int:
+        meter = self.meter()
+        if self.offloader is None:
+            return meter.peak()
+        with self.offloader:
+            return meter.peak()
+
+    def measure(self, with_options: bool, loss: bool) -> Measurement:
+        """The model's peak and, where asked, what holds it, every link's options and (``loss``) the fused loss's."""
+        peak = self.peak()
+        if not with_options:
+            return Measurement(peak)
+        meter = self.meter()
+        profiles = meter.profile(self.links, self.map.parts)
+        n = len(self.links)
+        blocks, parts = profiles[:n], profiles[n:]
+        options: dict[str, list[LinkOption]] = {link.name: [] for link in self.links}
+        for link, p in zip(self.links, blocks, strict=True):
+            if p.recomputable and p.saving > 0:
+                options[link.name].append(LinkOption("block", p.saving, p.forward_ms))
+        self.parts = {link.name: [] for link in self.links}
+        for (i, _), p in zip(self.map.parts, parts, strict=True):
+            if p.recomputable and p.saving > 0:
+                options[self.links[i].name].append(LinkOption("parts", p.saving, p.forward_ms))
+                self.parts[self.links[i].name].append(p.name)
+        for name, held in options.items():  # a link's parts, all together: one option
+            found = [o for o in held if o.kind == "parts"]
+            if found:
+                whole = LinkOption("parts", sum(o.freed_bytes for o in found), sum(o.extra_ms for o in found))
+                options[name] = [*(o for o in held if o.kind != "parts"), whole]
+        if self.offload:
+            self._offload_options(blocks, options)
+        for lever in self.injected:
+            for name, (freed, ms) in lever.measure(self.model, [link.name for link in self.links]).items():
+                options[name].append(LinkOption(lever.kind, int(freed), float(ms)))
+        option = None
+        if loss:
+            self.tried = True
+            option = self._loss_option(meter, peak)
+        return Measurement(peak, owner(peak, blocks), options, option)
+
+    def _offload_options(self, profiles: list[BlockProfile], options: dict[str, list[LinkOption]]) -> None:
+        """Each link offloaded alone: it frees what checkpointing it would, holds its saved bytes in host buffers,
+        and costs the copies :func:`~.offload.exposed_transfer_ms` says would not hide."""
+        forward = [p.forward_ms for p in profiles]
+        backward = [ms * BACKWARD_PER_FORWARD for ms in forward]
+        for i, (link, p) in enumerate(zip(self.links, profiles, strict=True)):
+            if p.saving <= 0 or len(link.modules) != 1:
+                continue
+            moved = [p.saved_bytes if j == i else 0 for j in range(len(profiles))]
+            ms = exposed_transfer_ms(forward, backward, moved, self.bandwidth_gb_s)
+            options[p.name].append(LinkOption("offload", p.saving, ms, host_bytes=bucket_size(p.saved_bytes)))
+
+    def _loss_option(self, meter: StepMeter, peak: int) -> LossOption | None:
+        """One step with the fused loss and one without: the bytes it frees and the milliseconds it adds."""
+        if refusal(self.model) is not None:
+            return None
+        plain_s = meter.seconds()
+        apply_fused_loss(self.model)
+        try:
+            fused = self.meter()
+            fused_peak, fused_s = fused.peak(), fused.seconds()
+        finally:
+            remove_fused_loss(self.model)
+        return LossOption(peak - fused_peak, (fused_s - plain_s) * 1e3)
+
+
+class _NoOption:
+    kind = ""
+
+
+_NONE = _NoOption()
+
+
+def owner(peak: int, profiles: Sequence[BlockProfile]) -> str:
+    """What holds the largest share of ``peak``: the link that saves the most, or what is saved outside every link
+    (a language model's logits and loss) where that is more.
+
+    Example:
+        >>> owner(100, [BlockProfile("h.0", 30, 0, 0, 1.0), BlockProfile("h.1", 20, 0, 0, 1.0)])
+        'the head and the loss (outside the blocks)'
+        >>> owner(100, [BlockProfile("h.0", 60, 0, 0, 1.0), BlockProfile("h.1", 20, 0, 0, 1.0)])
+        'h.0'
+    """
+    most = max(profiles, key=lambda p: p.saved_bytes, default=None)
+    outside = peak - sum(p.saved_bytes for p in profiles)
+    return OUTSIDE_OWNER if most is None or outside > most.saved_bytes else most.name
