@@ -26,7 +26,9 @@ from lightning_memguard.levers.plan_levers import OUTSIDE_OWNER, InjectedLever, 
 from lightning_memguard.levers.pointwise import PointwiseRecomputed, counted, measure_pointwise, recompute_pointwise
 
 transformers = pytest.importorskip("transformers")
-plan_levers_module = importlib.import_module("lightning_memguard.levers.plan_levers")  # the package's name is the function's
+plan_levers_module = importlib.import_module(
+    "lightning_memguard.levers.plan_levers"
+)  # the package's name is the function's
 
 
 def gpt2() -> tuple[nn.Module, dict]:
@@ -268,11 +270,12 @@ def test_with_the_fused_loss_pointwise_is_measured_after_it_and_printed_after_it
         warnings.simplefilter("ignore")
         plan = plan_levers(model, example, memory_budget=0.3, clock=still_clock)
     assert plan.loss and is_fused(model) and plan.held
-    assert pointwised(model) == plan.pointwise
+    # measured after the fused loss, every chain (0 ms) closes the gap it leaves: no block needed
+    assert set(plan.kinds()) == {"pointwise"} and pointwised(model) == plan.pointwise == [
+        f"transformer.h.{i}" for i in range(3)
+    ]
     calls = plan.calls()
-    assert calls[0] == "apply_fused_loss(model)"
-    if plan.pointwise:
-        assert calls[-1] == f"recompute_pointwise(model, units={plan.pointwise!r})"
+    assert calls == ["apply_fused_loss(model)", f"recompute_pointwise(model, units={plan.pointwise!r})"]
     fresh, _ = gpt2()
     namespace = {"apply_fused_loss": apply_fused_loss, "apply_plan": apply_plan,
                  "recompute_pointwise": recompute_pointwise, "model": fresh}  # fmt: skip
