@@ -37,6 +37,7 @@ from lightning_memguard.levers.choose import LeverPlan, LeverSearch, LinkOption,
 from lightning_memguard.levers.huggingface_loss import apply_fused_loss, refusal, remove_fused_loss
 from lightning_memguard.levers.offload import ActivationOffload, bucket_size, exposed_transfer_ms
 from lightning_memguard.levers.pointwise import (
+    PointwiseCost,
     counted,
     default_clock,
     measure_pointwise,
@@ -46,6 +47,10 @@ from lightning_memguard.levers.pointwise import (
 
 OUTSIDE_OWNER = "the head and the loss (outside the blocks)"
 """What holds the peak where the activations saved outside every link are more than any link's."""
+
+IN_PLACE = "changes its input in place"
+"""What :class:`~.pointwise.PointwiseRecomputed` says of a block it cannot recompute: that block gets no pointwise
+option, the others do."""
 
 BACKWARD_PER_FORWARD = 2.0
 """A link's backward time, in forward times, where offload's exposed copies are predicted (a matmul's backward is two
@@ -273,7 +278,7 @@ class _Levers:
         if self.offload:
             self._offload_options(blocks, options)
         if self.pointwise:
-            for cost in measure_pointwise(self.model, self.example, self.links, self.loss_fn, self.clock):
+            for cost in self._pointwise_costs():
                 if cost.freed_bytes > 0:
                     options[cost.name].append(LinkOption("pointwise", cost.freed_bytes, cost.extra_ms))
         for lever in self.injected:
@@ -284,6 +289,23 @@ class _Levers:
             self.tried = True
             option = self._loss_option(meter, peak)
         return Measurement(peak, owner(peak, blocks), options, option)
+
+    def _pointwise_costs(self) -> list[PointwiseCost]:
+        """Each link's pointwise chains measured (:func:`~.pointwise.measure_pointwise`); where a block refuses it
+        (it changes its input in place), the links one at a time, that block left without the option."""
+        try:
+            return measure_pointwise(self.model, self.example, self.links, self.loss_fn, self.clock)
+        except RuntimeError as err:
+            if IN_PLACE not in str(err):
+                raise
+        costs = []
+        for link in self.links:
+            try:
+                costs += measure_pointwise(self.model, self.example, [link], self.loss_fn, self.clock)
+            except RuntimeError as err:
+                if IN_PLACE not in str(err):
+                    raise
+        return costs
 
     def _offload_options(self, profiles: list[BlockProfile], options: dict[str, list[LinkOption]]) -> None:
         """Each link offloaded alone: it frees what checkpointing it would, holds its saved bytes in host buffers,

@@ -309,3 +309,32 @@ def test_an_injected_lever_of_a_kind_the_planner_offers_is_refused():
         plan_levers(model, example, memory_budget=0.5, injected=[block])
     with pytest.raises(ValueError, match=r"two injected levers of kind 'pointwise'"):
         plan_levers(model, example, memory_budget=0.5, pointwise=False, injected=[lever, lever])
+
+
+class ChangesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.nn.functional.gelu(torch.relu_(x)))
+
+
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.nn.functional.gelu(x))
+
+
+def test_a_block_that_refuses_pointwise_gets_no_such_option_and_the_others_do():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Plain(), ChangesItsInput(), Plain())
+    x = torch.randn(64, 16)
+    with pytest.raises(RuntimeError, match="changes its input in place"):  # the block itself, asked alone
+        measure_pointwise(model, x, ["2"])
+    plan = plan_levers(model, x, memory_budget=0.1, units=[Plain, ChangesItsInput], clock=still_clock)
+    assert plan.pointwise and "2" not in plan.links  # the others' chains measured and taken; it recomputes nothing
+    assert pointwised(model) == plan.pointwise and "not met" in plan.summary()  # the floor, said
