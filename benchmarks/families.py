@@ -23,7 +23,12 @@ most 0.85x the switch's step time on CNNs and 0.95x on transformers, within 2 % 
 recomputation sets the peak); each of the two also as
 ``..._blocks``, the planner with whole blocks only (no finer links: :func:`whole_blocks_only`), in the same run;
 ``ours_budget_0.6`` and ``ours_budget_0.4`` (``checkpoint_blocks(model, memory_budget=..., example_input=<a
-batch>)``); and ``ours_rebuild`` (``rebuild_bn_relu(model)``) for timm resnet50; torchvision resnet50
+batch>)``); for the language and speech models (those the fused loss covers), ``levers_at_switch_memory`` and
+``levers_half_switch``: ``plan_levers`` on the Hugging Face model (the fused loss, then per block the cheapest of
+checkpointing it whole, its parts or recomputing its pointwise chains; offload not offered, since this loop does not
+enter its context) for a budget of the switch's measured activation peak and of half of it, as the
+``ours_at_switch_memory`` row's fraction of the plain row's peak (``levers_...`` goals: memory and step time against
+the switch); and ``ours_rebuild`` (``rebuild_bn_relu(model)``) for timm resnet50; torchvision resnet50
 (``tv_resnet50``: no switch of its own) runs plain, ours and the rebuild, so that the two rebuilds are compared on the
 same basis (``rebuild_goal``). A language model is wrapped (:class:`CausalLM`) so that every row calls
 ``wrapper(input_ids)`` and gets the loss. Per model the issue's goals are checked (``goals``): at the family's own
@@ -60,7 +65,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import environment, free_memory, median, write_json  # noqa: E402
 
 from lightning_memguard.checkpointing import checkpoint_blocks, rebuild_bn_relu  # noqa: E402
-from lightning_memguard.levers import apply_fused_loss  # noqa: E402
+from lightning_memguard.levers import apply_fused_loss, plan_levers  # noqa: E402
 
 VISION = {  # name: (timm model, smoke timm model, channels_last)
     "resnet50": ("resnet50", "resnet18", True),
@@ -85,10 +90,12 @@ ROWS = (
     "plain", "family_switch", "ours_every_block", "fused_loss_every_block", "ours_at_switch_memory",
     "ours_at_switch_memory_blocks",
     "ours_below_switch", "ours_below_switch_blocks", "ours_budget_0.6", "ours_budget_0.6_blocks", "ours_budget_0.4",
-    "ours_rebuild",
+    "levers_at_switch_memory", "levers_half_switch", "ours_rebuild",
 )  # fmt: skip
 AT_SWITCH = {"ours_at_switch_memory": 1.0, "ours_at_switch_memory_blocks": 1.0, "ours_below_switch": 0.8,
-             "ours_below_switch_blocks": 0.8}  # budget rows set by the switch's peak: this much of it  # fmt: skip
+             "ours_below_switch_blocks": 0.8, "levers_at_switch_memory": 1.0,
+             "levers_half_switch": 0.5}  # budget rows set by the switch's peak: this much of it  # fmt: skip
+LEVERS = ("levers_at_switch_memory", "levers_half_switch")  # plan_levers: the models the fused loss covers
 REBUILT = {"resnet50", "tv_resnet50"}  # the ResNet families: the rebuild applies
 FUSED = {*LANGUAGE, *SPEECH}  # a vocabulary's logits: the fused loss applies
 TIME_SLACK = 0.02  # the goal: ours at most 2 % slower than the family's switch
@@ -144,9 +151,13 @@ class SpeechSeq2Seq(nn.Module):
         self.tokens = tokens
 
     def forward(self, input_features: torch.Tensor) -> torch.Tensor:
+        return self.model(**self.inputs(input_features)).loss  # type: ignore[no-any-return]
+
+    def inputs(self, input_features: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The Hugging Face model's keywords: the features and the fixed transcript."""
         vocab = self.model.config.vocab_size  # type: ignore[union-attr]
         labels = (torch.arange(self.tokens, device=input_features.device) * 7 % vocab).expand(len(input_features), -1)
-        return self.model(input_features=input_features, labels=labels).loss  # type: ignore[no-any-return]
+        return {"input_features": input_features, "labels": labels}
 
 
 def make_model(name: str, setting: Setting) -> nn.Module:
@@ -258,6 +269,9 @@ def apply(
         return {"blocks": len(plan.blocks), "candidates": plan.candidates, "fused_loss": True}
     if row == "ours_rebuild":
         return {"rebuilt_units": rebuild_bn_relu(model)}
+    if row in LEVERS:
+        assert at_switch is not None
+        return apply_levers(model, example, setting, at_switch)
     budget = float(row.removesuffix("_blocks").rsplit("_", 1)[1]) if at_switch is None else at_switch
     with setting.autocast(), whole_blocks_only() if row.endswith("_blocks") else contextlib.nullcontext():
         plan = checkpoint_blocks(model, memory_budget=budget, example_input=example)
@@ -273,6 +287,28 @@ def apply(
         "predicted_gb": _gb(plan.predicted_bytes),
         "measured_gb": _gb(plan.measured_bytes),
         "lower": plan.lower,
+    }
+
+
+def apply_levers(model: nn.Module, example: torch.Tensor, setting: Setting, budget: float) -> dict[str, Any]:
+    """``plan_levers`` on the Hugging Face model inside the wrapper (the fused loss needs it), called with its
+    labels as the wrapper calls it, for ``budget`` (a fraction of its peak before any lever); offload not offered
+    (this loop does not enter its context)."""
+    lm: nn.Module = model.model  # type: ignore[assignment]
+    inputs = model.inputs(example) if isinstance(model, SpeechSeq2Seq) else {"input_ids": example, "labels": example}
+    with setting.autocast():
+        plan = plan_levers(lm, inputs, memory_budget=budget, offload=False)
+    return {
+        "fused_loss": plan.loss,
+        "kinds": plan.kinds(),
+        "calls": plan.calls(),
+        "held": plan.held,
+        "summary": plan.summary(),
+        "budget_gb": _gb(plan.budget_bytes),
+        "baseline_gb": _gb(plan.baseline_bytes),
+        "predicted_gb": _gb(plan.predicted_bytes),
+        "measured_gb": _gb(plan.measured_bytes),
+        "extra_ms": plan.extra_ms,
     }
 
 
@@ -448,6 +484,15 @@ def goals(name: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 "held": below.get("held"),
                 "parts": len(below.get("parts", [])),
             }
+    for key in LEVERS:  # every lever, planned: at the switch's memory and at half of it
+        levers = rows.get(key, {})
+        if "step_ms" in levers and "step_ms" in switch:
+            out[key] = {
+                "memory_vs_switch": levers["activation_peak_gb"] / switch["activation_peak_gb"],
+                "step_time_vs_switch": levers["step_ms"] / switch["step_ms"],
+                "held": levers.get("held"),
+                "kinds": sorted(levers.get("kinds", {})),
+            }
     for key in ("ours_budget_0.6", "ours_at_switch_memory", "ours_below_switch"):  # finer links against whole ones
         fine, whole = rows.get(key, {}), rows.get(f"{key}_blocks", {})
         if "step_ms" in fine and "step_ms" in whole:
@@ -585,11 +630,12 @@ def main() -> None:
             entry["notes"] = ["family_switch skipped: torchvision has no switch of its own"]
         if name not in FUSED:
             entry.setdefault("notes", []).append("fused_loss_every_block skipped: no vocabulary's logits")
+            entry["notes"].append(f"{', '.join(LEVERS)} skipped: for the models the fused loss covers")
         models_out[name] = entry
         for row in ROWS:
             if (row == "ours_rebuild" and name not in REBUILT) or (row == "family_switch" and name in TORCHVISION):
                 continue
-            if row == "fused_loss_every_block" and name not in FUSED:
+            if (row == "fused_loss_every_block" or row in LEVERS) and name not in FUSED:
                 continue
             at_switch = switch_fraction(rows, row)
             if row in AT_SWITCH and at_switch is None:

@@ -11,9 +11,12 @@ fallback does) and ``MemGuard(on_spill="warn")`` (so a spilling row goes on and 
 
 - ``plain``: the model as it is;
 - ``family_switch``: Hugging Face's own ``gradient_checkpointing_enable`` (``use_reentrant=False``);
-- ``ours``: the library's levers for a budget that fits the card: ``apply_fused_loss`` (the loss without its logits),
-  then ``checkpoint_blocks(model, memory_budget=..., example_input=<the batch>)``, the budget being the card's
-  16 GB less what the step starts with (weights, AdamW's state, the batch) and a margin of 1.5 GB.
+- ``ours``: the library's levers for a budget that fits the card: ``plan_levers(model, <the batch>,
+  memory_budget=...)``, which takes the fused loss (the loss without its logits) first and then, per block, the
+  cheapest of checkpointing it whole, its parts, or recomputing its pointwise chains, each set measured (under bf16
+  autocast, on the card); the budget is the card's 16 GB less what the step starts with (weights, AdamW's state, the
+  batch) and a margin of 1.5 GB. Offload is not offered: its pinned host copies would stand beside the emulated
+  driver's spill, which this run measures. The plan's ``summary()`` and ``calls()`` are recorded.
 
 Each row: the spilled bytes per step, whether MemGuard called a spill, the median step time (after 3 warm-up steps),
 the samples in each optimizer step, and the ratio of its step time to the switch's (``vs_switch``). ``--smoke`` runs
@@ -38,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import environment, free_memory, make_trainer, median, write_json  # noqa: E402
 
-from lightning_memguard import MemGuard, apply_fused_loss, checkpoint_blocks  # noqa: E402
+from lightning_memguard import MemGuard  # noqa: E402
+from lightning_memguard.levers import plan_levers  # noqa: E402
 from lightning_memguard.testing import StepTimer, SysmemSpillEmulator  # noqa: E402
 
 WARMUP = 3
@@ -102,19 +106,19 @@ def prepare(row: str, model: torch.nn.Module, capacity: int, batch: torch.Tensor
         return {}
     if row != "ours":
         return {}
-    apply_fused_loss(model)
     budget = capacity - resting_bytes(model) - margin
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
     with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-        plan = checkpoint_blocks(
+        plan = plan_levers(
             model,
+            {"input_ids": batch.to(device), "labels": batch.to(device)},
             memory_budget=budget,
-            example_input={"input_ids": batch.to(device), "labels": batch.to(device)},
             loss_fn=lambda output: output.loss,
+            offload=False,
         )
     model.cpu()
-    return {"budget_bytes": budget, "plan": plan.summary()}
+    return {"budget_bytes": budget, "plan": plan.summary(), "calls": plan.calls(), "held": plan.held}
 
 
 def measure(row: str, args: argparse.Namespace, root: str) -> dict[str, Any]:

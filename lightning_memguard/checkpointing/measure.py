@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Any
 
@@ -72,7 +72,13 @@ def measured_alike(broadcast: Callable[[Any], Any]) -> Iterator[None]:
 
 
 class StepMeter:
-    """Runs forward and backward once and measures memory (and, optionally, each block)."""
+    """Runs forward and backward once and measures memory (and, optionally, each block).
+
+    ``hidden_saves``, where given, is entered around the step the CPU's peak counts, with the count of a saved tensor:
+    it hands in what is saved out of the saved-tensor hooks' sight (the pointwise lever's selective checkpoints,
+    :func:`~lightning_memguard.levers.pointwise.counted`), counted as what the hooks see is (once, not inside a
+    checkpoint, not while backward recomputes).
+    """
 
     def __init__(
         self,
@@ -80,10 +86,12 @@ class StepMeter:
         example: Any,
         loss_fn: Callable[[Any], torch.Tensor],
         runner: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any] | None = None,
+        hidden_saves: Callable[[Callable[[torch.Tensor], None]], AbstractContextManager[Any]] | None = None,
     ) -> None:
         self.model, self.example, self.loss_fn = model, example, loss_fn
         self.args, self.kwargs = example_arguments(example)  # a tensor, a tuple (positional) or a dict (keywords)
         self.runner = runner  # a compiled step (model, args, kwargs) -> output; None: the model as it is called
+        self.hidden_saves = hidden_saves
         self.cuda = any(t.is_cuda for t in tensors(example))
         # held whether or not anything is saved: parameters, buffers and the batch itself; everything else a
         # forward saves counts (the ledger's rules), also tensors that need no gradient (max-pooling indices)
@@ -160,12 +168,17 @@ class StepMeter:
             def forward_over() -> None:
                 forward[0] = False
 
+            def hidden(t: torch.Tensor) -> None:
+                if torch.is_grad_enabled() and forward[0] and not inside[0]:
+                    count(t)
+
             # a checkpoint's inputs stay alive; a compiled step saves them as its own saved tensors, counted above
             checkpoints = [m for m in self.model.modules() if is_checkpointed(m)] if self.runner is None else []
             handles = [m.register_forward_pre_hook(kept_inputs, with_kwargs=True) for m in checkpoints]
             handles += [m.register_forward_hook(left) for m in checkpoints]
+            elsewhere = self.hidden_saves(hidden) if self.hidden_saves is not None else nullcontext()
             try:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with elsewhere, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     self._run(forward_over)
             finally:
                 for h in handles:

@@ -145,9 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--levers",
         default=None,
         metavar="BUDGET",
-        help="instead of the micro-batch search: the levers' plan (checkpointing blocks or their parts, offload on"
-        " CUDA) for one batch of --effective-batch images to meet BUDGET, a fraction of its peak (0.5) or a size"
-        " ('6GB'), each choice measured",
+        help="instead of the micro-batch search: the levers' plan (checkpointing blocks or their parts, recomputing"
+        " their pointwise chains, offload on CUDA) for one batch of --effective-batch images to meet BUDGET, a"
+        " fraction of its peak (0.5) or a size ('6GB'), each choice measured",
     )
     return parser
 

@@ -10,7 +10,8 @@ The levers, as the chooser sees them:
   changes what holds the peak, so every link is measured again after it, and chosen among as the model is then;
 - per link (a block of the model's chain), at most one of: ``"block"`` (checkpoint the whole block: its forward again
   in backward), ``"parts"`` (checkpoint the finer links inside it, its attention and MLP: less freed, less
-  recomputed), ``"pointwise"`` (recompute its chains of element-wise ops only, figures given by that lever) and
+  recomputed), ``"pointwise"`` (recompute its chains of element-wise ops only, its matrix products kept:
+  :func:`~.pointwise.recompute_pointwise`, measured by :func:`~.pointwise.measure_pointwise`) and
   ``"offload"`` (its saved activations in pinned host memory: the milliseconds are the copies' exposed time,
   :func:`~.offload.exposed_transfer_ms`, and it needs host memory, bounded).
 
@@ -216,6 +217,8 @@ class LeverPlan:
         checkpointed: the links checkpointed, by name: the blocks chosen whole (a ResNet's ``"stem"`` too) and the
             parts of those chosen by parts, each a run of its own as ``apply_plan(model, runs)`` takes them (with
             the ``units`` the plan was made with).
+        pointwise: the links whose pointwise chains are recomputed (``recompute_pointwise(model, units=...)``, after
+            the checkpoints), by name; empty where an injected lever took that kind.
     """
 
     loss: bool
@@ -233,6 +236,7 @@ class LeverPlan:
     loss_refused: str | None = None
     offload: Any = None
     checkpointed: list[str] = field(default_factory=list)
+    pointwise: list[str] = field(default_factory=list)
 
     @property
     def held(self) -> bool:
@@ -252,16 +256,22 @@ class LeverPlan:
         """The calls that apply this plan to a fresh copy of its model, one a line.
 
         Example:
-            >>> plan = LeverPlan(True, {"h.0": LinkOption("block", 30, 2.0)}, 100, 50, checkpointed=["h.0"])
-            >>> plan.calls()
-            ['apply_fused_loss(model)', "apply_plan(model, [['h.0']])"]
+            >>> links = {"h.0": LinkOption("block", 30, 2.0), "h.1": LinkOption("pointwise", 10, 0.2)}
+            >>> plan = LeverPlan(True, links, 100, 50, checkpointed=["h.0"], pointwise=["h.1"])
+            >>> for line in plan.calls():
+            ...     print(line)
+            apply_fused_loss(model)
+            apply_plan(model, [['h.0']])
+            recompute_pointwise(model, units=['h.1'])
         """
         lines = ["apply_fused_loss(model)"] if self.loss else []
         if self.checkpointed:
             lines.append(f"apply_plan(model, {[[name] for name in self.checkpointed]!r})")
         kinds = self.kinds()
-        if "pointwise" in kinds:
-            lines.append(f"the pointwise lever's own call on {kinds['pointwise']!r}")
+        if self.pointwise:  # after the checkpoints, as plan_levers applies them
+            lines.append(f"recompute_pointwise(model, units={self.pointwise!r})")
+        elif "pointwise" in kinds:
+            lines.append(f"the injected pointwise lever's apply(model, {kinds['pointwise']!r})")
         if "offload" in kinds:
             lines.append(f"with plan.offload:  # ActivationOffload of {kinds['offload']!r}, around the training steps")
         return lines

@@ -4,12 +4,15 @@
 What it measures: the step's peak and each link's saved activations and forward time (checkpointing's
 :class:`~lightning_memguard.checkpointing.measure.StepMeter`, the links and their parts of
 :func:`~lightning_memguard.checkpointing.model_map.map_model`); the fused loss as one step with and one without
-:func:`~.huggingface_loss.apply_fused_loss`; offload's copies as :func:`~.offload.exposed_transfer_ms` says from the
-links' forward times (CUDA only: on the CPU offload does nothing). A lever built elsewhere (the pointwise chains) comes
-in as an :class:`InjectedLever` with its own measurement and application.
+:func:`~.huggingface_loss.apply_fused_loss`; each link's pointwise chains by :func:`~.pointwise.measure_pointwise`
+(the ledger's bytes, the recomputation's milliseconds); offload's copies as :func:`~.offload.exposed_transfer_ms` says
+from the links' forward times (CUDA only: on the CPU offload does nothing). A lever built elsewhere comes in as an
+:class:`InjectedLever` with its own measurement and application.
 
-What it applies: :func:`~lightning_memguard.checkpointing.entrances.apply_plan` with the blocks and parts chosen,
-each a run of its own, :func:`~.huggingface_loss.apply_fused_loss`, an injected lever's ``apply``; offload is not a
+What it applies, in this order: :func:`~.huggingface_loss.apply_fused_loss`;
+:func:`~lightning_memguard.checkpointing.entrances.apply_plan` with the blocks and parts chosen, each a run of its own;
+:func:`~.pointwise.recompute_pointwise` on the links chosen for it (after the checkpoints, so a link checkpointed
+whole would be refused by it, never stacked: a link gets one option); an injected lever's ``apply``. Offload is not a
 change to the model but a context around the steps: the plan holds the :class:`~.offload.ActivationOffload` to
 enter.
 """
@@ -33,9 +36,21 @@ from lightning_memguard.core.checks import check_instance, check_memory_budget, 
 from lightning_memguard.levers.choose import LeverPlan, LeverSearch, LinkOption, LossOption, Measurement, Proposal
 from lightning_memguard.levers.huggingface_loss import apply_fused_loss, refusal, remove_fused_loss
 from lightning_memguard.levers.offload import ActivationOffload, bucket_size, exposed_transfer_ms
+from lightning_memguard.levers.pointwise import (
+    PointwiseCost,
+    counted,
+    default_clock,
+    measure_pointwise,
+    recompute_pointwise,
+    remove_pointwise,
+)
 
 OUTSIDE_OWNER = "the head and the loss (outside the blocks)"
 """What holds the peak where the activations saved outside every link are more than any link's."""
+
+IN_PLACE = "changes its input in place"
+"""What :class:`~.pointwise.PointwiseRecomputed` says of a block it cannot recompute: that block gets no pointwise
+option, the others do."""
 
 BACKWARD_PER_FORWARD = 2.0
 """A link's backward time, in forward times, where offload's exposed copies are predicted (a matmul's backward is two
@@ -44,10 +59,11 @@ matmuls)."""
 
 @dataclass(frozen=True)
 class InjectedLever:
-    """A lever measured and applied by code outside this planner (the pointwise chains' lever), one option per link.
+    """A lever measured and applied by code outside this planner, one option per link, in place of a built-in one.
 
     Attributes:
-        kind: its kind among :data:`~.choose.KINDS` (``"pointwise"``).
+        kind: its kind among :data:`~.choose.KINDS`, one the planner does not offer itself: ``"pointwise"`` with
+            ``plan_levers(..., pointwise=False)``, ``"offload"`` where offload is not offered.
         measure: ``measure(model, links)`` on the model as it is then (the fused loss applied or not): for each link
             name it helps, ``(bytes freed, milliseconds added per step)``.
         apply: ``apply(model, links)`` applies it to the links named and returns a function that undoes it.
@@ -73,18 +89,21 @@ def plan_levers(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     units: Units = "auto",
     fused_loss: bool = True,
+    pointwise: bool = True,
     offload: bool | None = None,
     bandwidth_gb_s: float = 25.0,
     max_host_bytes: int | str | None = None,
     injected: Sequence[InjectedLever] = (),
+    clock: Callable[[], float] = default_clock,
 ) -> LeverPlan:
     """Choose, apply and measure the levers that bring a training step's peak within ``memory_budget``.
 
     The fused loss first, where the model has a vocabulary head (a Hugging Face model
     :func:`~.huggingface_loss.apply_fused_loss` takes): it frees the logits for about nothing, and what then holds
     the peak is measured again. Then, per link (a block of the model's chain), at most one of: checkpointing the
-    whole block, its parts (a layer's attention and MLP), an injected lever (the pointwise chains), or on CUDA
-    offloading it; the cheapest set in milliseconds per byte freed whose predicted peak fits, measured once applied
+    whole block, its parts (a layer's attention and MLP), recomputing its pointwise chains
+    (:func:`~.pointwise.recompute_pointwise`: its matrix products kept), an injected lever, or on CUDA offloading
+    it; the cheapest set in milliseconds per byte freed whose predicted peak fits, measured once applied
     (see :class:`~.choose.LeverSearch`). The model is left as the plan says; a failure part-way leaves it as it was.
 
     Args:
@@ -95,18 +114,22 @@ def plan_levers(
         loss_fn: the output's scalar loss; default: its ``loss`` where it has one, else the sum of the output.
         units: the links, as ``checkpoint_blocks`` finds them (``"auto"``, classes, names or a predicate).
         fused_loss: offer the fused loss (where the model takes it).
+        pointwise: offer the pointwise chains' recomputation, per link (:func:`~.pointwise.measure_pointwise`).
         offload: offer offload; default: where the example is on CUDA (on the CPU offload does nothing).
         bandwidth_gb_s: the host link's bandwidth each way, for offload's exposed copies.
         max_host_bytes: the most pinned host memory offload may hold (default: no bound beyond what
             ``ActivationOffload`` allows when it is entered).
-        injected: levers measured and applied elsewhere (:class:`InjectedLever`).
+        injected: levers measured and applied elsewhere (:class:`InjectedLever`), of kinds not offered here.
+        clock: seconds, read as a pointwise recomputation starts and ends (:func:`~.pointwise.measure_pointwise`'s;
+            a test injects one).
 
     Returns:
         The :class:`~.choose.LeverPlan`: ``summary()`` says it; ``plan.offload`` is the ``ActivationOffload`` to
         enter around the training steps where offload was chosen.
 
     Raises:
-        ValueError: a budget out of range, no links found, a bad bandwidth or host bound.
+        ValueError: a budget out of range, no links found, a bad bandwidth or host bound, an injected lever of a
+            kind offered here (or two of one kind).
         TypeError: ``model`` not an ``nn.Module``.
 
     Example:
@@ -129,9 +152,19 @@ def plan_levers(
     host_limit = None if max_host_bytes is None else check_size("max_host_bytes", max_host_bytes, 0)
     model_map = map_model(model, check_units(units))
     cuda = any(t.is_cuda for t in tensors(example))
+    offered = cuda if offload is None else offload
+    kinds = [lever.kind for lever in injected]
+    own = {"block": True, "parts": True, "pointwise": pointwise, "offload": offered}  # the kinds offered here
+    for kind in kinds:
+        if own.get(kind):
+            fix = f"; pass {kind}=False to use your own" if kind in ("pointwise", "offload") else ""
+            raise ValueError(f"an injected lever of kind {kind!r} is one the planner offers itself{fix}")
+        if kinds.count(kind) > 1:
+            raise ValueError(f"two injected levers of kind {kind!r}: a link takes one option of a kind")
     levers = _Levers(model, model_map, example, loss_fn or hugging_face_loss, list(injected))
     levers.units = units
-    levers.offload = cuda if offload is None else offload
+    levers.offload = offered
+    levers.pointwise, levers.clock = pointwise, clock
     levers.bandwidth_gb_s = bandwidth_gb_s
     reason = refusal(model) if fused_loss else "not offered (fused_loss=False)"
     search = LeverSearch(budget, host_limit)
@@ -146,6 +179,7 @@ def plan_levers(
     assert plan is not None
     plan.loss_refused = reason
     plan.offload, plan.checkpointed = levers.offloader, levers.checkpointed  # the last proposal's: the plan's own
+    plan.pointwise = levers.pointwised
     return plan
 
 
@@ -163,6 +197,9 @@ class _Levers:
         self.model, self.map, self.example, self.loss_fn, self.injected = model, model_map, example, loss_fn, injected
         self.links = list(model_map.links)
         self.offload = False
+        self.pointwise = False
+        self.clock: Callable[[], float] = default_clock
+        self.pointwised: list[str] = []
         self.units: Units = "auto"
         self.bandwidth_gb_s = 25.0
         self.offloader: ActivationOffload | None = None
@@ -172,12 +209,14 @@ class _Levers:
         self._undo: list[Callable[[], None]] = []
 
     def meter(self) -> StepMeter:
-        return StepMeter(self.model, self.example, self.loss_fn)
+        return StepMeter(self.model, self.example, self.loss_fn, hidden_saves=counted if self.pointwised else None)
 
     def undo(self) -> None:
         """Put the model back as it was given."""
         while self._undo:
             self._undo.pop()()
+        remove_pointwise(self.model)
+        self.pointwised = []
         remove_checkpointing(self.model)
         remove_fused_loss(self.model)
         self.offloader = None
@@ -192,6 +231,11 @@ class _Levers:
         if names:  # each a run of its own: a block by its link's name ("stem" too), a part by its module's
             apply_plan(self.model, [[name] for name in names], units=self.units)
         self.checkpointed = names
+        # after the checkpoints: recompute_pointwise refuses a block checkpointed whole (one option per link)
+        chosen = [name for name, o in proposal.links.items() if o.kind == "pointwise"]
+        if chosen and self.pointwise:
+            recompute_pointwise(self.model, units=chosen)
+            self.pointwised = chosen
         for lever in self.injected:
             chosen = [name for name, o in proposal.links.items() if o.kind == lever.kind]
             if chosen:
@@ -233,6 +277,10 @@ class _Levers:
                 options[name] = [*(o for o in held if o.kind != "parts"), whole]
         if self.offload:
             self._offload_options(blocks, options)
+        if self.pointwise:
+            for cost in self._pointwise_costs():
+                if cost.freed_bytes > 0:
+                    options[cost.name].append(LinkOption("pointwise", cost.freed_bytes, cost.extra_ms))
         for lever in self.injected:
             for name, (freed, ms) in lever.measure(self.model, [link.name for link in self.links]).items():
                 options[name].append(LinkOption(lever.kind, int(freed), float(ms)))
@@ -241,6 +289,23 @@ class _Levers:
             self.tried = True
             option = self._loss_option(meter, peak)
         return Measurement(peak, owner(peak, blocks), options, option)
+
+    def _pointwise_costs(self) -> list[PointwiseCost]:
+        """Each link's pointwise chains measured (:func:`~.pointwise.measure_pointwise`); where a block refuses it
+        (it changes its input in place), the links one at a time, that block left without the option."""
+        try:
+            return measure_pointwise(self.model, self.example, self.links, self.loss_fn, self.clock)
+        except RuntimeError as err:
+            if IN_PLACE not in str(err):
+                raise
+        costs = []
+        for link in self.links:
+            try:
+                costs += measure_pointwise(self.model, self.example, [link], self.loss_fn, self.clock)
+            except RuntimeError as err:
+                if IN_PLACE not in str(err):
+                    raise
+        return costs
 
     def _offload_options(self, profiles: list[BlockProfile], options: dict[str, list[LinkOption]]) -> None:
         """Each link offloaded alone: it frees what checkpointing it would, holds its saved bytes in host buffers,

@@ -21,7 +21,8 @@ Three things are kept exact, so the gradients are the plain block's, bit for bit
 - **Ops that would not run the same twice** (collectives) are saved.
 
 Measured, per link, by :func:`measure_pointwise` (the bytes it frees, by the ledger of saved tensors; the
-milliseconds its recomputation adds, by an injectable clock): what a planner over every lever weighs it by.
+milliseconds its recomputation adds, by an injectable clock): what the levers' planner
+(:func:`~.plan_levers.plan_levers`) weighs it by; :func:`counted` hands a step's count what it holds.
 """
 
 from __future__ import annotations
@@ -402,6 +403,24 @@ def _watched(watch: _Watch) -> Iterator[None]:
         yield
     finally:
         _watching.reset(token)
+
+
+@contextlib.contextmanager
+def counted(save: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """While in it, each block recomputing pointwise hands ``save`` what it holds for backward: its inputs (its
+    checkpoint keeps them) and the outputs its selective checkpoint keeps, which a saved-tensor hook around the step
+    does not see. For a count of a step's saved tensors (``StepMeter(..., hidden_saves=counted)``).
+
+    Example:
+        >>> block = recompute_pointwise(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU()))
+        >>> held = []
+        >>> with counted(held.append):
+        ...     out = block(torch.randn(4, 8))
+        >>> sorted(tuple(t.shape) for t in held)  # the input, and the product's output
+        [(4, 8), (4, 32)]
+    """
+    with _watched(_Watch(lambda t, _: save(t), time.perf_counter, {})):
+        yield
 
 
 def measure_pointwise(

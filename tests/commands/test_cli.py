@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import functools
+import importlib
 import json
 import logging
 import os
@@ -724,6 +726,17 @@ def test_plan_levers_prints_the_levers_plan_every_set_measured_and_the_calls(cap
     assert out.startswith("levers: block recomputed in stem, ") and "no fused loss: ResNet is not a Hugging Face" in out
     assert "measured:\n  as it is: peak " in out
     assert "paste:\n  apply_plan(model, [['stem'], " in out
+
+
+def test_plan_levers_pastes_the_pointwise_lever_after_the_checkpoints(capsys, monkeypatch):
+    """With the pointwise chains' recomputation measured at 0 ms (an injected clock), they are the cheapest way for
+    every block but the stem (several modules: none of its own); their call is pasted after the checkpoints'."""
+    levers = importlib.import_module("lightning_memguard.levers.plan_levers")
+    monkeypatch.setattr(levers, "plan_levers", functools.partial(levers.plan_levers, clock=lambda: 0.0))
+    assert main(["plan", *TINY, "--effective-batch", "8", "--levers", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "pointwise chains recomputed in layer1.0, " in out
+    assert "paste:\n  apply_plan(model, [['stem']])\n  recompute_pointwise(model, units=['layer1.0', " in out
 
 
 def test_plan_levers_says_the_floor_where_no_set_meets_the_budget(capsys):

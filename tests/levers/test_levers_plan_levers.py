@@ -1,24 +1,34 @@
 """The levers' planner on real models on the CPU: a tiny GPT-2 (its logits hold the peak until the fused loss frees
 them, then a block does) and a tiny conv net (no vocabulary head). The plan meets the budget as the ledger of saved
 tensors measures it, the gradients are the plain model's (bit for bit where only recomputation changed; within
-float32 tolerance with the fused loss), a lever built elsewhere is taken through its own measure and apply, and a
-failure part-way leaves the model as it was."""
+float32 tolerance with the fused loss), the pointwise lever is built in (measured, chosen where it is the cheapest way,
+never stacked on a link checkpointed whole, printed as its own call), a lever built elsewhere is taken through its own
+measure and apply, and a failure part-way leaves the model as it was.
+
+Where a test needs one choice among the recomputations, it fixes the pointwise lever's cost with an injected clock (0
+ms: a constant clock), never this machine's speed."""
 
 from __future__ import annotations
 
 import copy
+import importlib
 import warnings
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_memguard.checkpointing import is_checkpointed
+from lightning_memguard.checkpointing import apply_plan, is_checkpointed
 from lightning_memguard.checkpointing.measure import StepMeter
-from lightning_memguard.levers.huggingface_loss import is_fused
+from lightning_memguard.checkpointing.model_map import map_model
+from lightning_memguard.levers.huggingface_loss import apply_fused_loss, is_fused
 from lightning_memguard.levers.plan_levers import OUTSIDE_OWNER, InjectedLever, hugging_face_loss, plan_levers
+from lightning_memguard.levers.pointwise import PointwiseRecomputed, counted, measure_pointwise, recompute_pointwise
 
 transformers = pytest.importorskip("transformers")
+plan_levers_module = importlib.import_module(
+    "lightning_memguard.levers.plan_levers"
+)  # the package's name is the function's
 
 
 def gpt2() -> tuple[nn.Module, dict]:
@@ -43,13 +53,22 @@ def checkpointed(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if is_checkpointed(m)]
 
 
+def pointwised(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, PointwiseRecomputed)]
+
+
+def still_clock() -> float:
+    """A clock that does not move: the pointwise lever's recomputation measured at 0 ms."""
+    return 0.0
+
+
 @pytest.fixture(scope="module")
 def planned_gpt2():
     model, example = gpt2()
     plain = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = plan_levers(model, example, memory_budget=0.3)
+        plan = plan_levers(model, example, memory_budget=0.3, pointwise=False)  # the pointwise lever: below
     return model, plain, example, plan
 
 
@@ -79,7 +98,7 @@ def test_recomputation_alone_is_the_plain_models_bit_for_bit():
     plain = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = plan_levers(model, example, memory_budget=0.75, fused_loss=False)
+        plan = plan_levers(model, example, memory_budget=0.75, fused_loss=False, pointwise=False)
     assert not plan.loss and plan.loss_refused == "not offered (fused_loss=False)" and not is_fused(model)
     assert plan.held and plan.links and checkpointed(model)
     loss, grads = gradients(model, example)
@@ -105,7 +124,7 @@ def test_a_conv_net_gets_its_blocks_and_no_fused_loss():
     images = torch.randn(8, 3, 16, 16)
     model(images)  # the lazy layer made
     plain = copy.deepcopy(model)
-    plan = plan_levers(model, images, memory_budget=0.6, units=[ConvBlock])
+    plan = plan_levers(model, images, memory_budget=0.6, units=[ConvBlock], pointwise=False)
     assert not plan.loss and "not a Hugging Face model" in plan.loss_refused
     assert plan.held and set(plan.kinds()) == {"block"} and checkpointed(model) == list(plan.links)
     assert StepMeter(model, images, hugging_face_loss).peak() <= plan.budget_bytes
@@ -128,7 +147,9 @@ def test_a_lever_built_elsewhere_is_measured_applied_and_undone_through_its_own_
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = plan_levers(model, example, memory_budget=0.3, injected=[InjectedLever("pointwise", measure, apply)])
+        plan = plan_levers(
+            model, example, memory_budget=0.3, pointwise=False, injected=[InjectedLever("pointwise", measure, apply)]
+        )
     assert plan.tried[2][0] == "fused loss, transformer.h.0: pointwise"
     assert calls[0] == ("apply", ["transformer.h.0"])
     applied = [c for c in calls if c[0] == "apply"]
@@ -145,7 +166,7 @@ def test_a_failure_part_way_leaves_the_model_as_it_was():
     lever = InjectedLever("pointwise", lambda model, links: {links[1]: (10**9, 0.0)}, apply)
     with warnings.catch_warnings(), pytest.raises(RuntimeError, match="the pointwise lever broke"):
         warnings.simplefilter("ignore")
-        plan_levers(model, example, memory_budget=0.3, injected=[lever])
+        plan_levers(model, example, memory_budget=0.3, pointwise=False, injected=[lever])
     assert not is_fused(model) and checkpointed(model) == []
 
 
@@ -157,3 +178,163 @@ def test_bad_arguments_are_refused():
         plan_levers(model, example, memory_budget=None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"`model` must be a torch.nn.Module"):
         plan_levers("gpt2", example, memory_budget=0.5)  # type: ignore[arg-type]
+
+
+def vit() -> tuple[nn.Module, torch.Tensor]:
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=3, num_classes=10)
+    return model.train(), torch.randn(8, 3, 32, 32)
+
+
+def sum_loss(output: torch.Tensor) -> torch.Tensor:
+    return output.sum()
+
+
+def plain_grads(model: nn.Module, example, loss_fn) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    args, kwargs = ((), example) if isinstance(example, dict) else ((example,), {})
+    loss_fn(model(*args, **kwargs)).backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "vit"])
+def test_pointwise_where_it_is_the_cheapest_way_meets_the_budget_bit_for_bit(family):
+    """Half of what the pointwise chains free, needed: they alone are taken (0 ms each), the links given back that
+    the budget does not need; the ledger's peak of the model as left is the plan's and within the budget; the
+    gradients are the plain model's bit for bit (no fused loss); calls() names recompute_pointwise, and its lines
+    make the same model from a fresh copy."""
+    model, example = gpt2() if family == "gpt2" else vit()
+    loss_fn = hugging_face_loss if family == "gpt2" else sum_loss
+    plain = copy.deepcopy(model)
+    links = map_model(model, "auto").links
+    costs = measure_pointwise(model, example, links, loss_fn, clock=still_clock)
+    assert all(c.freed_bytes > 0 for c in costs)
+    baseline = StepMeter(model, example, loss_fn).peak()
+    budget = baseline - sum(c.freed_bytes for c in costs) // 2
+    plan = plan_levers(model, example, memory_budget=budget, loss_fn=loss_fn, fused_loss=False, clock=still_clock)
+
+    assert set(plan.kinds()) == {"pointwise"} and plan.extra_ms == 0.0 and plan.checkpointed == []
+    assert plan.pointwise == list(plan.links) == [link.name for link in links][: len(plan.links)]
+    assert 1 < len(plan.links) < len(links)  # half the chains' bytes: more than one link, not every one
+    assert pointwised(model) == plan.pointwise and checkpointed(model) == []
+    measured = StepMeter(model, example, loss_fn, hidden_saves=counted).peak()  # the ledger, the model as left
+    assert measured == plan.measured_bytes == plan.predicted_bytes <= budget == plan.budget_bytes
+    assert plan.held and "pointwise chains recomputed in " in plan.summary()
+
+    want = plain_grads(plain, example, loss_fn)
+    got = plain_grads(model, example, loss_fn)
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+    assert plan.calls() == [f"recompute_pointwise(model, units={plan.pointwise!r})"]
+    fresh = copy.deepcopy(plain)
+    for line in plan.calls():
+        eval(line, {"recompute_pointwise": recompute_pointwise, "model": fresh})  # noqa: S307 - the plan's own lines
+    assert pointwised(fresh) == plan.pointwise
+
+
+def test_pointwise_and_whole_blocks_share_the_links_never_one_link():
+    """Beyond what every chain frees: a link's chains exchanged for its whole block (frees more), the others' kept;
+    each link one option, no pointwise block inside or around a checkpointed one, the gradients the plain model's."""
+    model, example = gpt2()
+    plain = copy.deepcopy(model)
+    links = map_model(model, "auto").links
+    freed = sum(c.freed_bytes for c in measure_pointwise(model, example, links, hugging_face_loss, still_clock))
+    baseline = StepMeter(model, example, hugging_face_loss).peak()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_levers(model, example, memory_budget=baseline - freed - 200_000, fused_loss=False,
+                           clock=still_clock)  # fmt: skip
+    kinds = plan.kinds()
+    assert plan.held and "pointwise" in kinds and {"block", "parts"} & set(kinds)
+    assert pointwised(model) == plan.pointwise == kinds["pointwise"]
+    for name in plan.pointwise:  # nothing checkpointed in it, and it inside nothing checkpointed
+        assert not any(c == name or c.startswith(f"{name}.") or name.startswith(f"{c}.") for c in checkpointed(model))
+    assert plan.calls() == [
+        f"apply_plan(model, {[[name] for name in plan.checkpointed]!r})",
+        f"recompute_pointwise(model, units={plan.pointwise!r})",
+    ]
+    fresh = copy.deepcopy(plain)
+    namespace = {"apply_plan": apply_plan, "recompute_pointwise": recompute_pointwise, "model": fresh}
+    for line in plan.calls():  # in this order: recompute_pointwise refuses a block checkpointed whole
+        eval(line, namespace)  # noqa: S307 - the plan's own lines
+    assert pointwised(fresh) == plan.pointwise and checkpointed(fresh) == checkpointed(model)
+    loss, grads = gradients(model, example)
+    plain_loss, want = gradients(plain, example)
+    assert torch.equal(loss, plain_loss) and all(torch.equal(g, w) for g, w in zip(grads, want, strict=True))
+
+
+def test_with_the_fused_loss_pointwise_is_measured_after_it_and_printed_after_it():
+    model, example = gpt2()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_levers(model, example, memory_budget=0.3, clock=still_clock)
+    assert plan.loss and is_fused(model) and plan.held
+    # measured after the fused loss, every chain (0 ms) closes the gap it leaves: no block needed
+    assert set(plan.kinds()) == {"pointwise"} and pointwised(model) == plan.pointwise == [
+        f"transformer.h.{i}" for i in range(3)
+    ]
+    calls = plan.calls()
+    assert calls == ["apply_fused_loss(model)", f"recompute_pointwise(model, units={plan.pointwise!r})"]
+    fresh, _ = gpt2()
+    namespace = {"apply_fused_loss": apply_fused_loss, "apply_plan": apply_plan,
+                 "recompute_pointwise": recompute_pointwise, "model": fresh}  # fmt: skip
+    for line in calls:
+        eval(line, namespace)  # noqa: S307 - the plan's own lines
+    assert StepMeter(fresh, example, hugging_face_loss, hidden_saves=counted).peak() == plan.measured_bytes
+
+
+def test_a_failure_with_pointwise_applied_leaves_the_model_as_it_was(monkeypatch):
+    model, example = gpt2()
+    peak = plan_levers_module._Levers.peak
+
+    def failing(self):
+        if self.pointwised:
+            raise RuntimeError("measuring broke")
+        return peak(self)
+
+    monkeypatch.setattr(plan_levers_module._Levers, "peak", failing)
+    with pytest.raises(RuntimeError, match="measuring broke"):
+        plan_levers(model, example, memory_budget=0.9, fused_loss=False, clock=still_clock)
+    assert pointwised(model) == [] and checkpointed(model) == [] and not is_fused(model)
+
+
+def test_an_injected_lever_of_a_kind_the_planner_offers_is_refused():
+    model, example = gpt2()
+    lever = InjectedLever("pointwise", lambda model, links: {}, lambda model, links: lambda: None)
+    with pytest.raises(ValueError, match=r"kind 'pointwise' is one the planner offers itself; pass pointwise=False"):
+        plan_levers(model, example, memory_budget=0.5, injected=[lever])
+    block = InjectedLever("block", lever.measure, lever.apply)
+    with pytest.raises(ValueError, match=r"kind 'block' is one the planner offers itself$"):
+        plan_levers(model, example, memory_budget=0.5, injected=[block])
+    with pytest.raises(ValueError, match=r"two injected levers of kind 'pointwise'"):
+        plan_levers(model, example, memory_budget=0.5, pointwise=False, injected=[lever, lever])
+
+
+class ChangesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.nn.functional.gelu(torch.relu_(x)))
+
+
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.nn.functional.gelu(x))
+
+
+def test_a_block_that_refuses_pointwise_gets_no_such_option_and_the_others_do():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Plain(), ChangesItsInput(), Plain())
+    x = torch.randn(64, 16)
+    with pytest.raises(RuntimeError, match="changes its input in place"):  # the block itself, asked alone
+        measure_pointwise(model, x, ["2"])
+    plan = plan_levers(model, x, memory_budget=0.1, units=[Plain, ChangesItsInput], clock=still_clock)
+    assert plan.pointwise and "2" not in plan.links  # the others' chains measured and taken; it recomputes nothing
+    assert pointwised(model) == plan.pointwise and "not met" in plan.summary()  # the floor, said

@@ -161,6 +161,17 @@ def test_families_goals_compare_ours_with_the_family_switch_and_say_unmet_budget
     goals = families.goals("gpt2", rows)
     assert goals["at_switch_point"]["row"] == "ours_budget_0.4" and goals["at_switch_point"]["met"]
     assert goals["at_switch_point"]["step_time_vs_switch_pct"] == -25.0
+    # every lever planned, at half the switch's memory: against the switch, its budget said where not met
+    said = "levers: ...; budget not met: the floor"
+    rows["levers_half_switch"] = {"step_ms": 210.0, "activation_peak_gb": 2.0, "held": False, "summary": said,
+                                  "kinds": {"block": ["h.0"]}}  # fmt: skip
+    families.compare(rows)
+    levers = families.goals("gpt2", rows)
+    assert levers["levers_half_switch"] == {"memory_vs_switch": 0.5, "step_time_vs_switch": 1.05, "held": False,
+                                            "kinds": ["block"]}  # fmt: skip
+    assert levers["budgets_held_or_said"]["levers_half_switch"] and families.AT_SWITCH["levers_half_switch"] == 0.5
+    assert families.switch_fraction(rows, "levers_half_switch") == 0.5 * 4.0 / 10.0
+    del rows["levers_half_switch"]
     # torchvision's resnet50 has no switch: its budgets are still checked; the two rebuilds are compared alike
     del rows["family_switch"]
     assert families.goals("tv_resnet50", rows) == {"budgets_held_or_said": goals["budgets_held_or_said"]}
@@ -190,8 +201,12 @@ def test_families_smoke_runs_every_row_of_a_language_model_and_writes_them(tmp_p
     assert list(rows) == [
         "plain", "family_switch", "ours_every_block", "fused_loss_every_block", "ours_at_switch_memory",
         "ours_at_switch_memory_blocks", "ours_below_switch", "ours_below_switch_blocks", "ours_budget_0.6",
-        "ours_budget_0.6_blocks", "ours_budget_0.4",
+        "ours_budget_0.6_blocks", "ours_budget_0.4", "levers_at_switch_memory", "levers_half_switch",
     ]  # fmt: skip
+    # every lever planned, the fused loss first: what the plan says, measured, and its calls
+    levers = rows["levers_at_switch_memory"]
+    assert levers["fused_loss"] and levers["calls"][0] == "apply_fused_loss(model)" and levers["summary"]
+    assert "levers_half_switch" in result["models"]["llama"]["goals"]
     # the fused loss keeps no logits: less than every block alone
     assert rows["fused_loss_every_block"]["saved_pct"] > rows["ours_every_block"]["saved_pct"]
     assert not [r["error"] for r in rows.values() if "error" in r]
