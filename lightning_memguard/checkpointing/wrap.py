@@ -304,7 +304,7 @@ _SUBCLASSES: dict[tuple[type, type], type] = {}
 
 def swapped_class(cls: type[nn.Module], mixin: type[nn.Module]) -> type:
     """``cls`` with ``mixin`` in front, made once and named ``<mixin.memguard_prefix><cls name>``; assigning it to a
-    module's ``__class__`` (which only :mod:`.surgery` does) changes its forward and keeps its attributes,
+    module's ``__class__`` (:mod:`.surgery`, :func:`swap_in`) changes its forward and keeps its attributes,
     parameters and ``state_dict`` keys."""
     sub = _SUBCLASSES.get((mixin, cls))
     if sub is None:
@@ -314,6 +314,24 @@ def swapped_class(cls: type[nn.Module], mixin: type[nn.Module]) -> type:
         sub._memguard_mixin = mixin  # type: ignore[attr-defined]
         _SUBCLASSES[(mixin, cls)] = sub
     return sub
+
+
+def swap_in(swaps: Sequence[tuple[nn.Module, type[nn.Module], dict[str, Any]]]) -> None:
+    """Give each module its class with the mixin in front (:func:`swapped_class`) and the attributes given, in
+    order; where one fails, every module changed so far gets its class back and loses those attributes, and the
+    error is raised: all of them changed, or none."""
+    changed: list[tuple[nn.Module, type, dict[str, Any]]] = []
+    try:
+        for module, mixin, attributes in swaps:
+            changed.append((module, type(module), attributes))
+            module.__class__ = swapped_class(type(module), mixin)
+            module.__dict__.update(attributes)
+    except BaseException:
+        for module, cls, attributes in reversed(changed):
+            module.__class__ = cls
+            for name in attributes:
+                module.__dict__.pop(name, None)
+        raise
 
 
 def plain_sequential(module: nn.Module) -> bool:

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_memguard.checkpointing.wrap import SwappedModule, swap_chain, swapped_class
+from lightning_memguard.checkpointing.wrap import SwappedModule, swap_chain, swap_in, swapped_class
 from lightning_memguard.levers.fused_loss import DEFAULT_CHUNK_TOKENS, fused_linear_cross_entropy
 
 FAMILIES: dict[str, str] = {
@@ -258,17 +258,8 @@ def apply_fused_loss(
     head = model.get_output_embeddings()  # type: ignore[operator]
     config: Any = model.config
     kind = FAMILIES[config.model_type]
-    changed: list[tuple[nn.Module, type]] = []
-    try:
-        for module, mixin in ((head, FusedLossHead), (model, FusedLossModel)):
-            changed.append((module, type(module)))
-            module.__class__ = swapped_class(type(module), mixin)
-        head.memguard_fused = _HeadState(kind, label_smoothing, chunk_tokens, logits)
-    except BaseException:
-        for module, cls in reversed(changed):
-            module.__class__ = cls
-        head.__dict__.pop("memguard_fused", None)
-        raise
+    state = _HeadState(kind, label_smoothing, chunk_tokens, logits)
+    swap_in([(head, FusedLossHead, {"memguard_fused": state}), (model, FusedLossModel, {})])
     return model
 
 

@@ -51,6 +51,7 @@ from lightning_memguard.checkpointing.wrap import (
     is_checkpointed,
     preserved_state,
     swap_chain,
+    swap_in,
     swapped_class,
     tracked_batchnorms,
 )
@@ -338,19 +339,13 @@ def recompute_pointwise(model: nn.Module, units: Any = None) -> nn.Module:
                 f"block {name or type(block).__name__!r} is already checkpointed whole, which recomputes everything"
                 " in it; remove that checkpoint first (remove_checkpointing) or leave this block out of `units`"
             )
-    changed: list[tuple[nn.Module, type]] = []
-    try:
-        for name, block in blocks:
-            if isinstance(block, PointwiseRecomputed):
-                continue
-            changed.append((block, type(block)))
-            block.__class__ = swapped_class(type(block), PointwiseRecomputed)
-            block.__dict__["memguard_pointwise_name"] = name
-    except BaseException:
-        for block, cls in reversed(changed):
-            block.__class__ = cls
-            block.__dict__.pop("memguard_pointwise_name", None)
-        raise
+    swap_in(
+        [
+            (block, PointwiseRecomputed, {"memguard_pointwise_name": name})
+            for name, block in blocks
+            if not isinstance(block, PointwiseRecomputed)
+        ]
+    )
     return model
 
 
