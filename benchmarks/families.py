@@ -281,12 +281,19 @@ def apply(
         "parts": plan.parts,
         "runs": plan.runs,
         "held": plan.held,
+        **figures(plan),
+        "lower": plan.lower,
+    }
+
+
+def figures(plan: Any) -> dict[str, Any]:
+    """A plan's summary and its memory figures in GB: a checkpoint plan's or the levers' plan's."""
+    return {
         "summary": plan.summary(),
         "budget_gb": _gb(plan.budget_bytes),
         "baseline_gb": _gb(plan.baseline_bytes),
         "predicted_gb": _gb(plan.predicted_bytes),
         "measured_gb": _gb(plan.measured_bytes),
-        "lower": plan.lower,
     }
 
 
@@ -303,11 +310,7 @@ def apply_levers(model: nn.Module, example: torch.Tensor, setting: Setting, budg
         "kinds": plan.kinds(),
         "calls": plan.calls(),
         "held": plan.held,
-        "summary": plan.summary(),
-        "budget_gb": _gb(plan.budget_bytes),
-        "baseline_gb": _gb(plan.baseline_bytes),
-        "predicted_gb": _gb(plan.predicted_bytes),
-        "measured_gb": _gb(plan.measured_bytes),
+        **figures(plan),
         "extra_ms": plan.extra_ms,
     }
 
