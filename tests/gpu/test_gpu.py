@@ -515,7 +515,9 @@ def test_an_emulated_spill_writes_a_report_naming_the_large_module_and_the_snaps
     """CPU twin: test_memguard_reports.py::test_an_emulated_spill_names_the_module_the_test_made_large."""
     import json
     import os
+    import sys
 
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "memguard"))  # its CPU twin's folder
     from test_memguard_reports import wide_network
 
     model = ImageClassifier("wide", image_size=224, batch_size=32, steps_per_epoch=8, net=wide_network(256))
