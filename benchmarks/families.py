@@ -23,20 +23,23 @@ most 0.85x the switch's step time on CNNs and 0.95x on transformers, within 2 % 
 recomputation sets the peak); each of the two also as
 ``..._blocks``, the planner with whole blocks only (no finer links: :func:`whole_blocks_only`), in the same run;
 ``ours_budget_0.6`` and ``ours_budget_0.4`` (``checkpoint_blocks(model, memory_budget=..., example_input=<a
-batch>)``); for the language and speech models (those the fused loss covers), ``levers_at_switch_memory`` and
-``levers_half_switch``: ``plan_levers`` on the Hugging Face model (the fused loss, then per block the cheapest of
-checkpointing it whole, its parts or recomputing its pointwise chains; offload not offered, since this loop does not
-enter its context) for a budget of the switch's measured activation peak and of half of it, as the
-``ours_at_switch_memory`` row's fraction of the plain row's peak (``levers_...`` goals: memory and step time against
-the switch); and ``ours_rebuild`` (``rebuild_bn_relu(model)``) for timm resnet50; torchvision resnet50
-(``tv_resnet50``: no switch of its own) runs plain, ours and the rebuild, so that the two rebuilds are compared on the
-same basis (``rebuild_goal``). A language model is wrapped (:class:`CausalLM`) so that every row calls
-``wrapper(input_ids)`` and gets the loss. Per model the issue's goals are checked (``goals``): at the family's own
+batch>)``); ``levers_at_switch_memory`` and ``levers_half_switch``: ``plan_levers`` on the Hugging Face model (the
+fused loss, then per block the cheapest of checkpointing it whole, its parts or recomputing its pointwise chains) or on
+the vision model (no fused loss: no vocabulary), offload not offered since this loop does not enter its context, for
+a budget of the switch's measured activation peak and of half of it, as the ``ours_at_switch_memory`` row's fraction
+of the plain row's peak (goals, :data:`LEVERS_GOAL`: at the switch's memory at most 0.90x its step time on vision
+models, 0.85x on language and speech models, 0.80x on GPT-2; every block + the fused loss at most 0.30x the switch's
+memory at 1.05x its time, :data:`FUSED_GOAL`); and ``ours_rebuild`` (``rebuild_bn_relu(model)``) for timm
+resnet50; torchvision resnet50 (``tv_resnet50``: no switch of its own) runs plain, ours and the rebuild, so that
+the two rebuilds are compared on the same basis (``rebuild_goal``).
+A language model is wrapped (:class:`CausalLM`) so that every row calls ``wrapper(input_ids)`` and gets the loss.
+Per model the issue's goals are checked (``goals``): at the family's own
 switch point, ours saves at least as much for at most 2 % more step time: every block, and the fastest of our rows
 that saves as much (``at_switch_point``). Every row is then timed again, all alive at once, a turn of a few steps
 of each in turn for ``--rounds`` rounds (:func:`interleaved`), and keeps that median (``step_ms``; ``step_ms_alone``
 is its own row's): on this card a slow stretch of the host moved separate passes by up to 35 %.
 
+``--rows`` picks a part of the rows (those set by the switch's memory need ``plain`` and ``family_switch``).
 Results are written after every row (a run cut short keeps what it measured); a row that fails is recorded with its
 error and the others go on. ``--smoke`` runs a tiny version on the CPU (timm resnet18 and timm's test_ models at
 32 px, batch 2; language models of 2 layers, hidden 64, 32 tokens; 1 + 2 steps): every row's code path, not a
@@ -95,9 +98,15 @@ ROWS = (
 AT_SWITCH = {"ours_at_switch_memory": 1.0, "ours_at_switch_memory_blocks": 1.0, "ours_below_switch": 0.8,
              "ours_below_switch_blocks": 0.8, "levers_at_switch_memory": 1.0,
              "levers_half_switch": 0.5}  # budget rows set by the switch's peak: this much of it  # fmt: skip
-LEVERS = ("levers_at_switch_memory", "levers_half_switch")  # plan_levers: the models the fused loss covers
+LEVERS = ("levers_at_switch_memory", "levers_half_switch")  # plan_levers: every lever the model takes
 REBUILT = {"resnet50", "tv_resnet50"}  # the ResNet families: the rebuild applies
 FUSED = {*LANGUAGE, *SPEECH}  # a vocabulary's logits: the fused loss applies
+LEVERS_GOAL = {
+    "vision": 0.90,
+    "language": 0.85,
+    "gpt2": 0.80,
+}  # levers at the switch's memory: at most this of its time
+FUSED_GOAL = {"memory": 0.30, "time": 1.05}  # every block + the fused loss against the switch: at most these
 TIME_SLACK = 0.02  # the goal: ours at most 2 % slower than the family's switch
 SAVED_SLACK = 0.1  # points of saving: "as much" to within the allocator's rounding (a few MB of several GB)
 STEPS_PER_TURN = 4  # interleaved: each row's turn is this many steps, the first untimed (the switch from another)
@@ -299,10 +308,15 @@ def figures(plan: Any) -> dict[str, Any]:
 
 def apply_levers(model: nn.Module, example: torch.Tensor, setting: Setting, budget: float) -> dict[str, Any]:
     """``plan_levers`` on the Hugging Face model inside the wrapper (the fused loss needs it), called with its
-    labels as the wrapper calls it, for ``budget`` (a fraction of its peak before any lever); offload not offered
-    (this loop does not enter its context)."""
-    lm: nn.Module = model.model  # type: ignore[assignment]
-    inputs = model.inputs(example) if isinstance(model, SpeechSeq2Seq) else {"input_ids": example, "labels": example}
+    labels as the wrapper calls it, or on the vision model with its images, for ``budget`` (a fraction of its peak
+    before any lever); offload not offered (this loop does not enter its context)."""
+    if isinstance(model, (CausalLM, SpeechSeq2Seq)):
+        lm: nn.Module = model.model  # type: ignore[assignment]
+        inputs = (
+            model.inputs(example) if isinstance(model, SpeechSeq2Seq) else {"input_ids": example, "labels": example}
+        )
+    else:  # a vision model: no vocabulary head, so no fused loss; its images, the sum of its logits as the loss
+        lm, inputs = model, example
     with setting.autocast():
         plan = plan_levers(lm, inputs, memory_budget=budget, offload=False)
     return {
@@ -490,12 +504,31 @@ def goals(name: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for key in LEVERS:  # every lever, planned: at the switch's memory and at half of it
         levers = rows.get(key, {})
         if "step_ms" in levers and "step_ms" in switch:
+            memory, time_ratio = (
+                levers["activation_peak_gb"] / switch["activation_peak_gb"],
+                levers["step_ms"] / switch["step_ms"],
+            )
             out[key] = {
-                "memory_vs_switch": levers["activation_peak_gb"] / switch["activation_peak_gb"],
-                "step_time_vs_switch": levers["step_ms"] / switch["step_ms"],
+                "memory_vs_switch": memory,
+                "step_time_vs_switch": time_ratio,
                 "held": levers.get("held"),
                 "kinds": sorted(levers.get("kinds", {})),
             }
+            if key == "levers_at_switch_memory":  # the issue's goal: the switch's memory, less of its time
+                goal = LEVERS_GOAL.get(name, LEVERS_GOAL["vision" if name in VISION else "language"])
+                out[key].update(goal=goal, met=memory <= 1 + TIME_SLACK and time_ratio <= goal)
+    fused = rows.get("fused_loss_every_block", {})
+    if "step_ms" in fused and "step_ms" in switch:
+        memory, time_ratio = (
+            fused["activation_peak_gb"] / switch["activation_peak_gb"],
+            fused["step_ms"] / switch["step_ms"],
+        )
+        out["fused_loss_every_block"] = {
+            "memory_vs_switch": memory,
+            "step_time_vs_switch": time_ratio,
+            "goal": FUSED_GOAL,
+            "met": memory <= FUSED_GOAL["memory"] and time_ratio <= FUSED_GOAL["time"],
+        }
     for key in ("ours_budget_0.6", "ours_at_switch_memory", "ours_below_switch"):  # finer links against whole ones
         fine, whole = rows.get(key, {}), rows.get(f"{key}_blocks", {})
         if "step_ms" in fine and "step_ms" in whole:
@@ -607,7 +640,13 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=5, help="turns of every row, all alive, one after another (median kept); 0: none"
     )
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated, from: " + ", ".join(ROWS))
     args = parser.parse_args()
+    chosen = [r for r in args.rows.split(",") if r]
+    if unknown_rows := [r for r in chosen if r not in ROWS]:
+        parser.error(f"unknown row: {unknown_rows}")
+    if any(r in AT_SWITCH for r in chosen) and not {"plain", "family_switch"} <= set(chosen):
+        parser.error("the rows set by the switch's memory need the plain and family_switch rows")
     if args.rounds < 0:
         parser.error(f"--rounds must be at least 0, got {args.rounds}")
     models = [m for m in args.models.split(",") if m]
@@ -633,12 +672,11 @@ def main() -> None:
             entry["notes"] = ["family_switch skipped: torchvision has no switch of its own"]
         if name not in FUSED:
             entry.setdefault("notes", []).append("fused_loss_every_block skipped: no vocabulary's logits")
-            entry["notes"].append(f"{', '.join(LEVERS)} skipped: for the models the fused loss covers")
         models_out[name] = entry
-        for row in ROWS:
+        for row in (r for r in ROWS if r in chosen):
             if (row == "ours_rebuild" and name not in REBUILT) or (row == "family_switch" and name in TORCHVISION):
                 continue
-            if (row == "fused_loss_every_block" or row in LEVERS) and name not in FUSED:
+            if row == "fused_loss_every_block" and name not in FUSED:
                 continue
             at_switch = switch_fraction(rows, row)
             if row in AT_SWITCH and at_switch is None:
