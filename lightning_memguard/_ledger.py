@@ -18,6 +18,11 @@ planner's measurement (:class:`~lightning_memguard.checkpointing.measure.StepMet
   indices, BatchNorm's batch statistics, a low-precision copy of the batch, a tensor made in the step.
 - **Where it is.** Each entry says where its bytes are held: on the device (:data:`DEVICE`), or moved to the host
   (:data:`HOST`: the emulated driver's spill, an offload hook); and whether a fused operation saved it (``fused``).
+- **What no hook sees.** A count of a step's saved tensors reads them through saved-tensor hooks; a tensor kept for
+  backward past those hooks (the outputs a selective activation checkpoint caches: the pointwise lever's matrix
+  products) is handed, by the code that keeps it (:func:`kept_unseen`), to every count open around it
+  (:func:`counting_unseen`), which charges it as its hooks charge the rest. No hook having moved it, it is held on
+  the device.
 
 Torch only, no Lightning.
 """
@@ -25,7 +30,9 @@ Torch only, no Lightning.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -279,3 +286,52 @@ class Ledger(Generic[Owner]):
                 index = entry.events[owner]
                 events[index] = (owner, events[index][1] + share - entry.own[owner])
         return events
+
+
+_Count = tuple[Callable[[torch.Tensor], None], bool]  # a count and whether it hands on to the counts outside it
+_unseen_counts: ContextVar[tuple[_Count, ...]] = ContextVar("memguard_unseen_counts", default=())
+
+
+@contextmanager
+def counting_unseen(count: Callable[[torch.Tensor], None], hand_on: bool = False) -> Iterator[None]:
+    """While in it, ``count`` is handed each tensor kept for backward where no saved-tensor hook sees it
+    (:func:`kept_unseen`), as its pack hook is handed each tensor autograd saves: a count of a step's saved tensors
+    enters it together with its hooks, and charges what it is handed as it charges what they see. As with hooks, the
+    innermost count is handed the tensor, and the counts outside it only where it hands on (``hand_on``: the report's
+    recorder, whose hooks hand each tensor on to the hooks outside them).
+
+    Example:
+        >>> inner, outer = [], []
+        >>> with counting_unseen(outer.append), counting_unseen(inner.append, hand_on=True):
+        ...     kept_unseen([torch.zeros(2)])
+        >>> kept_unseen([torch.zeros(3)])  # no count open: nobody is told
+        >>> [t.numel() for t in inner], [t.numel() for t in outer]
+        ([2], [2])
+    """
+    entry = (count, hand_on)
+    _unseen_counts.set((*_unseen_counts.get(), entry))
+    try:
+        yield
+    finally:  # this count taken out, whichever others were opened or closed meanwhile
+        _unseen_counts.set(tuple(c for c in _unseen_counts.get() if c is not entry))
+
+
+def counting() -> bool:
+    """Whether a count is open (:func:`counting_unseen`): code that keeps tensors past the hooks need only collect
+    them then."""
+    return bool(_unseen_counts.get())
+
+
+def kept_unseen(tensors: Iterable[torch.Tensor]) -> None:
+    """Hand ``tensors``, kept for backward where no saved-tensor hook sees them (a selective activation checkpoint's
+    cache), to the innermost count open (:func:`counting_unseen`) and on outwards while each hands on. Called once, in
+    the forward, by the code that keeps them; not in a backward pass, whose recomputation (a checkpoint's) keeps
+    nothing the step's count has not had."""
+    if _autograd.in_backward():
+        return
+    tensors = list(tensors)
+    for count, hand_on in reversed(_unseen_counts.get()):
+        for tensor in tensors:
+            count(tensor)
+        if not hand_on:
+            return

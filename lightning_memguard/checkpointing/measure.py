@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_memguard import _autograd
-from lightning_memguard._ledger import Key, Ledger, storage_key
+from lightning_memguard._ledger import Key, Ledger, counting_unseen, storage_key
 from lightning_memguard.checkpointing.budget import BlockProfile
 from lightning_memguard.checkpointing.wrap import Link, is_checkpointed, preserved_state
 
@@ -74,10 +74,9 @@ def measured_alike(broadcast: Callable[[Any], Any]) -> Iterator[None]:
 class StepMeter:
     """Runs forward and backward once and measures memory (and, optionally, each block).
 
-    ``hidden_saves``, where given, is entered around the step the CPU's peak counts, with the count of a saved tensor:
-    it hands in what is saved out of the saved-tensor hooks' sight (the pointwise lever's selective checkpoints,
-    :func:`~lightning_memguard.levers.pointwise.counted`), counted as what the hooks see is (once, not inside a
-    checkpoint, not while backward recomputes).
+    Its counts of saved tensors are the ledger's (:mod:`lightning_memguard._ledger`): what the saved-tensor hooks see,
+    and what is kept for backward out of their sight (the pointwise lever's selective checkpoints), handed to them by
+    the ledger (:func:`~lightning_memguard._ledger.counting_unseen`).
     """
 
     def __init__(
@@ -86,12 +85,10 @@ class StepMeter:
         example: Any,
         loss_fn: Callable[[Any], torch.Tensor],
         runner: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any] | None = None,
-        hidden_saves: Callable[[Callable[[torch.Tensor], None]], AbstractContextManager[Any]] | None = None,
     ) -> None:
         self.model, self.example, self.loss_fn = model, example, loss_fn
         self.args, self.kwargs = example_arguments(example)  # a tensor, a tuple (positional) or a dict (keywords)
         self.runner = runner  # a compiled step (model, args, kwargs) -> output; None: the model as it is called
-        self.hidden_saves = hidden_saves
         self.cuda = any(t.is_cuda for t in tensors(example))
         # held whether or not anything is saved: parameters, buffers and the batch itself; everything else a
         # forward saves counts (the ledger's rules), also tensors that need no gradient (max-pooling indices)
@@ -168,17 +165,16 @@ class StepMeter:
             def forward_over() -> None:
                 forward[0] = False
 
-            def hidden(t: torch.Tensor) -> None:
-                if torch.is_grad_enabled() and forward[0] and not inside[0]:
+            def unseen(t: torch.Tensor) -> None:  # kept past the hooks (the ledger's rules): as they would see it
+                if forward[0] and not inside[0]:
                     count(t)
 
             # a checkpoint's inputs stay alive; a compiled step saves them as its own saved tensors, counted above
             checkpoints = [m for m in self.model.modules() if is_checkpointed(m)] if self.runner is None else []
             handles = [m.register_forward_pre_hook(kept_inputs, with_kwargs=True) for m in checkpoints]
             handles += [m.register_forward_hook(left) for m in checkpoints]
-            elsewhere = self.hidden_saves(hidden) if self.hidden_saves is not None else nullcontext()
             try:
-                with elsewhere, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with counting_unseen(unseen), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     self._run(forward_over)
             finally:
                 for h in handles:
@@ -200,9 +196,12 @@ class StepMeter:
         current: list[str] = []  # the links running, innermost last
         inner: list[str] = []  # the parts running
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def count(t: torch.Tensor) -> None:
             if current or inner:
                 ledger.save(t, (current[-1] if current else None, inner[-1] if inner else None))
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            count(t)
             return t
 
         def clock() -> Any:
@@ -238,7 +237,11 @@ class StepMeter:
             handles.append(link.modules[0][1].register_forward_pre_hook(pre(link.name, stack), with_kwargs=True))
             handles.append(link.modules[-1][1].register_forward_hook(post(link.name, stack)))
         try:
-            with preserved_state(self.model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with (
+                preserved_state(self.model),
+                counting_unseen(count),
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            ):
                 self._run()
         finally:
             for h in handles:

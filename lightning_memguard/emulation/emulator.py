@@ -13,7 +13,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from lightning_memguard import _autograd, _compiler
-from lightning_memguard._ledger import DEVICE, HOST, Ledger, storage_nbytes
+from lightning_memguard._ledger import DEVICE, HOST, Ledger, counting_unseen, storage_nbytes
 from lightning_memguard._lightning.privates import model_logging_dropped
 from lightning_memguard.core.checks import check_callable, check_greater, check_size
 from lightning_memguard.probes.base import MemoryReading
@@ -71,8 +71,11 @@ class SysmemSpillEmulator(Callback):
     (and, on CUDA, on top of what the previous step needed beyond its activations), as the one ledger of saved
     tensors counts it (``lightning_memguard._ledger``, which the planner and the memory report keep too): each
     storage once, whole; the parameters, autocast's copies of them, the buffers and the batch are not activations;
-    max-pooling indices, BatchNorm's batch statistics and tensors made in the step are. Once the sum would pass
-    ``capacity``, further saved activations "spill":
+    max-pooling indices, BatchNorm's batch statistics and tensors made in the step are. What is kept for backward
+    out of the saved-tensor hooks' sight (the outputs a selective activation checkpoint caches:
+    :func:`~lightning_memguard.levers.recompute_pointwise`'s matrix products) is counted too, handed in by the ledger,
+    and always as on the card: no hook moves it, so it never spills, yet it fills the card as it does, and what is
+    saved after it spills sooner. Once the sum would pass ``capacity``, further saved activations "spill":
 
     - on CUDA they really go to pinned host memory and come back for the backward pass, crossing PCIe twice, as
       the Windows driver's fallback does;
@@ -153,6 +156,7 @@ class SysmemSpillEmulator(Callback):
         self._clock = clock
         self._step: _Step | None = None
         self._hooks: Any = None
+        self._unseen: Any = None  # the ledger's count of what the hooks do not see
         self._module: LightningModule | None = None
         self._transient = 0
         self._batch: Any = None
@@ -276,9 +280,14 @@ class SysmemSpillEmulator(Callback):
         self.spilled_bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        self._unseen = counting_unseen(self._kept_unseen)
+        self._unseen.__enter__()
 
     def _end(self) -> None:
         self._batch = None
+        if self._unseen is not None:
+            unseen, self._unseen = self._unseen, None
+            unseen.__exit__(None, None, None)
         if self._hooks is None:
             return
         self._hooks.__exit__(None, None, None)
@@ -327,6 +336,14 @@ class SysmemSpillEmulator(Callback):
         if entry is None or entry.where == DEVICE:
             return tensor
         return self._to_host(step, tensor, entry.nbytes if new else 0, keep=produced_by_graph)
+
+    def _kept_unseen(self, tensor: torch.Tensor) -> None:
+        """A tensor kept for backward past the hooks (a selective checkpoint's cache): no hook of ours can move it, so
+        it is counted on the card, whatever the capacity (where something already saved holds its storage, as that
+        is)."""
+        step = self._step
+        if step is not None:
+            step.ledger.save(tensor, "", DEVICE)
 
     def _to_host(self, step: _Step, tensor: torch.Tensor, nbytes: int, keep: bool) -> Any:
         if tensor.device.type == "cuda":

@@ -2,12 +2,14 @@
 
 Every tensor autograd saves for the backward pass goes into the one ledger of saved tensors
 (:mod:`lightning_memguard._ledger`, kept by the planner's measurement and the spill emulator too): each storage counted
-once and whole, and charged to the innermost modules whose forward was running when views of it were saved, each its
-own bytes first, the rest in proportion. The modules' stack is kept by forward pre-hooks and forward hooks registered
-on every submodule for the measured step only, and removed in ``finally``. Parameters, autocast's low-precision copies
-of them, the buffers and the batch (where the caller names it) existed before the step: they are not activations, and
-are left out. At each module's forward end the running total is noted (on CUDA with ``torch.cuda.memory_allocated()``,
-a host counter that does not synchronise): the timeline of the step that the report draws.
+once and whole, and charged to the innermost modules whose forward was running when views of it were saved, each its own
+bytes first, the rest in proportion; what is kept for backward out of the hooks' sight (a selective checkpoint's cache:
+the pointwise lever's) is handed to it by the ledger (:func:`~lightning_memguard._ledger.counting_unseen`), charged to
+the module whose forward keeps it. The modules' stack is kept by forward pre-hooks and forward hooks registered on every
+submodule for the measured step only, and removed in ``finally``. Parameters, autocast's low-precision copies of them,
+the buffers and the batch (where the caller names it) existed before the step: they are not activations, and are left
+out. At each module's forward end the running total is noted (on CUDA with ``torch.cuda.memory_allocated()``, a host
+counter that does not synchronise): the timeline of the step that the report draws.
 
 Nothing here runs during training that is not measured: the hooks exist only inside :class:`SavedTensorRecorder`.
 Torch only, no Lightning; the callback hands in the step to measure.
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 
 from lightning_memguard import _autograd
-from lightning_memguard._ledger import Ledger, storage_bytes, tensors_in
+from lightning_memguard._ledger import Ledger, counting_unseen, storage_bytes, tensors_in
 
 
 @dataclass
@@ -75,6 +77,7 @@ class SavedTensorRecorder:
         self._batch: Any = None  # the next forward's batch (:meth:`on`)
         self._handles: list[Any] = []
         self._saved_hooks: Any = None
+        self._unseen: Any = None  # the ledger's count of what the hooks do not see
         self._cuda = False
 
     def on(self, batch: Any) -> SavedTensorRecorder:
@@ -98,6 +101,8 @@ class SavedTensorRecorder:
             outer = _autograd.saved_tensors_hooks_in_force()
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_pair(outer))
             self._saved_hooks.__enter__()
+            self._unseen = counting_unseen(self._count, hand_on=True)  # as its hooks, hands on to the counts outside
+            self._unseen.__enter__()
         except BaseException:
             self._remove()
             raise
@@ -110,6 +115,9 @@ class SavedTensorRecorder:
         forward.events = ledger.timeline()
 
     def _remove(self) -> None:
+        if self._unseen is not None:
+            unseen, self._unseen = self._unseen, None
+            unseen.__exit__(None, None, None)
         if self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)

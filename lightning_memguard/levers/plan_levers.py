@@ -38,7 +38,6 @@ from lightning_memguard.levers.huggingface_loss import apply_fused_loss, refusal
 from lightning_memguard.levers.offload import ActivationOffload, bucket_size, exposed_transfer_ms
 from lightning_memguard.levers.pointwise import (
     PointwiseCost,
-    counted,
     default_clock,
     measure_pointwise,
     recompute_pointwise,
@@ -209,7 +208,7 @@ class _Levers:
         self._undo: list[Callable[[], None]] = []
 
     def meter(self) -> StepMeter:
-        return StepMeter(self.model, self.example, self.loss_fn, hidden_saves=counted if self.pointwised else None)
+        return StepMeter(self.model, self.example, self.loss_fn)
 
     def undo(self) -> None:
         """Put the model back as it was given."""

@@ -22,7 +22,10 @@ Three things are kept exact, so the gradients are the plain block's, bit for bit
 
 Measured, per link, by :func:`measure_pointwise` (the bytes it frees, by the ledger of saved tensors; the
 milliseconds its recomputation adds, by an injectable clock): what the levers' planner
-(:func:`~.plan_levers.plan_levers`) weighs it by; :func:`counted` hands a step's count what it holds.
+(:func:`~.plan_levers.plan_levers`) weighs it by. What a block's selective checkpoint keeps for backward, no
+saved-tensor hook sees: each block hands it to the ledger's counts open around it
+(:func:`~lightning_memguard._ledger.kept_unseen`), so the planner's measurement, the memory report and the spill
+emulator count it as they count the rest.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_memguard import _autograd, _compiler
+from lightning_memguard import _autograd, _compiler, _ledger
 from lightning_memguard._ledger import Ledger
 from lightning_memguard.checkpointing.measure import default_loss, example_arguments, tensors
 from lightning_memguard.checkpointing.wrap import (
@@ -158,10 +161,8 @@ def pointwise_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Checkpoi
 
 @dataclass
 class _Watch:
-    """What a measurement reads from the blocks it watches: each saved output (``save``, to its ledger) and each
-    recomputation's start and end (``clock``)."""
+    """What a measurement reads from the blocks it watches: each recomputation's start and end (``clock``)."""
 
-    save: Callable[[torch.Tensor, str], None]
     clock: Callable[[], float]
     recompute_s: dict[str, float]
 
@@ -260,11 +261,7 @@ class PointwiseRecomputed(SwappedModule):
             contexts = functools.partial(create_selective_checkpoint_contexts, pointwise_policy)
             return checkpoint(super().forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
         args, kwargs = _without_cache(swap_chain(type(self))[1], args, kwargs)
-        watch = _watching.get()
         name = self.__dict__.get("memguard_pointwise_name", "")
-        if watch is not None:
-            for t in tensors([args, kwargs]):  # the checkpoint holds its inputs until backward
-                watch.save(t, name)
         # every tensor an argument of its own, so recomputation sees the inputs the forward saw (whole blocks: the same)
         function, leaves = _recomputable(super().forward, args, kwargs)
         given = [(t, _autograd.version(t)) for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
@@ -272,10 +269,9 @@ class PointwiseRecomputed(SwappedModule):
         out = checkpoint(
             function, *leaves, use_reentrant=False, context_fn=_contexts(self, name, made), **_HOOKS_CHOICE
         )
-        if watch is not None:
+        if _ledger.counting():  # what the selective checkpoint keeps, out of the saved-tensor hooks' sight
             for caching in made:
-                for t in _autograd.selectively_saved(caching):
-                    watch.save(t, name)
+                _ledger.kept_unseen(_autograd.selectively_saved(caching))
         if any(_autograd.version(t) != v for t, v in given):
             raise RuntimeError(
                 f"{type(self).__name__} changes its input in place in its forward (nn.ReLU(inplace=True) first,"
@@ -400,24 +396,6 @@ def _watched(watch: _Watch) -> Iterator[None]:
         _watching.reset(token)
 
 
-@contextlib.contextmanager
-def counted(save: Callable[[torch.Tensor], None]) -> Iterator[None]:
-    """While in it, each block recomputing pointwise hands ``save`` what it holds for backward: its inputs (its
-    checkpoint keeps them) and the outputs its selective checkpoint keeps, which a saved-tensor hook around the step
-    does not see. For a count of a step's saved tensors (``StepMeter(..., hidden_saves=counted)``).
-
-    Example:
-        >>> block = recompute_pointwise(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU()))
-        >>> held = []
-        >>> with counted(held.append):
-        ...     out = block(torch.randn(4, 8))
-        >>> sorted(tuple(t.shape) for t in held)  # the input, and the product's output
-        [(4, 8), (4, 32)]
-    """
-    with _watched(_Watch(lambda t, _: save(t), time.perf_counter, {})):
-        yield
-
-
 def measure_pointwise(
     model: nn.Module,
     example: Any,
@@ -461,16 +439,21 @@ def measure_pointwise(
     def step() -> tuple[int, dict[str, float]]:
         ledger: Ledger[str] = Ledger(existing)
 
-        def save(t: torch.Tensor, owner: str) -> None:
-            ledger.save(t, owner)
+        watch = _Watch(clock, {})
 
-        watch = _Watch(save, clock, {})
+        def count(t: torch.Tensor) -> None:
+            ledger.save(t, "")
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            ledger.save(t, "")
+            count(t)
             return t
 
-        with preserved_state(model), _watched(watch), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with (
+            preserved_state(model),
+            _watched(watch),
+            _ledger.counting_unseen(count),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
             loss_fn(model(*args, **kwargs)).backward()
         return ledger.on_device, watch.recompute_s
 

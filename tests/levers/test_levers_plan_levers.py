@@ -23,7 +23,7 @@ from lightning_memguard.checkpointing.measure import StepMeter
 from lightning_memguard.checkpointing.model_map import map_model
 from lightning_memguard.levers.huggingface_loss import apply_fused_loss, is_fused
 from lightning_memguard.levers.plan_levers import OUTSIDE_OWNER, InjectedLever, hugging_face_loss, plan_levers
-from lightning_memguard.levers.pointwise import PointwiseRecomputed, counted, measure_pointwise, recompute_pointwise
+from lightning_memguard.levers.pointwise import PointwiseRecomputed, measure_pointwise, recompute_pointwise
 
 transformers = pytest.importorskip("transformers")
 plan_levers_module = importlib.import_module(
@@ -218,7 +218,7 @@ def test_pointwise_where_it_is_the_cheapest_way_meets_the_budget_bit_for_bit(fam
     assert plan.pointwise == list(plan.links) == [link.name for link in links][: len(plan.links)]
     assert 1 < len(plan.links) < len(links)  # half the chains' bytes: more than one link, not every one
     assert pointwised(model) == plan.pointwise and checkpointed(model) == []
-    measured = StepMeter(model, example, loss_fn, hidden_saves=counted).peak()  # the ledger, the model as left
+    measured = StepMeter(model, example, loss_fn).peak()  # the ledger, the model as left
     assert measured == plan.measured_bytes == plan.predicted_bytes <= budget == plan.budget_bytes
     assert plan.held and "pointwise chains recomputed in " in plan.summary()
 
@@ -281,7 +281,7 @@ def test_with_the_fused_loss_pointwise_is_measured_after_it_and_printed_after_it
                  "recompute_pointwise": recompute_pointwise, "model": fresh}  # fmt: skip
     for line in calls:
         eval(line, namespace)  # noqa: S307 - the plan's own lines
-    assert StepMeter(fresh, example, hugging_face_loss, hidden_saves=counted).peak() == plan.measured_bytes
+    assert StepMeter(fresh, example, hugging_face_loss).peak() == plan.measured_bytes
 
 
 def test_a_failure_with_pointwise_applied_leaves_the_model_as_it_was(monkeypatch):
