@@ -5,6 +5,8 @@ on one training step."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_memguard._ledger import DEVICE, HOST, Ledger
 from lightning_memguard.checkpointing.measure import StepMeter
 from lightning_memguard.forensics.attribution import SavedTensorRecorder, measure_step
+from lightning_memguard.levers import pointwise as pointwise_module
+from lightning_memguard.levers.pointwise import recompute_pointwise
 from lightning_memguard.testing import SysmemSpillEmulator
 
 # ---------------------------------------------------------------- the ledger's rules
@@ -155,3 +159,97 @@ def test_the_planner_the_report_and_the_emulator_count_the_same_saved_bytes_on_o
     assert emulator.spilled_bytes == 0
     assert planner == redone == report.total == emulator.resident_bytes == sum(saved.values())
     assert report.saved == saved
+
+
+# ---------------------------------------------------------------- what a selective checkpoint keeps, past the hooks
+
+# Linear(8, 16) -> a block recomputing pointwise [Linear(16, 32) -> GELU -> Linear(32, 16)] -> ReLU -> Linear(16, 4),
+# on 4 rows: the block's input (the first Linear's output, 4 x 16) kept by its checkpoint, through the hooks; the two
+# matrix products' outputs (4 x 32 and 4 x 16) kept in its selective checkpoint's cache, which no hook sees; GELU's
+# input and output recomputed, not kept; the ReLU's output (4 x 16) kept by the ReLU and the last Linear. Under bf16
+# autocast the activations are bf16, and the first Linear keeps a bf16 copy of the batch (4 x 8), new memory.
+ROWS = 4
+
+
+def pointwise_saved(size: int, copy_of_batch: int) -> tuple[dict[str, int], int]:
+    """The bytes each module keeps, at ``size`` bytes an element, and of them what the block's cache holds."""
+    cached = ROWS * 32 * size + ROWS * 16 * size
+    saved = {"net.1": ROWS * 16 * size + cached, "net.2": ROWS * 16 * size}
+    return ({"net.0": copy_of_batch} if copy_of_batch else {}) | saved, cached
+
+
+class PointwiseNet(SmallConvNet):
+    """The net above, its block recomputing pointwise; each training step recorded as the memory report does."""
+
+    def __init__(self) -> None:
+        LightningModule.__init__(self)
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        self.net = nn.Sequential(nn.Linear(8, 16), block, nn.ReLU(), nn.Linear(16, 4))
+        recompute_pointwise(self.net, units=["1"])
+        self.images = torch.randn(ROWS, 8)
+        self.recorder = SavedTensorRecorder(self)
+
+
+def cache_bytes(model: nn.Module, x: torch.Tensor, autocast: Callable[[], Any]) -> int:
+    """What the block's selective checkpoint caches on one forward, read from the cache itself: each op's outputs
+    where the policy kept them (``storage``), each storage once."""
+    made: list[Any] = []
+    contexts = pointwise_module.create_selective_checkpoint_contexts
+
+    def recorded(policy: Any) -> tuple[Any, Any]:
+        pair = contexts(policy)
+        made.append(pair[0])
+        return pair
+
+    with pytest.MonkeyPatch.context() as patch, autocast():
+        patch.setattr(pointwise_module, "create_selective_checkpoint_contexts", recorded)
+        loss = model(x).float().sum()
+    [caching] = made
+    kept = {
+        v.val.untyped_storage().data_ptr(): v.val.untyped_storage().nbytes()
+        for entries in caching.storage.values()
+        for v in (entries.values() if isinstance(entries, dict) else entries)
+        if isinstance(getattr(v, "val", None), torch.Tensor)
+    }  # backward consumes the cache: read before it
+    loss.backward()
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize(("precision", "size", "copy_of_batch"), [("32-true", 4, 0), ("bf16-mixed", 2, ROWS * 8 * 2)])
+def test_what_a_pointwise_blocks_selective_checkpoint_keeps_is_counted_alike_by_all_three(
+    tmp_path, precision, size, copy_of_batch
+):
+    saved, cached = pointwise_saved(size, copy_of_batch)
+    model = PointwiseNet()
+    autocast = (
+        (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16-mixed" else contextlib.nullcontext
+    )
+    assert cache_bytes(model.net, model.images, autocast) == cached  # the shapes' figure, as the cache holds it
+    with autocast():
+        planner = StepMeter(model.net, model.images, lambda out: out.float().sum()).peak()
+
+    def run() -> torch.Tensor:
+        with autocast():
+            return model(model.images).float().sum()
+
+    redone = measure_step(model, run, batch=model.images).activations
+    emulator = SysmemSpillEmulator(capacity="1TB")
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=1, precision=precision, callbacks=[emulator]))
+    trainer.fit(model)
+    report = model.recorder.largest()
+
+    assert emulator.spilled_bytes == 0
+    assert planner == redone == report.total == emulator.resident_bytes == sum(saved.values())
+    assert report.saved == saved  # the cache charged to the block that keeps it
+
+
+def test_the_emulator_cannot_move_what_the_cache_keeps_so_counts_it_on_the_card():
+    """On a card of 1 byte every saved tensor the hooks see spills to the host; the cache's stay on the card."""
+    model = PointwiseNet()
+    saved, cached = pointwise_saved(4, 0)
+    emulator = SysmemSpillEmulator(capacity=1, sleep=lambda seconds: None)
+    with emulator:  # as a context manager: it knows no model, so the batch is a leaf it takes to exist
+        model.net(model.images).sum().backward()
+    assert emulator.resident_bytes == cached
+    assert emulator.spilled_bytes == sum(saved.values()) - cached
