@@ -16,7 +16,7 @@ above the resting model), each on a fresh model from the same seed:
   timm's own ``checkpoint_seq([block], x)`` (whatever timm passes to ``torch.utils.checkpoint`` in this install),
   ``wrapper_nonreentrant`` / ``wrapper_reentrant`` with ``torch.utils.checkpoint`` and ``use_reentrant`` False / True
   (``preserve_rng_state`` left at its default, as timm leaves it), ``wrapper_nonreentrant_context_fn`` with our
-  ``context_fn`` (``_FrozenBatchNormStats``, as ``CheckpointedUnit.forward`` passes it), and
+  ``context_fn`` (``FrozenBatchNormStats``, as ``CheckpointedUnit.forward`` passes it), and
   ``wrapper_nonreentrant_no_rng`` with ``preserve_rng_state=False``;
 - ``ours_bn_correct_off``: ``checkpoint_blocks(model, bn_correct=False)``, the library's switch for the path
   without ``context_fn``;
@@ -84,7 +84,7 @@ ROWS = {
     "wrapper_timm_checkpoint_seq": "each block in a wrapper calling timm's checkpoint_seq([block], x)",
     "wrapper_nonreentrant": "each block in a wrapper: checkpoint(block, x, use_reentrant=False)",
     "wrapper_reentrant": "each block in a wrapper: checkpoint(block, x, use_reentrant=True)",
-    "wrapper_nonreentrant_context_fn": "wrapper_nonreentrant + our context_fn (_FrozenBatchNormStats)",
+    "wrapper_nonreentrant_context_fn": "wrapper_nonreentrant + our context_fn (FrozenBatchNormStats)",
     "wrapper_nonreentrant_no_rng": "wrapper_nonreentrant + preserve_rng_state=False",
     "ours_bn_correct_off": "checkpoint_blocks(model, bn_correct=False): ours without context_fn",
     "ours_minimal_forward": "ABLATION (monkeypatch): class swap kept, forward = checkpoint(use_reentrant=False) only",
@@ -118,7 +118,7 @@ def _timm_call(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _with_context_fn(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     def context_fn() -> tuple[Any, Any]:  # CheckpointedUnit.forward's, for a block that is a run of its own
-        return contextlib.nullcontext(), memguard_wrap._FrozenBatchNormStats(memguard_wrap.tracked_batchnorms([block]))
+        return contextlib.nullcontext(), memguard_wrap.FrozenBatchNormStats(memguard_wrap.tracked_batchnorms([block]))
 
     return checkpoint(block, x, use_reentrant=False, context_fn=context_fn)  # type: ignore[no-any-return]
 

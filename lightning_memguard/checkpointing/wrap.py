@@ -40,13 +40,26 @@ def tracked_batchnorms(units: Sequence[nn.Module]) -> list[nn.modules.batchnorm.
     return found
 
 
-class _FrozenBatchNormStats:
-    """During recomputation, BatchNorm updates throw-away copies of its running statistics, not the real ones.
+class FrozenBatchNormStats:
+    """A context manager for a checkpoint's recomputation: inside it, BatchNorm updates throw-away copies of its
+    running statistics, not the real ones, so a recomputed block moves them once per step, as the plain model does.
+    It is the recomputation's context (the second of ``context_fn``'s pair) of whole blocks
+    (:class:`CheckpointedUnit`) and of the pointwise lever (:func:`~lightning_memguard.levers.recompute_pointwise`).
 
     Training-mode BatchNorm normalises with the batch's own statistics, so the recomputed output is the same; the
     ops and saved tensors are the same too, which the non-reentrant checkpoint checks. The copies are put in and
     taken out of each layer's ``_buffers`` directly: the same as assigning the buffer (``nn.Module.__setattr__``
     would look for it among parameters and submodules first, a cost paid per layer per recomputed block).
+
+    Args:
+        batchnorms: the layers whose running statistics are kept (:func:`tracked_batchnorms` of the block).
+
+    Example:
+        >>> bn = torch.nn.BatchNorm1d(4)
+        >>> with FrozenBatchNormStats([bn]):
+        ...     _ = bn(torch.randn(8, 4))  # a recomputation
+        >>> int(bn.num_batches_tracked), bool(bn.running_mean.eq(0).all())
+        (0, True)
     """
 
     def __init__(self, batchnorms: Sequence[nn.modules.batchnorm._BatchNorm]) -> None:
@@ -126,11 +139,12 @@ class RunOutput:
 _PLAIN = (int, float, bool, str)
 
 
-def _recomputable(
+def recomputable(
     forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """What to hand ``torch.utils.checkpoint``: a function and its positional arguments, so that recomputation sees
-    the inputs the forward saw.
+    the inputs the forward saw. Used by every checkpoint this library makes of a block's forward: whole blocks'
+    (:class:`CheckpointedUnit`) and the pointwise lever's (:func:`~lightning_memguard.levers.recompute_pointwise`).
 
     The checkpoint recomputes by calling the function again with the arguments it was given, and checks only the
     tensors among them that are arguments themselves (their version: an input changed in place since is an error).
@@ -142,7 +156,16 @@ def _recomputable(
     Hugging Face's ``ModelOutput``), is passed as an argument of its own; the first call runs on the caller's own
     containers (a block that changes them does so as it would without checkpointing), a recomputation on new
     containers built around the same tensors, as they were when the block first ran. Any other object is passed as
-    it is. A block with tensor arguments only (most) passes as it is."""
+    it is. A block with tensor arguments only (most) passes as it is.
+
+    Example:
+        >>> x, y = torch.ones(2), torch.zeros(2)
+        >>> function, leaves = recomputable(lambda pair, scale: pair[0] * scale + pair[1], ([x, y],), {"scale": 2.0})
+        >>> len(leaves), function(*leaves).tolist()  # the two tensors, each an argument; the first call as given
+        (2, [2.0, 2.0])
+        >>> function(torch.full((2,), 3.0), y).tolist()  # a recomputation: new containers around the given tensors
+        [6.0, 6.0]
+    """
     if not kwargs and all(isinstance(a, torch.Tensor) or a is None or type(a) in _PLAIN for a in args):
         return forward, args
     leaves, spec = _autograd.flatten((args, kwargs))
@@ -196,12 +219,12 @@ class CheckpointedUnit(SwappedModule):
             if args:
                 args = (_compiler.gradient_realized(args[0]), *args[1:])
             return self._finish(checkpoint(self._memguard_forward, *args, use_reentrant=False, **kwargs), run)
-        function, leaves = _recomputable(self._memguard_forward, args, kwargs)
+        function, leaves = recomputable(self._memguard_forward, args, kwargs)
         given = [(t, _autograd.version(t)) for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
         # only where a BatchNorm keeps running statistics: a model without one (ConvNeXt, a transformer) is
         # checkpointed exactly as its family's own switch does it, and pays nothing for BatchNorm-correctness
         if bns := tracked_batchnorms([self, *run]) if self.memguard_bn_correct else []:
-            frozen = lambda: (contextlib.nullcontext(), _FrozenBatchNormStats(bns))  # noqa: E731
+            frozen = lambda: (contextlib.nullcontext(), FrozenBatchNormStats(bns))  # noqa: E731
             out = checkpoint(function, *leaves, use_reentrant=False, context_fn=frozen)
         else:
             out = checkpoint(function, *leaves, use_reentrant=False)

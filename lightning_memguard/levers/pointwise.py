@@ -12,7 +12,7 @@ MLP) less the matrix products' outputs that a plain step would not have kept.
 Three things are kept exact, so the gradients are the plain block's, bit for bit:
 
 - **BatchNorm's running statistics** are updated once: a recomputed BatchNorm (training mode) updates throw-away
-  copies of them (:class:`~lightning_memguard.checkpointing.wrap._FrozenBatchNormStats`, as whole-block
+  copies of them (:class:`~lightning_memguard.checkpointing.wrap.FrozenBatchNormStats`, as whole-block
   checkpointing does), and normalises with the batch's own statistics, so its output is the same.
 - **Randomness** (dropout, stochastic depth) is replayed: the checkpoint restores the random number generators
   before recomputing, and every op that draws from them is recomputed, in order. An attention that draws from them
@@ -47,12 +47,12 @@ from lightning_memguard import _autograd, _compiler, _ledger
 from lightning_memguard._ledger import Ledger
 from lightning_memguard.checkpointing.measure import default_loss, example_arguments, tensors
 from lightning_memguard.checkpointing.wrap import (
+    FrozenBatchNormStats,
     Link,
     SwappedModule,
-    _FrozenBatchNormStats,
-    _recomputable,
     is_checkpointed,
     preserved_state,
+    recomputable,
     swap_chain,
     swap_in,
     swapped_class,
@@ -175,7 +175,7 @@ class _Recompute:
     (where the block has tracked ones), and the time it took (where a measurement watches)."""
 
     def __init__(self, cached: Any, batchnorms: Sequence[nn.modules.batchnorm._BatchNorm], name: str) -> None:
-        self._cached, self._frozen, self._name = cached, _FrozenBatchNormStats(batchnorms), name
+        self._cached, self._frozen, self._name = cached, FrozenBatchNormStats(batchnorms), name
         self._watch = _watching.get()
         self._stack = contextlib.ExitStack()
         self._start = 0.0
@@ -263,7 +263,7 @@ class PointwiseRecomputed(SwappedModule):
         args, kwargs = _without_cache(swap_chain(type(self))[1], args, kwargs)
         name = self.__dict__.get("memguard_pointwise_name", "")
         # every tensor an argument of its own, so recomputation sees the inputs the forward saw (whole blocks: the same)
-        function, leaves = _recomputable(super().forward, args, kwargs)
+        function, leaves = recomputable(super().forward, args, kwargs)
         given = [(t, _autograd.version(t)) for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
         made: list[Any] = []
         out = checkpoint(
