@@ -165,16 +165,15 @@ class StepMeter:
             def forward_over() -> None:
                 forward[0] = False
 
-            def unseen(t: torch.Tensor) -> None:  # kept past the hooks (the ledger's rules): as they would see it
-                if forward[0] and not inside[0]:
-                    count(t)
 
             # a checkpoint's inputs stay alive; a compiled step saves them as its own saved tensors, counted above
             checkpoints = [m for m in self.model.modules() if is_checkpointed(m)] if self.runner is None else []
             handles = [m.register_forward_pre_hook(kept_inputs, with_kwargs=True) for m in checkpoints]
             handles += [m.register_forward_hook(left) for m in checkpoints]
             try:
-                with counting_unseen(unseen), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                # what is kept past the hooks, also inside a whole checkpoint: a selective checkpoint's cache lives
+                # as long as its block's graph, which the whole checkpoint's forward keeps until backward
+                with counting_unseen(count), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     self._run(forward_over)
             finally:
                 for h in handles:

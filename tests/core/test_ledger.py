@@ -5,6 +5,7 @@ on one training step."""
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,9 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_memguard import _autograd
 from lightning_memguard._ledger import DEVICE, HOST, Ledger
+from lightning_memguard.checkpointing import checkpoint_blocks
 from lightning_memguard.checkpointing.measure import StepMeter
 from lightning_memguard.forensics.attribution import SavedTensorRecorder, measure_step
 from lightning_memguard.levers import pointwise as pointwise_module
@@ -191,9 +194,10 @@ class PointwiseNet(SmallConvNet):
         self.recorder = SavedTensorRecorder(self)
 
 
-def cache_bytes(model: nn.Module, x: torch.Tensor, autocast: Callable[[], Any]) -> int:
-    """What the block's selective checkpoint caches on one forward, read from the cache itself: each op's outputs
-    where the policy kept them (``storage``), each storage once."""
+def cached_tensors(model: nn.Module, x: torch.Tensor, autocast: Callable[[], Any]) -> tuple[torch.Tensor, list[Any]]:
+    """One forward of ``model`` (its loss, for a backward to come) and the tensors its block's selective checkpoint
+    cached, read from the cache itself (``storage``: each op's outputs where the policy kept them), before backward
+    consumes them."""
     made: list[Any] = []
     contexts = pointwise_module.create_selective_checkpoint_contexts
 
@@ -206,14 +210,21 @@ def cache_bytes(model: nn.Module, x: torch.Tensor, autocast: Callable[[], Any]) 
         patch.setattr(pointwise_module, "create_selective_checkpoint_contexts", recorded)
         loss = model(x).float().sum()
     [caching] = made
-    kept = {
-        v.val.untyped_storage().data_ptr(): v.val.untyped_storage().nbytes()
+    kept = [
+        v.val
         for entries in caching.storage.values()
         for v in (entries.values() if isinstance(entries, dict) else entries)
         if isinstance(getattr(v, "val", None), torch.Tensor)
-    }  # backward consumes the cache: read before it
+    ]
+    return loss, kept
+
+
+def cache_bytes(model: nn.Module, x: torch.Tensor, autocast: Callable[[], Any]) -> int:
+    """What the block's selective checkpoint caches on one step: each storage once."""
+    loss, kept = cached_tensors(model, x, autocast)
+    size = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
     loss.backward()
-    return sum(kept.values())
+    return sum(size.values())
 
 
 @pytest.mark.parametrize(("precision", "size", "copy_of_batch"), [("32-true", 4, 0), ("bf16-mixed", 2, ROWS * 8 * 2)])
@@ -253,3 +264,31 @@ def test_the_emulator_cannot_move_what_the_cache_keeps_so_counts_it_on_the_card(
         model.net(model.images).sum().backward()
     assert emulator.resident_bytes == cached
     assert emulator.spilled_bytes == sum(saved.values()) - cached
+
+
+def test_inside_a_block_checkpointed_whole_the_cache_is_still_held_and_counted_alike():
+    """A block recomputing pointwise inside a block checkpointed whole: the whole checkpoint keeps its input alone of
+    what the hooks see, yet the inner block's graph, which holds its cache, lives until backward; all three count it."""
+    torch.manual_seed(0)
+    outer = nn.Sequential(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), nn.ReLU())
+    net = nn.Sequential(nn.Linear(8, 16), outer, nn.Linear(16, 4))
+    recompute_pointwise(net, units=["1.0"])
+    checkpoint_blocks(net, units=["1"])
+    x = torch.randn(ROWS, 8)
+    loss, kept = cached_tensors(net, x, contextlib.nullcontext)
+    cached = sum(t.untyped_storage().nbytes() for t in kept)  # two products' outputs, two storages
+    watches = [_autograd.storage_watch(t) for t in kept]
+    del kept  # no reference of ours keeps them alive now
+    gc.collect()
+    assert cached == ROWS * (32 + 16) * 4 and len(watches) == 2 and not any(freed() for freed in watches)
+    loss.backward()
+
+    planner = StepMeter(net, x, lambda out: out.sum()).peak()
+    redone = measure_step(net, lambda: net(x).sum(), batch=x)
+    emulator = SysmemSpillEmulator(capacity="1TB")
+    with emulator:
+        net(x).sum().backward()
+    # the whole checkpoint's input, the inner block's cache, the ReLU's output (the last Linear's input)
+    held = {"1": ROWS * 16 * 4, "1.0": cached, "2": ROWS * 16 * 4}
+    assert planner == redone.activations == emulator.resident_bytes == sum(held.values())
+    assert redone.forward.saved == held
