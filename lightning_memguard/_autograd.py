@@ -31,7 +31,8 @@ tensors, and the saved-tensor hooks in force, which torch offers no public way t
   ``record_memory=True`` and its reports' snapshot.
 - :func:`selectively_saved`: the tensors a selective activation checkpoint's forward mode cached for backward (its
   ``storage``, each entry a ``_VersionWrapper`` holding ``val``): what pointwise recomputation keeps of a block,
-  which no saved-tensor hook sees before torch 2.14.
+  which no saved-tensor hook sees (torch 2.14 routes them through the hooks only when asked,
+  ``respect_saved_tensors_hooks=True``, which the lever does not ask), handed to the ledger of saved tensors.
 
 A torch release that renames one of them breaks here and nowhere else; where a node's attribute or the hooks'
 reader is missing, the functions answer None (nothing saved, no hooks), so the rebuild keeps the tensor as autograd

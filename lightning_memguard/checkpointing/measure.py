@@ -165,7 +165,6 @@ class StepMeter:
             def forward_over() -> None:
                 forward[0] = False
 
-
             # a checkpoint's inputs stay alive; a compiled step saves them as its own saved tensors, counted above
             checkpoints = [m for m in self.model.modules() if is_checkpointed(m)] if self.runner is None else []
             handles = [m.register_forward_pre_hook(kept_inputs, with_kwargs=True) for m in checkpoints]
