@@ -20,9 +20,9 @@ planner's measurement (:class:`~lightning_memguard.checkpointing.measure.StepMet
   (:data:`HOST`: the emulated driver's spill, an offload hook); and whether a fused operation saved it (``fused``).
 - **What no hook sees.** A count of a step's saved tensors reads them through saved-tensor hooks; a tensor kept for
   backward past those hooks (the outputs a selective activation checkpoint caches: the pointwise lever's matrix
-  products) is handed, by the code that keeps it (:func:`kept_unseen`), to every count open around it
-  (:func:`counting_unseen`), which charges it as its hooks charge the rest. No hook having moved it, it is held on
-  the device.
+  products) is handed, by the code that keeps it (:func:`kept_unseen`), to the counts open around it
+  (:func:`counting_unseen`: the innermost, and those outside it as hooks hand on), each charging it as its hooks
+  charge the rest. No hook having moved it, it is held on the device.
 
 Torch only, no Lightning.
 """

@@ -74,8 +74,9 @@ class SysmemSpillEmulator(Callback):
     max-pooling indices, BatchNorm's batch statistics and tensors made in the step are. What is kept for backward
     out of the saved-tensor hooks' sight (the outputs a selective activation checkpoint caches:
     :func:`~lightning_memguard.levers.recompute_pointwise`'s matrix products) is counted too, handed in by the ledger,
-    and always as on the card: no hook moves it, so it never spills, yet it fills the card as it does, and what is
-    saved after it spills sooner. Once the sum would pass ``capacity``, further saved activations "spill":
+    and always as on the card: no hook gets it to move it, so it never spills, yet it fills the card as any
+    activation does, and what is saved after it spills sooner. Once the sum would pass ``capacity``, further saved
+    activations "spill":
 
     - on CUDA they really go to pinned host memory and come back for the backward pass, crossing PCIe twice, as
       the Windows driver's fallback does;
