@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import trainer_kwargs
+from conftest import ddp_scenario_results, ddp_scenarios, trainer_kwargs
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader
@@ -204,3 +204,22 @@ def test_a_sharded_model_on_several_devices_is_refused_in_setup():
     with pytest.raises(ValueError, match="under ModelParallelStrategy on several devices: a sharded forward"):
         ActivationCheckpointing(memory_budget=0.5, levers=True).setup(trainer, Blocks(), "fit")  # type: ignore[arg-type]
     ActivationCheckpointing(memory_budget=0.5).setup(trainer, Blocks(), "fit")  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def levers_launch(tmp_path_factory):
+    """One two-rank launch of tests/levers_ddp_run.py's scenarios (its own, apart from the suite's ``ddp_launch``)."""
+    return ddp_scenarios(tmp_path_factory, "levers", ["levers_ddp_run:callback", "levers_ddp_run:strategy"], 600)
+
+
+@pytest.mark.parametrize("scenario", ["callback", "strategy"])
+def test_under_ddp_rank_zero_measures_and_every_rank_applies_its_record(levers_launch, scenario):
+    results = ddp_scenario_results(levers_launch, f"levers_ddp_run:{scenario}", "levers{rank}.json")
+    zero, one = results[0], results[1]
+    assert zero["measured"] and not one["measured"]  # rank one measured nothing
+    assert zero["record"] == one["record"] and zero["record"]["fused_loss"]
+    for key in ("fused", "checkpointed", "pointwise"):
+        assert zero[key] == one[key]
+    assert zero["fused"] == ["model"] and (zero["checkpointed"] or zero["pointwise"])
+    assert zero["step"] == one["step"] == 2 and zero["checksum"] == one["checksum"]
+    assert zero["close_to_plain"] and one["close_to_plain"]
