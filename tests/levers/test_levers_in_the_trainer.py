@@ -110,6 +110,25 @@ def test_the_same_callback_in_a_second_fit_re_applies_its_levers(fitted, tmp_pat
     assert _levers_on(second) == _levers_on(module)
 
 
+@pytest.mark.parametrize("run", ["fast_dev_run", "loader passed to fit"])
+def test_the_levers_in_the_runs_users_make(tmp_path, run):
+    cb = ActivationCheckpointing(memory_budget=BUDGET, levers=True)
+    module = LanguageModel()
+    trainer = Trainer(
+        **trainer_kwargs(
+            tmp_path, callbacks=[cb], **({"fast_dev_run": True} if run == "fast_dev_run" else {"max_epochs": 1})
+        )
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if run == "loader passed to fit":
+            trainer.fit(module, train_dataloaders=module.train_dataloader())
+        else:
+            trainer.fit(module)
+    assert cb.lever_plan is not None and cb.lever_plan.held and trainer.global_step >= 1
+    assert _levers_on(module)["fused"] == ["model"]
+
+
 def test_a_checkpoint_without_the_levers_loads_and_the_levers_are_planned_anew():
     cb = ActivationCheckpointing(memory_budget=BUDGET, levers=True)
     cb.load_state_dict({"runs": [["model.transformer.h.0"]], "compile_setting": None, "split_graphs": False})
