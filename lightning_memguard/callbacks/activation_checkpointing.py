@@ -21,7 +21,7 @@ from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.checkpointing.recipes import RebuildConfig
 from lightning_memguard.checkpointing.result import CheckpointPlan
 from lightning_memguard.levers.choose import LeverPlan
-from lightning_memguard.levers.lever_policy import LeverPolicy, checkpointing_policy
+from lightning_memguard.levers.lever_policy import LeverPolicy, make_policy
 from lightning_memguard.tuning.training_state import holds_shards
 
 
@@ -152,7 +152,7 @@ class ActivationCheckpointing(Callback):
         levers: bool = False,
     ):
         settings = CheckpointingSettings(units, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config, levers)
-        self.policy: CheckpointingPolicy = checkpointing_policy(settings)
+        self.policy: CheckpointingPolicy = make_policy(settings)
         self._planned = False  # in this fit, by on_fit_start or by a tuner listed before it
 
     @property

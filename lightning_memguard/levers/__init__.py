@@ -15,7 +15,7 @@ from __future__ import annotations
 from lightning_memguard.levers.fused_loss import fused_linear_cross_entropy
 from lightning_memguard.levers.huggingface_loss import FusedLossRefused, apply_fused_loss, remove_fused_loss
 from lightning_memguard.levers.offload import ActivationOffload
-from lightning_memguard.levers.plan_levers import InjectedLever, LeverPlan, apply_record, loss_target, plan_levers
+from lightning_memguard.levers.plan_levers import InjectedLever, LeverPlan, apply_record, find_loss_target, plan_levers
 from lightning_memguard.levers.pointwise import (
     PointwiseCost,
     measure_pointwise,
@@ -36,7 +36,7 @@ __all__ = [
     "recompute_pointwise",
     "InjectedLever",
     "LeverPlan",
-    "loss_target",
+    "find_loss_target",
     "plan_levers",
     "remove_fused_loss",
     "remove_pointwise",

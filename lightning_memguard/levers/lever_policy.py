@@ -112,6 +112,6 @@ class LeverPolicy(CheckpointingPolicy):
         )
 
 
-def checkpointing_policy(settings: CheckpointingSettings) -> CheckpointingPolicy:
+def make_policy(settings: CheckpointingSettings) -> CheckpointingPolicy:
     """The policy for ``settings``: a :class:`LeverPolicy` with ``levers=True``, else a ``CheckpointingPolicy``."""
     return LeverPolicy(settings) if settings.levers else CheckpointingPolicy(settings)

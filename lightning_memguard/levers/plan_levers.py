@@ -10,7 +10,7 @@ from the links' forward times (CUDA only: on the CPU offload does nothing). A le
 :class:`InjectedLever` with its own measurement and application.
 
 What it applies, in this order: :func:`~.huggingface_loss.apply_fused_loss` (on the model, or on the Hugging Face
-model it holds: :func:`loss_target`);
+model it holds: :func:`find_loss_target`);
 :func:`~lightning_memguard.checkpointing.entrances.apply_plan` with the blocks and parts chosen, each a run of its own;
 :func:`~.pointwise.recompute_pointwise` on the links chosen for it (after the checkpoints, so a link checkpointed
 whole would be refused by it, never stacked: a link gets one option); an injected lever's ``apply``. Offload is not a
@@ -110,7 +110,7 @@ def plan_levers(
 
     The fused loss first, where the model has a vocabulary head (a Hugging Face model
     :func:`~.huggingface_loss.apply_fused_loss` takes, or a module holding one, such as a LightningModule whose
-    ``self.model`` it is: :func:`loss_target`): it frees the logits for about nothing, and what then holds
+    ``self.model`` it is: :func:`find_loss_target`): it frees the logits for about nothing, and what then holds
     the peak is measured again. Then, per link (a block of the model's chain), at most one of: checkpointing the
     whole block, its parts (a layer's attention and MLP), recomputing its pointwise chains
     (:func:`~.pointwise.recompute_pointwise`: its matrix products kept), an injected lever, or on CUDA offloading
@@ -177,7 +177,7 @@ def plan_levers(
     levers.offload = offered
     levers.pointwise, levers.clock = pointwise, clock
     levers.bandwidth_gb_s = bandwidth_gb_s
-    levers.loss_name, levers.loss_model, reason = loss_target(model)
+    levers.loss_name, levers.loss_model, reason = find_loss_target(model)
     if not fused_loss:
         reason = "not offered (fused_loss=False)"
     search = LeverSearch(budget, host_limit)
@@ -197,7 +197,7 @@ def plan_levers(
     return plan
 
 
-def loss_target(model: nn.Module) -> tuple[str, nn.Module, str | None]:
+def find_loss_target(model: nn.Module) -> tuple[str, nn.Module, str | None]:
     """The module whose loss :func:`~.huggingface_loss.apply_fused_loss` fuses, its name in ``model`` and why there
     is none (None: there is one): ``model`` itself where it is a Hugging Face model, else the outermost of its
     submodules that is one and takes the fused loss (a LightningModule's ``self.model``: whoever calls it with
@@ -207,7 +207,7 @@ def loss_target(model: nn.Module) -> tuple[str, nn.Module, str | None]:
         >>> from transformers import GPT2Config, GPT2LMHeadModel
         >>> holder = torch.nn.Module()
         >>> holder.model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
-        >>> loss_target(holder)[0], loss_target(torch.nn.Linear(2, 2))[2]
+        >>> find_loss_target(holder)[0], find_loss_target(torch.nn.Linear(2, 2))[2]
         ('model', 'Linear is not a Hugging Face model (no config.model_type)')
     """
     reason = refusal(model)
@@ -301,7 +301,7 @@ class _Levers:
         self.tried = False  # the fused loss was measured
         self.checkpointed: list[str] = []
         self.parts: dict[str, list[str]] = {}  # each link's parts that free memory, as last measured
-        self.loss_name, self.loss_model = "", model  # the module whose loss is fused (loss_target)
+        self.loss_name, self.loss_model = "", model  # the module whose loss is fused (find_loss_target)
         self._undo: list[Callable[[], None]] = []
 
     def meter(self) -> StepMeter:

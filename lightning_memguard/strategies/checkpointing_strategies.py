@@ -14,7 +14,7 @@ from lightning_memguard._lightning.privates import BeforeModelWrapped
 from lightning_memguard.checkpointing.checkpointing_settings import CheckpointingSettings
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.checkpointing.recipes import RebuildConfig
-from lightning_memguard.levers.lever_policy import LeverPolicy, checkpointing_policy
+from lightning_memguard.levers.lever_policy import LeverPolicy, make_policy
 
 
 class _ChecksBeforeWrapping(BeforeModelWrapped):
@@ -104,7 +104,7 @@ class CheckpointingDDPStrategy(_ChecksBeforeWrapping, DDPStrategy):
         levers: bool = False,
         **kwargs: Any,
     ) -> None:
-        self.checkpointing = checkpointing_policy(
+        self.checkpointing = make_policy(
             CheckpointingSettings(
                 activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config, levers
             )
@@ -140,7 +140,7 @@ class CheckpointingSingleDeviceStrategy(_ChecksBeforeWrapping, SingleDeviceStrat
         levers: bool = False,
         **kwargs: Any,
     ) -> None:
-        self.checkpointing = checkpointing_policy(
+        self.checkpointing = make_policy(
             CheckpointingSettings(
                 activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config, levers
             )

@@ -27,8 +27,8 @@ from lightning_memguard.levers.plan_levers import (
     OUTSIDE_OWNER,
     InjectedLever,
     apply_record,
+    find_loss_target,
     hugging_face_loss,
-    loss_target,
     plan_levers,
 )
 from lightning_memguard.levers.pointwise import PointwiseRecomputed, counted, measure_pointwise, recompute_pointwise
@@ -375,7 +375,7 @@ def test_a_record_with_pointwise_links_and_a_held_language_model():
     holder = nn.Module()
     holder.model = model
     holder.forward = lambda **kw: holder.model(**kw)  # type: ignore[method-assign]
-    assert loss_target(holder)[:2] == ("model", model)
+    assert find_loss_target(holder)[:2] == ("model", model)
     record = {"version": 1, "fused_loss": True, "loss_module": "model", "checkpointed": ["model.transformer.h.0"],
               "pointwise": ["model.transformer.h.1"]}  # fmt: skip
     apply_record(holder, record)
