@@ -9,6 +9,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_memguard import _compiler
 from lightning_memguard._lightning.loaders import example_for_budget, measuring_said
 from lightning_memguard._lightning.privates import (
     fsdp_checkpoints_itself,
@@ -19,6 +20,8 @@ from lightning_memguard.checkpointing.families import Units
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.checkpointing.recipes import RebuildConfig
 from lightning_memguard.checkpointing.result import CheckpointPlan
+from lightning_memguard.levers.choose import LeverPlan
+from lightning_memguard.levers.lever_policy import LeverPolicy, make_policy
 from lightning_memguard.tuning.training_state import holds_shards
 
 
@@ -54,6 +57,19 @@ class ActivationCheckpointing(Callback):
     ``activation_memory_budget`` (see :func:`~lightning_memguard.checkpointing.checkpoint_blocks`); the setting
     chosen is set for the fit (restored at its end) and kept in the callback's state with the runs.
 
+    With ``levers=True`` (and a budget) the budget is planned by :func:`~lightning_memguard.levers.plan_levers`, the
+    planner of every lever, in place of checkpointing alone, on the same example and under the same precision: a
+    Hugging Face model's fused loss (the model, or the one the LightningModule holds as an attribute, called with
+    ``labels``), whole blocks or their parts checkpointed, and pointwise recomputation, each where it buys the most
+    memory per millisecond. The levers chosen (``LeverPlan.record()``, plain data) are kept in the callback's state:
+    a resumed run, and the same callback in a second fit, re-apply them
+    (:func:`~lightning_memguard.levers.apply_record`) without measuring; under DDP rank zero measures and every rank
+    applies its record. The callback does not offer offload: offload is not a change to the model but a context to
+    enter around every step, which the fit would have to hold for each step and MemGuard to count as the user's
+    own host memory; use ``plan_levers(..., offload=True)`` and ``with plan.offload:`` in a loop of your own for it.
+    ``levers=True`` is refused on a compiled module and under ``ModelParallelStrategy`` on several devices (see
+    Raises).
+
     Args:
         units: ``"auto"``, a set of module classes, a list of module names (``["net.layer1.0", "net.layer2.1"]``
             as the LightningModule's ``named_modules()`` gives them, or relative to the model it holds:
@@ -70,6 +86,8 @@ class ActivationCheckpointing(Callback):
             alone (no block is checkpointed).
         rebuild_config: how the rebuild makes its tensors (``RebuildConfig(fused=..., chain_kept=...)``, from
             ``lightning_memguard.checkpointing``); None: the defaults.
+        levers: choose among every lever for ``memory_budget`` (see above) instead of checkpointing alone; needs a
+            budget; BatchNorm-correct always and without the rebuild.
 
     Raises:
         TypeError: ``memory_budget`` of another type, or flags that are not bools.
@@ -80,7 +98,10 @@ class ActivationCheckpointing(Callback):
             the model's forward fails on); in ``setup``, beside ``FSDPStrategy``'s own
             ``activation_checkpointing_policy``, under ``DeepSpeedStrategy``, and a budget under ``FSDPStrategy``
             on several devices (:class:`~lightning.pytorch.strategies.ModelParallelStrategy` measures on every
-            rank).
+            rank); ``levers=True`` without a ``memory_budget`` or beside ``rebuild_bn_relu=True`` or
+            ``bn_correct=False`` (at construction), and in ``setup`` on a compiled module (the planner measures eagerly;
+            a compiled step's peak is its graph's) or under ``ModelParallelStrategy`` on several devices (a sharded
+            forward needs every rank; the planner measures on rank zero alone).
 
     Example:
         >>> from lightning import Trainer
@@ -89,6 +110,36 @@ class ActivationCheckpointing(Callback):
         Traceback (most recent call last):
         ...
         ValueError: `memory_budget` as a fraction must be in (0, 1], got 1.5 (bytes: an int or '6GB')
+
+        Every lever for a Hugging Face language model inside a LightningModule:
+
+        >>> import torch
+        >>> from lightning import LightningModule
+        >>> from transformers import GPT2Config, GPT2LMHeadModel
+        >>> class LanguageModel(LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000))
+        ...         self.example_input_array = {"input_ids": torch.zeros(2, 32, dtype=torch.long)}
+        ...         self.example_input_array["labels"] = self.example_input_array["input_ids"]
+        ...     def forward(self, input_ids, labels):
+        ...         return self.model(input_ids=input_ids, labels=labels)
+        ...     def training_step(self, batch, batch_idx):
+        ...         return self(batch, batch).loss
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+        ...     def train_dataloader(self):
+        ...         return torch.utils.data.DataLoader(torch.randint(0, 1000, (4, 32)), batch_size=2)
+        >>> levers = ActivationCheckpointing(memory_budget=0.5, levers=True)
+        >>> trainer = Trainer(callbacks=[levers], max_steps=1, logger=False, enable_checkpointing=False,
+        ...                   enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+        >>> trainer.fit(LanguageModel())
+        >>> levers.lever_record["fused_loss"], levers.lever_plan.held
+        (True, True)
+        >>> ActivationCheckpointing(levers=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: `levers=True` chooses among the levers for a budget, and `memory_budget` is None: give one ...
     """
 
     def __init__(
@@ -98,9 +149,10 @@ class ActivationCheckpointing(Callback):
         bn_correct: bool = True,
         rebuild_bn_relu: bool = False,
         rebuild_config: RebuildConfig | None = None,
+        levers: bool = False,
     ):
-        settings = CheckpointingSettings(units, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config)
-        self.policy = CheckpointingPolicy(settings)
+        settings = CheckpointingSettings(units, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config, levers)
+        self.policy: CheckpointingPolicy = make_policy(settings)
         self._planned = False  # in this fit, by on_fit_start or by a tuner listed before it
 
     @property
@@ -114,15 +166,32 @@ class ActivationCheckpointing(Callback):
     bn_correct = property(lambda self: self.settings.bn_correct)
     rebuild_bn_relu = property(lambda self: self.settings.rebuild_bn_relu)
     rebuild_config = property(lambda self: self.settings.rebuild_config)
+    levers = property(lambda self: self.settings.levers)
 
     @property
     def plan(self) -> CheckpointPlan | None:
-        """This process's plan (None before it is made, on ranks that applied rank zero's, and on resume)."""
+        """This process's plan (None before it is made, on ranks that applied rank zero's, on resume, and with
+        ``levers=True``: see :attr:`lever_plan`)."""
         return self.policy.plan
 
     @property
+    def lever_plan(self) -> LeverPlan | None:
+        """With ``levers=True``: this process's :class:`~lightning_memguard.levers.LeverPlan` (None before it is made,
+        on ranks that applied rank zero's, and on resume)."""
+        return self.policy.lever_plan if isinstance(self.policy, LeverPolicy) else None
+
+    @property
+    def lever_record(self) -> dict[str, Any] | None:
+        """With ``levers=True``: the levers chosen, as plain data (``LeverPlan.record()``; None before they are)."""
+        return self.policy.lever_record if isinstance(self.policy, LeverPolicy) else None
+
+    @property
     def runs(self) -> list[list[str]] | None:
-        """The chosen runs of blocks (None before the plan is made)."""
+        """The chosen runs of blocks (None before the plan is made); with ``levers=True`` the blocks and parts
+        checkpointed, each a run of its own."""
+        record = self.lever_record
+        if record is not None:
+            return [[name] for name in record["checkpointed"]]
         return self.policy.runs
 
     @property
@@ -141,6 +210,8 @@ class ActivationCheckpointing(Callback):
                 " callback (BatchNorm-correct, with a `memory_budget`), or remove this callback"
             )
         _refuse_what_cannot_be_measured(trainer, self.memory_budget)
+        if self.levers:
+            _refuse_what_the_levers_cannot_plan(trainer, pl_module)
         self._planned = False
         if self.memory_budget is None:  # before the optimizer is built; the same on every rank
             if is_overridden("configure_model", pl_module):
@@ -176,7 +247,7 @@ class ActivationCheckpointing(Callback):
         if self.memory_budget is None or self._planned:
             return
         self._planned = True
-        resumed = self.runs is not None
+        resumed = self.policy.decided
         strategy = trainer.strategy
         who = "ActivationCheckpointing"
         example, from_batch = (None, None) if resumed else example_for_budget(trainer, who, self.units)
@@ -206,9 +277,10 @@ class ActivationCheckpointing(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
-            "runs": self.runs,
+            "runs": self.policy.runs,
             "compile_setting": self.policy.compile_setting,
             "split_graphs": self.policy.split_graphs,
+            "levers": self.lever_record,
         }
 
     @override
@@ -216,6 +288,8 @@ class ActivationCheckpointing(Callback):
         self.policy.runs = state_dict.get("runs", self.policy.runs)
         self.policy.compile_setting = state_dict.get("compile_setting", self.policy.compile_setting)
         self.policy.split_graphs = state_dict.get("split_graphs", self.policy.split_graphs)
+        if isinstance(self.policy, LeverPolicy):  # a checkpoint made with levers=False has none: planned anew
+            self.policy.lever_record = state_dict.get("levers") or self.policy.lever_record
 
 
 def _refuse_what_cannot_be_measured(trainer: Trainer, memory_budget: Any) -> None:
@@ -236,6 +310,27 @@ def _refuse_what_cannot_be_measured(trainer: Trainer, memory_budget: Any) -> Non
             " blocks: each rank holds a flat shard of the weights. Use ModelParallelStrategy (FSDP2's fully_shard,"
             " measured on every rank), or ActivationCheckpointing() without a budget (every block, before FSDP wraps"
             " the model)"
+        )
+
+
+def _refuse_what_the_levers_cannot_plan(trainer: Trainer, pl_module: LightningModule) -> None:
+    """``levers=True`` measures on rank zero alone, eagerly. A compiled module's step is compile's graph, whose peak
+    the eager measurements of the fused loss and the pointwise chains do not predict; a sharded model
+    (``ModelParallelStrategy`` on several devices) needs every rank in its forward, and the planner's timings on each
+    rank could choose apart. Both are refused in ``setup``."""
+    if _compiler.is_compiled(pl_module):
+        raise ValueError(
+            "ActivationCheckpointing(levers=True) on a compiled module: the levers' planner measures the step eagerly,"
+            " and a compiled step's peak is compile's graph's, which those measurements do not predict. Use"
+            " ActivationCheckpointing(memory_budget=...) without levers (measured compiled), or fit the module"
+            " uncompiled"
+        )
+    if holds_shards(trainer.strategy) and trainer.world_size > 1:
+        raise ValueError(
+            f"ActivationCheckpointing(levers=True) under {type(trainer.strategy).__name__} on several devices: a"
+            " sharded forward needs every rank, and the levers' planner measures on rank zero alone (its timings on"
+            " each rank could choose apart). Use ActivationCheckpointing(memory_budget=...) without levers there"
+            " (measured on every rank)"
         )
 
 

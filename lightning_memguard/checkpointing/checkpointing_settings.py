@@ -1,4 +1,4 @@
-"""The five checkpointing settings, declared once: the callback, the strategies and the policy share them."""
+"""The six checkpointing settings, declared once: the callback, the strategies and the policy share them."""
 
 from __future__ import annotations
 
@@ -25,9 +25,14 @@ class CheckpointingSettings:
             units (see ``checkpoint_blocks``).
         rebuild_config: how the rebuild makes its tensors (``RebuildConfig(fused=..., chain_kept=...)``); None:
             the defaults.
+        levers: choose among every lever for the budget with :func:`~lightning_memguard.levers.plan_levers`
+            (a Hugging Face model's fused loss, blocks or their parts checkpointed, pointwise recomputation) instead
+            of checkpointing alone; needs a ``memory_budget``. The planner checkpoints BatchNorm-correct and offers no
+            rebuild, so ``rebuild_bn_relu=True`` and ``bn_correct=False`` are refused beside it.
 
     Raises:
-        TypeError, ValueError: a setting of the wrong kind or out of range, quoting it.
+        TypeError, ValueError: a setting of the wrong kind or out of range, quoting it; ``levers=True`` without a
+            budget, or beside ``rebuild_bn_relu=True`` or ``bn_correct=False``.
 
     Example:
         >>> CheckpointingSettings(memory_budget="6GB").memory_budget
@@ -43,6 +48,7 @@ class CheckpointingSettings:
     bn_correct: bool = True
     rebuild_bn_relu: bool = False
     rebuild_config: RebuildConfig | None = None
+    levers: bool = False
 
     def __post_init__(self) -> None:
         memory_budget: Any = self.memory_budget
@@ -54,3 +60,16 @@ class CheckpointingSettings:
         check_bool("bn_correct", self.bn_correct)
         check_bool("rebuild_bn_relu", self.rebuild_bn_relu)
         check_config(self.rebuild_config)
+        check_bool("levers", self.levers)
+        if self.levers and checked is None:
+            raise ValueError(
+                "`levers=True` chooses among the levers for a budget, and `memory_budget` is None: give one"
+                " (memory_budget=0.6, a fraction of the step's peak, or '6GB'), or drop levers=True to checkpoint"
+                " every block"
+            )
+        if self.levers and (self.rebuild_bn_relu or not self.bn_correct):
+            which = "rebuild_bn_relu=True" if self.rebuild_bn_relu else "bn_correct=False"
+            raise ValueError(
+                f"`levers=True` with `{which}`: the levers' planner checkpoints BatchNorm-correct and offers no"
+                " rebuild; drop one of the two"
+            )

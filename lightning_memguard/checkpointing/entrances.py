@@ -73,6 +73,11 @@ def checkpoint_blocks(
     Without a budget, that is all that happens (no block is checkpointed); with one, the rebuild comes first and
     whole blocks are checkpointed only for what it leaves over the budget.
 
+    This is the checkpointing-only entrance, with its own search (runs of joined blocks, the rebuild, compile's own
+    setting). The planner with every lever, the fused loss of a language model's head and pointwise recomputation
+    beside the blocks and their parts, is :func:`~lightning_memguard.levers.plan_levers` (in a Trainer:
+    ``ActivationCheckpointing(memory_budget=..., levers=True)``); its choice among blocks alone is not this search's.
+
     Under ``torch.compile`` the compiler decides what to keep for backward, so a plan measured in eager mode does
     not hold there. With a budget and a model that is compiled (``torch.compile(model)``, or a LightningModule that
     ``fit`` unwrapped) or will be (``compile=True``, or ``compile={...}``: ``torch.compile``'s keyword arguments),

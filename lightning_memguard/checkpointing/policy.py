@@ -145,6 +145,11 @@ class CheckpointingPolicy:
             self._apply_runs(model, runs, split)
         self.runs, self.compile_setting, self.split_graphs = runs, setting, split
 
+    @property
+    def decided(self) -> bool:
+        """Whether what to checkpoint is known (chosen here, by rank zero, or handed back on resume)."""
+        return self.runs is not None
+
     def _apply_runs(self, model: nn.Module, runs: list[list[str]], split_graphs: bool) -> None:
         s = self.settings
         apply_plan(model, runs, s.units, s.bn_correct, s.rebuild_bn_relu, s.rebuild_config, split_graphs)

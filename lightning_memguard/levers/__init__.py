@@ -7,7 +7,7 @@ side streams while the step computes. :func:`recompute_pointwise` (in :mod:`.poi
 products saved and recomputes the pointwise work between them in backward (:func:`pointwise_policy` for a checkpoint of
 your own; :func:`measure_pointwise`: per link, the bytes it frees and the milliseconds it adds). :func:`plan_levers`
 (in :mod:`.plan_levers`) chooses among them and activation checkpointing for a memory budget, measured (the pure
-choice in :mod:`.choose`).
+choice in :mod:`.choose`); :func:`apply_record` applies its choice again from ``plan.record()``, measuring nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from lightning_memguard.levers.fused_loss import fused_linear_cross_entropy
 from lightning_memguard.levers.huggingface_loss import FusedLossRefused, apply_fused_loss, remove_fused_loss
 from lightning_memguard.levers.offload import ActivationOffload
-from lightning_memguard.levers.plan_levers import InjectedLever, LeverPlan, plan_levers
+from lightning_memguard.levers.plan_levers import InjectedLever, LeverPlan, apply_record, find_loss_target, plan_levers
 from lightning_memguard.levers.pointwise import (
     PointwiseCost,
     measure_pointwise,
@@ -29,12 +29,14 @@ __all__ = [
     "FusedLossRefused",
     "PointwiseCost",
     "apply_fused_loss",
+    "apply_record",
     "fused_linear_cross_entropy",
     "measure_pointwise",
     "pointwise_policy",
     "recompute_pointwise",
     "InjectedLever",
     "LeverPlan",
+    "find_loss_target",
     "plan_levers",
     "remove_fused_loss",
     "remove_pointwise",

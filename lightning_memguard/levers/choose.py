@@ -37,6 +37,9 @@ KINDS = ("block", "parts", "pointwise", "offload")
 ROUNDS = 3
 """Sets of the links' options a :class:`LeverSearch` measures at most; the last of them frees the most it can."""
 
+RECORD_VERSION = 1
+"""The layout of :meth:`LeverPlan.record`'s dict (:func:`~.plan_levers.apply_record` refuses a later one)."""
+
 
 @dataclass(frozen=True)
 class LinkOption:
@@ -219,6 +222,8 @@ class LeverPlan:
             the ``units`` the plan was made with).
         pointwise: the links whose pointwise chains are recomputed (``recompute_pointwise(model, units=...)``, after
             the checkpoints), by name; empty where an injected lever took that kind.
+        loss_module: the module whose loss is fused, by name in the model (``""``: the model itself; a Hugging Face
+            model held by a LightningModule: its attribute's name).
     """
 
     loss: bool
@@ -237,6 +242,7 @@ class LeverPlan:
     offload: Any = None
     checkpointed: list[str] = field(default_factory=list)
     pointwise: list[str] = field(default_factory=list)
+    loss_module: str = ""
 
     @property
     def held(self) -> bool:
@@ -275,6 +281,36 @@ class LeverPlan:
         if "offload" in kinds:
             lines.append(f"with plan.offload:  # ActivationOffload of {kinds['offload']!r}, around the training steps")
         return lines
+
+    def record(self) -> dict[str, Any]:
+        """What was chosen as plain data (bools, strings, lists of strings), to keep beside a checkpoint and hand to
+        :func:`~.plan_levers.apply_record` on a fresh copy of the model: the same levers, nothing measured.
+
+        Raises:
+            ValueError: a plan with offload or an injected lever chosen: offload is a context around the steps (enter
+                ``plan.offload``), an injected lever is applied by its own code; neither is a change a record holds.
+
+        Example:
+            >>> links = {"h.0": LinkOption("block", 30, 2.0), "h.1": LinkOption("pointwise", 10, 0.2)}
+            >>> LeverPlan(True, links, 100, 50, checkpointed=["h.0"], pointwise=["h.1"], loss_module="model").record()
+            {'version': 1, 'fused_loss': True, 'loss_module': 'model', 'checkpointed': ['h.0'], 'pointwise': ['h.1']}
+        """
+        kinds = self.kinds()
+        if "offload" in kinds:
+            raise ValueError(
+                f"the plan offloads {kinds['offload']!r}: offload is a context around the training steps (enter"
+                " `plan.offload`), not a change to the model that a record re-applies"
+            )
+        injected = [name for name, o in self.links.items() if o.kind == "pointwise" and name not in self.pointwise]
+        if injected:
+            raise ValueError(f"the plan holds an injected lever on {injected!r}: its own code applies it, not a record")
+        return {
+            "version": RECORD_VERSION,
+            "fused_loss": self.loss,
+            "loss_module": self.loss_module,
+            "checkpointed": list(self.checkpointed),
+            "pointwise": list(self.pointwise),
+        }
 
     def summary(self) -> str:
         """One line: the levers taken, the figures, and where the budget is not met, the floor reached.

@@ -9,12 +9,14 @@ What it measures: the step's peak and each link's saved activations and forward 
 from the links' forward times (CUDA only: on the CPU offload does nothing). A lever built elsewhere comes in as an
 :class:`InjectedLever` with its own measurement and application.
 
-What it applies, in this order: :func:`~.huggingface_loss.apply_fused_loss`;
+What it applies, in this order: :func:`~.huggingface_loss.apply_fused_loss` (on the model, or on the Hugging Face
+model it holds: :func:`find_loss_target`);
 :func:`~lightning_memguard.checkpointing.entrances.apply_plan` with the blocks and parts chosen, each a run of its own;
 :func:`~.pointwise.recompute_pointwise` on the links chosen for it (after the checkpoints, so a link checkpointed
 whole would be refused by it, never stacked: a link gets one option); an injected lever's ``apply``. Offload is not a
 change to the model but a context around the steps: the plan holds the :class:`~.offload.ActivationOffload` to
-enter.
+enter. :meth:`~.choose.LeverPlan.record` is the choice as plain data, and :func:`apply_record` applies it again (a
+resumed run, a fresh copy of the model), measuring nothing.
 """
 
 from __future__ import annotations
@@ -33,8 +35,16 @@ from lightning_memguard.checkpointing.measure import StepMeter, default_loss, te
 from lightning_memguard.checkpointing.model_map import ModelMap, map_model
 from lightning_memguard.checkpointing.surgery import remove_checkpointing
 from lightning_memguard.core.checks import check_instance, check_memory_budget, check_size
-from lightning_memguard.levers.choose import LeverPlan, LeverSearch, LinkOption, LossOption, Measurement, Proposal
-from lightning_memguard.levers.huggingface_loss import apply_fused_loss, refusal, remove_fused_loss
+from lightning_memguard.levers.choose import (
+    RECORD_VERSION,
+    LeverPlan,
+    LeverSearch,
+    LinkOption,
+    LossOption,
+    Measurement,
+    Proposal,
+)
+from lightning_memguard.levers.huggingface_loss import FusedLossRefused, apply_fused_loss, refusal, remove_fused_loss
 from lightning_memguard.levers.offload import ActivationOffload, bucket_size, exposed_transfer_ms
 from lightning_memguard.levers.pointwise import (
     PointwiseCost,
@@ -98,7 +108,8 @@ def plan_levers(
     """Choose, apply and measure the levers that bring a training step's peak within ``memory_budget``.
 
     The fused loss first, where the model has a vocabulary head (a Hugging Face model
-    :func:`~.huggingface_loss.apply_fused_loss` takes): it frees the logits for about nothing, and what then holds
+    :func:`~.huggingface_loss.apply_fused_loss` takes, or a module holding one, such as a LightningModule whose
+    ``self.model`` it is: :func:`find_loss_target`): it frees the logits for about nothing, and what then holds
     the peak is measured again. Then, per link (a block of the model's chain), at most one of: checkpointing the
     whole block, its parts (a layer's attention and MLP), recomputing its pointwise chains
     (:func:`~.pointwise.recompute_pointwise`: its matrix products kept), an injected lever, or on CUDA offloading
@@ -165,7 +176,9 @@ def plan_levers(
     levers.offload = offered
     levers.pointwise, levers.clock = pointwise, clock
     levers.bandwidth_gb_s = bandwidth_gb_s
-    reason = refusal(model) if fused_loss else "not offered (fused_loss=False)"
+    levers.loss_name, levers.loss_model, reason = find_loss_target(model)
+    if not fused_loss:
+        reason = "not offered (fused_loss=False)"
     search = LeverSearch(budget, host_limit)
     try:
         while (proposal := search.propose()) is not None:
@@ -179,7 +192,89 @@ def plan_levers(
     plan.loss_refused = reason
     plan.offload, plan.checkpointed = levers.offloader, levers.checkpointed  # the last proposal's: the plan's own
     plan.pointwise = levers.pointwised
+    plan.loss_module = levers.loss_name if plan.loss else ""
     return plan
+
+
+def find_loss_target(model: nn.Module) -> tuple[str, nn.Module, str | None]:
+    """The module whose loss :func:`~.huggingface_loss.apply_fused_loss` fuses, its name in ``model`` and why there
+    is none (None: there is one): ``model`` itself where it is a Hugging Face model, else the outermost of its
+    submodules that is one and takes the fused loss (a LightningModule's ``self.model``: whoever calls it with
+    ``labels`` gets the fused loss). A Hugging Face model that refuses it is not looked into.
+
+    Example:
+        >>> from transformers import GPT2Config, GPT2LMHeadModel
+        >>> holder = torch.nn.Module()
+        >>> holder.model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
+        >>> find_loss_target(holder)[0], find_loss_target(torch.nn.Linear(2, 2))[2]
+        ('model', 'Linear is not a Hugging Face model (no config.model_type)')
+    """
+    reason = refusal(model)
+    if reason is None or getattr(getattr(model, "config", None), "model_type", None) is not None:
+        return "", model, reason
+    inner = None
+    for name, module in model.named_modules():
+        if name and getattr(getattr(module, "config", None), "model_type", None) is not None:
+            why = refusal(module)
+            if why is None:
+                return name, module, None
+            inner = inner or f"{name}: {why}"
+    return "", model, inner or reason
+
+
+def apply_record(model: nn.Module, record: Mapping[str, Any], units: Units = "auto") -> nn.Module:
+    """Apply the levers of :meth:`~.choose.LeverPlan.record` to ``model`` (a fresh copy of the model the plan was
+    made on), measuring nothing: the fused loss, the checkpointed blocks and parts (each a run of its own), then the
+    pointwise chains, as :func:`plan_levers` applied them. A failure part-way takes every lever off again.
+
+    Args:
+        model: the model, changed in place.
+        record: what ``plan.record()`` returned (plain data, as a checkpoint keeps it).
+        units: the links, as the plan was made with them.
+
+    Returns:
+        The same model.
+
+    Raises:
+        ValueError: a record of another layout or version, or naming a block, part or module the model lacks.
+        FusedLossRefused: the record fuses the loss and the module it names does not take it.
+
+    Example:
+        >>> block = lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        >>> model = torch.nn.Sequential(block(), block())
+        >>> record = {"version": 1, "fused_loss": False, "loss_module": "", "checkpointed": ["0"], "pointwise": []}
+        >>> from lightning_memguard.checkpointing import is_checkpointed
+        >>> is_checkpointed(apply_record(model, record, units=[torch.nn.Sequential])[0])
+        True
+    """
+    check_instance("model", model, nn.Module, "be a torch.nn.Module (the model itself, built)")
+    keys = ("version", "fused_loss", "loss_module", "checkpointed", "pointwise")
+    if not isinstance(record, Mapping) or any(key not in record for key in keys):
+        raise ValueError(f"a lever record must be a dict with the keys {list(keys)}, got {record!r}")
+    if record["version"] != RECORD_VERSION:
+        raise ValueError(
+            f"a lever record of version {record['version']!r} is not one this library reads (it reads version"
+            f" {RECORD_VERSION}); plan again with plan_levers"
+        )
+    try:
+        if record["fused_loss"]:
+            name = record["loss_module"]
+            try:
+                target = model.get_submodule(name) if name else model
+            except AttributeError:
+                raise FusedLossRefused(f"the record fuses the loss of {name!r}, which the model lacks") from None
+            apply_fused_loss(target)
+        if record["checkpointed"]:
+            apply_plan(model, [[name] for name in record["checkpointed"]], units=units)
+        if record["pointwise"]:
+            recompute_pointwise(model, units=list(record["pointwise"]))
+    except BaseException:
+        remove_pointwise(model)
+        remove_checkpointing(model)
+        for module in model.modules():
+            remove_fused_loss(module)
+        raise
+    return model
 
 
 class _Levers:
@@ -205,6 +300,7 @@ class _Levers:
         self.tried = False  # the fused loss was measured
         self.checkpointed: list[str] = []
         self.parts: dict[str, list[str]] = {}  # each link's parts that free memory, as last measured
+        self.loss_name, self.loss_model = "", model  # the module whose loss is fused (find_loss_target)
         self._undo: list[Callable[[], None]] = []
 
     def meter(self) -> StepMeter:
@@ -217,14 +313,14 @@ class _Levers:
         remove_pointwise(self.model)
         self.pointwised = []
         remove_checkpointing(self.model)
-        remove_fused_loss(self.model)
+        remove_fused_loss(self.loss_model)
         self.offloader = None
 
     def apply(self, proposal: Proposal) -> None:
         """The proposal's levers, in place of the last proposal's."""
         self.undo()
         if proposal.loss:
-            apply_fused_loss(self.model)
+            apply_fused_loss(self.loss_model)
         names = [name for name, o in proposal.links.items() if o.kind == "block"]
         names += [part for name, o in proposal.links.items() if o.kind == "parts" for part in self.parts[name]]
         if names:  # each a run of its own: a block by its link's name ("stem" too), a part by its module's
@@ -320,15 +416,15 @@ class _Levers:
 
     def _loss_option(self, meter: StepMeter, peak: int) -> LossOption | None:
         """One step with the fused loss and one without: the bytes it frees and the milliseconds it adds."""
-        if refusal(self.model) is not None:
+        if refusal(self.loss_model) is not None:
             return None
         plain_s = meter.seconds()
-        apply_fused_loss(self.model)
+        apply_fused_loss(self.loss_model)
         try:
             fused = self.meter()
             fused_peak, fused_s = fused.peak(), fused.seconds()
         finally:
-            remove_fused_loss(self.model)
+            remove_fused_loss(self.loss_model)
         return LossOption(peak - fused_peak, (fused_s - plain_s) * 1e3)
 
 

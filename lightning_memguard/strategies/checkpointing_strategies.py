@@ -8,11 +8,13 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_memguard import _compiler
 from lightning_memguard._lightning.loaders import example_for_budget, measuring_said
 from lightning_memguard._lightning.privates import BeforeModelWrapped
 from lightning_memguard.checkpointing.checkpointing_settings import CheckpointingSettings
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy
 from lightning_memguard.checkpointing.recipes import RebuildConfig
+from lightning_memguard.levers.lever_policy import LeverPolicy, make_policy
 
 
 class _ChecksBeforeWrapping(BeforeModelWrapped):
@@ -37,8 +39,14 @@ def _checkpoint_before_wrapping(strategy: Strategy, policy: CheckpointingPolicy)
     if module is None or module.trainer.state.fn != "fit":
         return
     who = type(strategy).__name__
+    if isinstance(policy, LeverPolicy) and _compiler.is_compiled(module):
+        raise ValueError(
+            f"{who}(levers=True) on a compiled module: the levers' planner measures the step eagerly, and a compiled"
+            " step's peak is compile's graph's, which those measurements do not predict. Use memory_budget without"
+            " levers (measured compiled), or fit the module uncompiled"
+        )
     example, from_batch = None, None
-    if policy.settings.memory_budget is not None and policy.runs is None:
+    if policy.settings.memory_budget is not None and not policy.decided:
         example, from_batch = example_for_budget(module.trainer, who, policy.settings.units)
     with measuring_said(from_batch, who):
         policy.apply(
@@ -68,6 +76,11 @@ class CheckpointingDDPStrategy(_ChecksBeforeWrapping, DDPStrategy):
             compile's ``activation_memory_budget`` the plan chose is set for the fit.
         rebuild_bn_relu, rebuild_config, bn_correct: as
             :class:`~lightning_memguard.checkpointing.checkpointing_settings.CheckpointingSettings` declares them.
+        levers: plan the budget with every lever (:func:`~lightning_memguard.levers.plan_levers`: a Hugging Face
+            model's fused loss, blocks or parts checkpointed, pointwise recomputation) instead of checkpointing
+            alone, as ``ActivationCheckpointing(levers=True)`` does: rank zero measures, every rank applies its
+            ``LeverPlan.record()``; needs a budget. Refused in ``setup`` on a compiled module (the planner measures
+            eagerly). Offload is not offered (a context around each step, not a change to the model).
         *args, **kwargs: ``DDPStrategy``'s own.
 
     Raises:
@@ -88,11 +101,12 @@ class CheckpointingDDPStrategy(_ChecksBeforeWrapping, DDPStrategy):
         rebuild_bn_relu: bool = False,
         bn_correct: bool = True,
         rebuild_config: RebuildConfig | None = None,
+        levers: bool = False,
         **kwargs: Any,
     ) -> None:
-        self.checkpointing = CheckpointingPolicy(
+        self.checkpointing = make_policy(
             CheckpointingSettings(
-                activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config
+                activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config, levers
             )
         )
         super().__init__(*args, **kwargs)
@@ -103,8 +117,8 @@ class CheckpointingSingleDeviceStrategy(_ChecksBeforeWrapping, SingleDeviceStrat
 
     Args:
         device: the device to train on (``"cuda:0"``, ``"cpu"``).
-        activation_checkpointing_policy, memory_budget, rebuild_bn_relu, bn_correct, rebuild_config: as for
-            :class:`CheckpointingDDPStrategy`.
+        activation_checkpointing_policy, memory_budget, rebuild_bn_relu, bn_correct, rebuild_config, levers: as
+            for :class:`CheckpointingDDPStrategy`.
         **kwargs: ``SingleDeviceStrategy``'s own.
 
     Example:
@@ -123,11 +137,12 @@ class CheckpointingSingleDeviceStrategy(_ChecksBeforeWrapping, SingleDeviceStrat
         rebuild_bn_relu: bool = False,
         bn_correct: bool = True,
         rebuild_config: RebuildConfig | None = None,
+        levers: bool = False,
         **kwargs: Any,
     ) -> None:
-        self.checkpointing = CheckpointingPolicy(
+        self.checkpointing = make_policy(
             CheckpointingSettings(
-                activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config
+                activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config, levers
             )
         )
         super().__init__(device, **kwargs)

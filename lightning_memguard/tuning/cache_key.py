@@ -86,6 +86,7 @@ def cache_key(
         ).hexdigest(),
         "checkpointing": [
             [type(c).__name__, repr(c.units), repr(c.memory_budget), c.bn_correct, c.rebuild_bn_relu]
+            + (["levers"] if c.settings.levers else [])  # keys made before levers existed stay the same
             for c in trainer.callbacks  # type: ignore[attr-defined]
             if isinstance(getattr(c, "policy", None), CheckpointingPolicy)  # ActivationCheckpointing's
         ],

@@ -21,8 +21,16 @@ from torch import nn
 from lightning_memguard.checkpointing import apply_plan, is_checkpointed
 from lightning_memguard.checkpointing.measure import StepMeter
 from lightning_memguard.checkpointing.model_map import map_model
-from lightning_memguard.levers.huggingface_loss import apply_fused_loss, is_fused
-from lightning_memguard.levers.plan_levers import OUTSIDE_OWNER, InjectedLever, hugging_face_loss, plan_levers
+from lightning_memguard.levers.choose import LeverPlan, LinkOption
+from lightning_memguard.levers.huggingface_loss import FusedLossRefused, apply_fused_loss, is_fused
+from lightning_memguard.levers.plan_levers import (
+    OUTSIDE_OWNER,
+    InjectedLever,
+    apply_record,
+    find_loss_target,
+    hugging_face_loss,
+    plan_levers,
+)
 from lightning_memguard.levers.pointwise import PointwiseRecomputed, measure_pointwise, recompute_pointwise
 
 transformers = pytest.importorskip("transformers")
@@ -338,3 +346,61 @@ def test_a_block_that_refuses_pointwise_gets_no_such_option_and_the_others_do():
     plan = plan_levers(model, x, memory_budget=0.1, units=[Plain, ChangesItsInput], clock=still_clock)
     assert plan.pointwise and "2" not in plan.links  # the others' chains measured and taken; it recomputes nothing
     assert pointwised(model) == plan.pointwise and "not met" in plan.summary()  # the floor, said
+
+
+def test_a_record_applies_the_same_levers_to_a_fresh_copy_measuring_nothing(planned_gpt2, monkeypatch):
+    """``plan.record()`` is plain data; ``apply_record`` on a fresh copy gives the same fused loss, blocks and
+    pointwise links, and trains as the planned model, with no measurement (the meter refuses to run)."""
+    model, plain, example, plan = planned_gpt2
+    record = plan.record()
+    assert record == {"version": 1, "fused_loss": True, "loss_module": "", "checkpointed": plan.checkpointed,
+                      "pointwise": []}  # fmt: skip
+    fresh = copy.deepcopy(plain)
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("apply_record measured")
+
+    monkeypatch.setattr(StepMeter, "peak", no_measuring)
+    assert apply_record(fresh, record) is fresh
+    assert is_fused(fresh) and checkpointed(fresh) == checkpointed(model)
+    loss, grads = gradients(fresh, example)
+    want_loss, want_grads = gradients(model, example)
+    assert torch.equal(loss, want_loss) and all(torch.equal(a, b) for a, b in zip(grads, want_grads, strict=True))
+
+
+def test_a_record_with_pointwise_links_and_a_held_language_model():
+    """A Hugging Face model held by another module (a LightningModule's ``self.model``) gets the fused loss, named in
+    the record; pointwise links come back by name."""
+    model, example = gpt2()
+    holder = nn.Module()
+    holder.model = model
+    holder.forward = lambda **kw: holder.model(**kw)  # type: ignore[method-assign]
+    assert find_loss_target(holder)[:2] == ("model", model)
+    record = {"version": 1, "fused_loss": True, "loss_module": "model", "checkpointed": ["model.transformer.h.0"],
+              "pointwise": ["model.transformer.h.1"]}  # fmt: skip
+    apply_record(holder, record)
+    assert is_fused(model) and checkpointed(holder) == ["model.transformer.h.0"]
+    assert pointwised(holder) == ["model.transformer.h.1"]
+
+
+def test_a_bad_record_is_refused_and_leaves_the_model_as_it_was():
+    model, _ = gpt2()
+    with pytest.raises(ValueError, match="version 2 is not one this library reads"):
+        apply_record(model, {"version": 2, "fused_loss": False, "loss_module": "", "checkpointed": [], "pointwise": []})
+    with pytest.raises(ValueError, match="must be a dict with the keys"):
+        apply_record(model, {"runs": []})
+    bad = {"version": 1, "fused_loss": True, "loss_module": "", "checkpointed": ["transformer.h.9"], "pointwise": []}
+    with pytest.raises(ValueError, match=r"transformer\.h\.9"):
+        apply_record(model, bad)
+    assert not is_fused(model) and not checkpointed(model)  # the fused loss applied first was taken off again
+    with pytest.raises(FusedLossRefused, match="not a Hugging Face model"):
+        apply_record(nn.Linear(2, 2), {**bad, "checkpointed": []})
+
+
+def test_a_plan_with_offload_or_an_injected_lever_has_no_record():
+    offloaded = LeverPlan(False, {"h.0": LinkOption("offload", 10, 1.0)}, 100, 50)
+    with pytest.raises(ValueError, match="offload is a context around the training steps"):
+        offloaded.record()
+    injected = LeverPlan(False, {"h.0": LinkOption("pointwise", 10, 1.0)}, 100, 50)  # not in plan.pointwise
+    with pytest.raises(ValueError, match="injected lever"):
+        injected.record()

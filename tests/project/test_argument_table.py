@@ -124,6 +124,10 @@ ROWS = [
     ),
     ("apply_plan", {"split_graphs": 1}, TypeError, r"`split_graphs` must be a bool, got 1"),
     *each(
+        CHECKPOINTING[:3], {"memory_budget": 0.5, "levers": "True"}, TypeError, r"`levers` must be a bool, got 'True'"
+    ),
+    *each(CHECKPOINTING[:3], {"levers": True}, ValueError, r"`levers=True` chooses among the levers for a budget"),
+    *each(
         CHECKPOINTING,
         {"rebuild_config": RebuildConfig},
         TypeError,
@@ -194,6 +198,7 @@ ROWS = [
     ("AccumulationTuner", {"effective_batch_size": np.int64(64), "min_micro_batch": np.int16(8)}, None, None),
     *each(CHECKPOINTING[:3], {"memory_budget": np.float32(0.6)}),
     *each(CHECKPOINTING[:3], {"memory_budget": np.int64(6 * 10**9)}),
+    *each(CHECKPOINTING[:3], {"memory_budget": np.float32(0.6), "levers": True}),
     ("checkpoint_blocks", _measured(np.float32(0.6)), None, None),
     ("checkpoint_blocks", _measured(np.int64(10**6)), None, None),
     ("checkpoint_blocks", {**_measured(0.6), "compile_settings": np.array([1.0, 0.5])}, None, None),
