@@ -450,7 +450,7 @@ class MemGuard(Callback):
         )
         policy = spill_policy(
             on_spill, self._reports, spill_checkpoint, headroom, adapt_batchnorm=adapt_batchnorm,
-            grow_every=grow_every, adapt_loss=adapt_loss,
+            grow_every=grow_every, adapt_loss=adapt_loss, clock=self._clock,
         )  # fmt: skip
         policy.chosen_from = settings
         return policy

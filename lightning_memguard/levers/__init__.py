@@ -15,7 +15,7 @@ from __future__ import annotations
 from lightning_memguard.levers.fused_loss import fused_linear_cross_entropy
 from lightning_memguard.levers.huggingface_loss import FusedLossRefused, apply_fused_loss, remove_fused_loss
 from lightning_memguard.levers.offload import ActivationOffload
-from lightning_memguard.levers.plan_levers import InjectedLever, LeverPlan, plan_levers
+from lightning_memguard.levers.plan_levers import InjectedLever, LeverPlan, apply_record, plan_levers, remove_levers
 from lightning_memguard.levers.pointwise import (
     PointwiseCost,
     measure_pointwise,
@@ -29,6 +29,7 @@ __all__ = [
     "FusedLossRefused",
     "PointwiseCost",
     "apply_fused_loss",
+    "apply_record",
     "fused_linear_cross_entropy",
     "measure_pointwise",
     "pointwise_policy",
@@ -37,5 +38,6 @@ __all__ = [
     "LeverPlan",
     "plan_levers",
     "remove_fused_loss",
+    "remove_levers",
     "remove_pointwise",
 ]

@@ -252,6 +252,24 @@ class LeverPlan:
                 by_kind[kind] = names
         return by_kind
 
+    def record(self) -> dict[str, Any]:
+        """The changes this plan made to its model, as plain data (a checkpoint keeps it; :func:`~.plan_levers.
+        apply_record` applies it again without measuring): the fused loss or not, the runs of modules checkpointed
+        (each a run of its own, as ``apply_plan`` takes them) and the links whose pointwise chains are recomputed.
+        Offload (a context around the steps, not a change to the model) and injected levers (applied by code outside
+        the planner) are not in it.
+
+        Example:
+            >>> plan = LeverPlan(False, {}, 100, 50, checkpointed=["h.0", "h.1.mlp"], pointwise=["h.2"])
+            >>> plan.record()
+            {'fused_loss': False, 'runs': [['h.0'], ['h.1.mlp']], 'pointwise': ['h.2']}
+        """
+        return {
+            "fused_loss": self.loss,
+            "runs": [[name] for name in self.checkpointed],
+            "pointwise": list(self.pointwise),
+        }
+
     def calls(self) -> list[str]:
         """The calls that apply this plan to a fresh copy of its model, one a line.
 

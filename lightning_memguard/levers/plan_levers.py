@@ -183,6 +183,57 @@ def plan_levers(
     return plan
 
 
+def apply_record(model: nn.Module, record: Mapping[str, Any], units: Units = "auto") -> nn.Module:
+    """Apply a plan's record (:meth:`~.choose.LeverPlan.record`) to a model again, nothing measured: the fused loss,
+    the runs of modules checkpointed, then the links whose pointwise chains are recomputed, in the planner's order.
+    A failure part-way leaves the model as it was. Missing keys are taken as nothing to apply.
+
+    Args:
+        model: the model, changed in place (a fresh copy of the planned one, or the same model after
+            :func:`remove_levers`).
+        record: the plan's record.
+        units: the links, as the plan was made with them.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: a module the model does not have, or a lever it refuses (as the calls themselves say).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        ...                               for _ in range(3)))
+        >>> record = {"fused_loss": False, "runs": [["0"]], "pointwise": ["1"]}
+        >>> _ = apply_record(model, record, units=[torch.nn.Sequential])
+        >>> from lightning_memguard.checkpointing import is_checkpointed
+        >>> [is_checkpointed(m) for m in model], remove_levers(model), any(is_checkpointed(m) for m in model)
+        ([True, False, False], True, False)
+    """
+    check_instance("model", model, nn.Module, "be a torch.nn.Module (the model itself, built)")
+    runs = [list(run) for run in record.get("runs", [])]
+    pointwise = list(record.get("pointwise", []))
+    try:
+        if record.get("fused_loss", False):
+            apply_fused_loss(model)
+        if runs:
+            apply_plan(model, runs, units=units)
+        if pointwise:  # after the checkpoints, as the planner applies them
+            recompute_pointwise(model, units=pointwise)
+    except BaseException:
+        remove_levers(model)
+        raise
+    return model
+
+
+def remove_levers(model: nn.Module) -> bool:
+    """Undo what :func:`plan_levers` or :func:`apply_record` applied to ``model``: the pointwise recomputation, the
+    checkpoints and the fused loss (an offload is left by leaving its context). True: something was removed."""
+    removed = remove_pointwise(model) > 0
+    removed = remove_checkpointing(model) > 0 or removed
+    return remove_fused_loss(model) or removed
+
+
 class _Levers:
     """The model's levers: applies a proposal in place of the last, and measures the model as it is then."""
 
