@@ -172,6 +172,27 @@ def chunks_to_fit(batch: int, chunks: int, advice: FitAdvice | None) -> int:
     return min(wanted, batch)
 
 
+def chunks_with_savers(batch: int, chunks: int, floor: int, measured_on: int, room: int) -> int:
+    """How many micro-batches a batch needs beside savers whose plan did not meet ``room`` (bytes for a step's
+    activations): their measured floor (``floor`` bytes on ``measured_on`` samples) taken per sample, enough that the
+    largest micro-batch fits ``room``, and at least twice as many as now; never more than the batch's samples. Where
+    not even one sample fits, ``chunks`` itself: no split can help.
+
+    Example:
+        >>> chunks_with_savers(32, 1, floor=41_000, measured_on=32, room=27_000)  # 1.3 kB a sample: 21 fit
+        2
+        >>> chunks_with_savers(32, 1, 41_000, 32, 5_000), chunks_with_savers(32, 4, 41_000, 32, 27_000)
+        (11, 8)
+        >>> chunks_with_savers(32, 1, 41_000, 32, 1_000)
+        1
+    """
+    per_sample = floor / max(measured_on, 1)
+    fits = int(room // per_sample) if per_sample > 0 else batch
+    if fits < 1:
+        return chunks
+    return min(max(chunks * 2, math.ceil(batch / fits)), batch)
+
+
 def chunks_to_grow(batch: int, chunks: int, fits: Any) -> int | None:
     """Fewer micro-batches for a batch that runs in ``chunks``: the fewest whose largest micro-batch ``fits(size)``
     says fits, or None when none fewer does.

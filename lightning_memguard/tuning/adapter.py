@@ -61,6 +61,7 @@ from lightning_memguard.tuning.adapt import (
     GrowBack,
     chunks_to_fit,
     chunks_to_grow,
+    chunks_with_savers,
     judge_weighting,
     loss_coefficients,
     micro_batch,
@@ -519,6 +520,7 @@ class Savers:
         said: the plan's summary.
         held: the plan's measured peak met the room (None: not planned, every block checkpointed).
         peak: the step's activations without them, measured on ``samples`` samples (bytes; None: not measured).
+        floor: the step's activations with them, measured on ``samples`` samples (bytes; None: not measured).
         samples: the samples the plan was measured on.
         switch_s: wall seconds the switch took (planning and applying), by the adapter's clock.
     """
@@ -529,6 +531,7 @@ class Savers:
     peak: int | None = None
     samples: int = 0
     switch_s: float | None = None
+    floor: int | None = None
 
     @property
     def taken(self) -> bool:
@@ -538,7 +541,7 @@ class Savers:
 
     def to_dict(self) -> dict[str, Any]:
         return {"record": self.record, "said": self.said, "held": self.held, "peak": self.peak,
-                "samples": self.samples}  # fmt: skip
+                "samples": self.samples, "floor": self.floor}  # fmt: skip
 
 
 class RunAdapter:
@@ -750,10 +753,13 @@ class RunAdapter:
                 if _compiler.is_compiled(pl_module):
                     checkpoints = checkpoint_blocks(pl_module, memory_budget=int(room), example_input=example)
                     record = {"runs": checkpoints.runs, "split_graphs": bool(checkpoints.graph_splits)}
-                    return Savers(record, checkpoints.summary(), checkpoints.held, checkpoints.baseline_bytes, size)
+                    said, held = checkpoints.summary(), checkpoints.held
+                    floor = checkpoints.measured_bytes
+                    return Savers(record, said, held, checkpoints.baseline_bytes, size, floor=floor)
                 plan = plan_levers(pl_module, example, int(room), fused_loss=False, offload=False)
                 plan.loss_refused = ADAPT_NO_FUSED_LOSS if refusal(pl_module) is None else None
-                return Savers(plan.record(), plan.summary(), plan.held, plan.baseline_bytes, size)
+                floor = plan.measured_bytes
+                return Savers(plan.record(), plan.summary(), plan.held, plan.baseline_bytes, size, floor=floor)
             except (ValueError, TypeError, RuntimeError):  # RuntimeError: out of memory too
                 free_memory()  # planned on nothing usable (say a batch of indices the model maps): every block
         every = checkpoint_blocks(pl_module)
@@ -820,6 +826,8 @@ class RunAdapter:
             if savers is not None and savers.held:  # the batch stays whole
                 self._said_savers(trainer, samples, before, why, savers)
                 return None
+        if savers is not None and savers.floor is not None and room is not None:  # the split beside the savers
+            wanted = chunks_with_savers(samples, self.chunks, savers.floor, savers.samples, room)
         cannot = self._cannot_split(pl_module, samples, batch) or no_split
         if cannot is None and wanted > self.chunks:
             self._set_chunks(wanted)
