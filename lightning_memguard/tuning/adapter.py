@@ -1056,7 +1056,7 @@ class RunAdapter:
                 False,
                 freed,
                 trainer.accumulate_grad_batches,
-                savers=savers.said,
+                savers=savers.said.split(";")[0],  # what was taken; its figures were said when it was
                 savers_off=True,
                 switch_s=seconds,
             )  # fmt: skip
