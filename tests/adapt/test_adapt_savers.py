@@ -6,68 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import trainer_kwargs
-from lightning.pytorch import LightningModule, Trainer
+from conftest import ddp_scenario_results, trainer_kwargs
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from models import Blocks
 from test_adapt import _close, _run
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memguard.checkpointing import is_checkpointed
 from lightning_memguard.levers import LeverPlan, apply_record, plan_levers, remove_levers
 from lightning_memguard.tuning.adapt import Adaptation
 from lightning_memguard.tuning.adapter import RunAdapter
-
-
-WIDTH = 256
-
-
-class Block(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up, self.act, self.down = (
-            torch.nn.Linear(width, 4 * width),
-            torch.nn.GELU(),
-            torch.nn.Linear(4 * width, width),
-        )
-
-    def forward(self, x):
-        return x + self.down(self.act(self.up(x)))
-
-
-class Blocks(LightningModule):
-    """Four residual MLP blocks and a wide head outside them: a step starts from 50.74 MB (weights, gradients,
-    momentum) and saves 4.52 MB at batch 64 (70.7 kB a sample), 2.4 MB with every block checkpointed (the head's)."""
-
-    def __init__(self, n: int = 64 * 8) -> None:
-        super().__init__()
-        self.bs = 64
-        self.stem = torch.nn.Linear(16, WIDTH)
-        self.blocks = torch.nn.ModuleList(Block(WIDTH) for _ in range(4))
-        self.head = torch.nn.Sequential(torch.nn.Linear(WIDTH, 8192), torch.nn.ReLU(), torch.nn.Linear(8192, 2))
-        gen = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 16, generator=gen)
-        self.y = torch.randint(0, 2, (n,), generator=gen)
-        self.oom_once = False  # raise CUDA's out-of-memory error in the next training step, once
-
-    def forward(self, x):
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-    def training_step(self, batch, batch_idx):
-        if self.oom_once:
-            self.oom_once = False
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-
-    def train_dataloader(self):
-        return DataLoader(TensorDataset(self.x, self.y), batch_size=self.bs, shuffle=True)
-
 
 CAPACITY = 56 * 10**6
 GUARD = {"headroom": 0.01}  # 55.44 MB usable: the room is 4.70 MB less what others take
@@ -231,3 +179,19 @@ def test_a_record_that_fails_part_way_leaves_the_model_as_it_was():
     with pytest.raises(ValueError, match="nowhere"):
         apply_record(model, {"runs": [["blocks.0"]], "pointwise": ["nowhere"]})
     assert not _checkpointed(model)
+
+
+def test_two_ddp_ranks_take_the_same_savers_when_one_spills(ddp_launch):
+    """Rank 1 alone meets less memory at step 2 (tests/ddp_adapt_run.py, scenario ``savers``): rank zero plans, both
+    ranks apply its record, at the same step; neither splits; the weights are those of the DDP run without the
+    spill, bit for bit."""
+    results = ddp_scenario_results(ddp_launch, "ddp_adapt_run:savers", "savers{rank}.json")
+    lines = [
+        [(a["step"], a["before"], a["after"], a["checkpointing"]) for a in results[rank]["adaptations"]]
+        for rank in (0, 1)
+    ]
+    assert lines[0] == lines[1] and len(lines[0]) == 1 and lines[0][0][1:] == (1, 1, True)
+    assert results[0]["adaptations"][0]["savers"] == results[1]["adaptations"][0]["savers"]
+    assert results[0]["checkpointed"] == results[1]["checkpointed"] != []
+    assert "spilled on another rank" in results[0]["adaptations"][0]["why"]
+    assert all(results[r]["same_as_plain"] for r in (0, 1))
