@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.memory import is_oom_error
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_memguard import _compiler
+from lightning_memguard._compiler import is_compiled
 from lightning_memguard._lightning.batches import (
     inputs_from_batch,
     is_namedtuple,
@@ -750,7 +750,7 @@ class RunAdapter:
         if part is not None and room is not None and room > 0:
             try:
                 example, _ = inputs_from_batch(part, pl_module.forward)
-                if _compiler.is_compiled(pl_module):
+                if is_compiled(pl_module):
                     checkpoints = checkpoint_blocks(pl_module, memory_budget=int(room), example_input=example)
                     record = {"runs": checkpoints.runs, "split_graphs": bool(checkpoints.graph_splits)}
                     said, held = checkpoints.summary(), checkpoints.held
