@@ -154,6 +154,7 @@ def test_a_spill_adapts_and_the_run_trains_as_one_that_never_spilled(tmp_path):
     assert [len(m) for m in events.micro_batches[:4]] == [1, 1, 1, 1]
     first = guard.adaptations[0]
     assert (first.before, first.batch) == (1, 32) and first.after >= 2 and not first.checkpointing
+    assert first.savers == "" and first.switch_s is None  # a model without blocks: split at once, as before
     assert "spilled" in first.why and first.step <= 6  # acted on within the steps it reads memory at
     assert all(len(m) == first.after for m in events.micro_batches[first.step + 1 :])
     assert _close(model, _plain(tmp_path))  # the weights of a run that never spilled

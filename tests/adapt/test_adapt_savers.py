@@ -100,6 +100,17 @@ def test_growing_back_removes_the_split_first_then_the_savers(tmp_path):
     assert _close(model, _plain(tmp_path))
 
 
+def test_a_removal_of_the_savers_that_spills_again_doubles_the_wait(tmp_path):
+    _, guard, _, model = _run(
+        tmp_path, others={3: NOT_HELD, 8: 0, 13: NOT_HELD}, model=Blocks, capacity=CAPACITY,
+        guard_kwargs={**GUARD, "grow_every": 2},
+    )  # fmt: skip
+    said = [(a.before, a.after, a.checkpointing, a.savers_off) for a in guard.adaptations]
+    assert said[:3] == [(1, 2, True, False), (2, 1, False, False), (1, 1, False, True)]
+    assert said[3] == (1, 2, True, False) and _checkpointed(model)  # the savers again, and the split
+    assert guard._policy.adapter.grow.interval == 4  # the card stayed full: twice as long before the next try
+
+
 def test_the_checkpointing_metric_goes_back_to_zero_when_the_savers_are_removed(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
