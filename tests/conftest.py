@@ -309,6 +309,7 @@ DDP_SCENARIOS = [
     "ddp_tuner_run:oom_backward",
     "ddp_strategy_run:eager",
     "ddp_adapt_run:adapt",
+    "ddp_adapt_run:savers",
     "ddp_tuner_run:oom_compiled",
     "ddp_strategy_run:compiled",
     "strategy_cells_run:ddp",

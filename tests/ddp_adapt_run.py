@@ -1,6 +1,7 @@
 """Two CPU processes under DDP (gloo); on rank 1 alone another application takes memory of the emulated card at
 optimizer step 4, and MemGuard(on_spill="adapt") adapts. Run by test_adapt.py, through ddp_run.py, as scenario
-``adapt``. Each rank also trains the same run without the spill: the weights must agree.
+``adapt``; scenario ``savers``: the same on a model with blocks, met by the savers that keep the batch whole. Each
+rank also trains the same run without the spill: the weights must agree.
 
 Usage: python ddp_adapt_run.py OUT_DIR
 """
@@ -51,11 +52,11 @@ class Wide(LightningModule):
 
 
 class TakeMemory(Callback):
-    def __init__(self, emulator: SysmemSpillEmulator, nbytes: int) -> None:
-        self.emulator, self.nbytes = emulator, nbytes
+    def __init__(self, emulator: SysmemSpillEmulator, nbytes: int, at: int = TAKEN_AT) -> None:
+        self.emulator, self.nbytes, self.at = emulator, nbytes, at
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == TAKEN_AT:
+        if trainer.global_step == self.at:
             self.emulator.other_processes = self.nbytes
 
 
@@ -82,7 +83,57 @@ def _fit(out: str, adapt: bool) -> Wide:
     return model
 
 
+def _fit_blocks(out: str, adapt: bool) -> tuple[LightningModule, list[dict], list[list[str]]]:
+    """The model with blocks (tests/models.py): on rank 1 alone another application takes 1.5 MB of the 56 MB card
+    at step 2, which the savers' plan (made on rank zero) meets without a split."""
+    from models import Blocks
+
+    from lightning_memguard.checkpointing import is_checkpointed
+
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.manual_seed(0)
+    model = Blocks()
+    callbacks: list[Callback] = []
+    guard = None
+    if adapt:
+        emu = SysmemSpillEmulator(capacity=56 * 10**6, sleep=lambda s: None)
+        guard = MemGuard(
+            on_spill="adapt", probe=emu.probe, read_every=1, warmup_steps=1, reference_steps=1, headroom=0.01,
+            spill_checkpoint=False,
+        )  # fmt: skip
+        callbacks = [emu, guard, TakeMemory(emu, 1_500_000 if rank == 1 else 0, at=2)]
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, callbacks=callbacks, logger=False,
+        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, default_root_dir=out,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model)
+    adaptations = [a.to_dict() for a in guard.adaptations] if guard is not None else []
+    checkpointed = [name for name, m in model.named_modules() if is_checkpointed(m)]
+    return model, adaptations, [checkpointed]
+
+
+def savers(out: str) -> None:
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    (adapted, adaptations, checkpointed), (plain, _, _) = _fit_blocks(out, True), _fit_blocks(out, False)
+    with open(os.path.join(out, f"savers{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(
+            {
+                "adaptations": adaptations,
+                "checkpointed": checkpointed[0],
+                "same_as_plain": all(
+                    torch.equal(a, b) for a, b in zip(adapted.parameters(), plain.parameters(), strict=True)
+                ),
+            },
+            f,
+        )
+
+
 def run(out: str, scenario: str = "adapt") -> None:
+    if scenario == "savers":
+        savers(out)
+        return
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     adapted, plain = _fit(out, adapt=True), _fit(out, adapt=False)
     with open(os.path.join(out, f"adapt{rank}.json"), "w", encoding="utf-8") as f:

@@ -22,6 +22,7 @@ policy reads no memory itself, MemGuard reads where it asks (:attr:`SpillPolicy.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -310,6 +311,7 @@ class AdaptOnSpill(StopOnSpill):
         allow_batchnorm: ``MemGuard(adapt_batchnorm=...)``.
         grow_every: ``MemGuard(grow_every=...)``.
         loss: ``MemGuard(adapt_loss=...)``.
+        clock: ``MemGuard(clock=...)``: what times each switch of the savers.
     """
 
     def __init__(
@@ -320,15 +322,17 @@ class AdaptOnSpill(StopOnSpill):
         allow_batchnorm: bool,
         grow_every: int,
         loss: str | Callable[[Any], Any],
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.allow_batchnorm = allow_batchnorm
         self.grow_every = grow_every
         self.loss = loss
+        self.clock = clock
         super().__init__(reports, spill_checkpoint, headroom)
 
     def start_fit(self) -> None:
         super().start_fit()
-        self.adapter = RunAdapter(self.allow_batchnorm, self.grow_every, self.headroom, self.loss)
+        self.adapter = RunAdapter(self.allow_batchnorm, self.grow_every, self.headroom, self.loss, self.clock)
         self._reported = 0  # adaptations whose report was armed, or that a resumed run brought
         self._adapted_due = False  # the report armed on the first step after an adaptation
 
@@ -351,6 +355,10 @@ class AdaptOnSpill(StopOnSpill):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.adapter.load_state_dict(state.get("adapt", {}))  # a resumed run starts in the configuration it adapted to
+
+    def read(self, trainer: Trainer, reading: MemoryReading) -> None:
+        super().read(trainer, reading)
+        self.adapter.read(reading)  # the room an out-of-memory error's savers are planned for
 
     def agreed(
         self,
@@ -404,7 +412,8 @@ class AdaptOnSpill(StopOnSpill):
         self._reported = len(adaptations)
         if self.reports.can_arm:  # the first step in the new configuration
             latest = adaptations[-1]
-            grew_back = latest.line() if latest.after < latest.before else None  # fits: nothing to fix
+            grown = latest.after < latest.before or latest.savers_off
+            grew_back = latest.line() if grown else None  # fits: nothing to fix
             self.reports.arm(trainer, pl_module, "adaptation", grew_back=grew_back)
             self._adapted_due = True
 
@@ -416,9 +425,9 @@ class AdaptOnSpill(StopOnSpill):
                 rank_zero_info("MemGuard: the first step after adapting" + note)
 
     def growth_due(self, trainer: Trainer) -> bool:
-        """Now and then, while batches are split: whether fewer micro-batches are to be tried."""
+        """Now and then, while adapted: whether fewer micro-batches, or (whole again) no savers, are to be tried."""
         adapter = self.adapter
-        return adapter.chunks > 1 and adapter.grow.due(trainer.global_step)
+        return adapter.can_grow and adapter.grow.due(trainer.global_step)
 
     def grow(self, trainer: Trainer, reading: MemoryReading, capacity: int, size: int | None) -> bool:
         if not self.adapter.maybe_grow(trainer, reading, capacity, size or 1):
@@ -452,11 +461,12 @@ def spill_policy(
     adapt_batchnorm: bool = False,
     grow_every: int = 200,
     adapt_loss: str | Callable[[Any], Any] = "auto",
+    clock: Callable[[], float] = time.perf_counter,
 ) -> SpillPolicy:
     """The policy ``on_spill`` names: ``"raise"``, ``"stop"``, ``"warn"`` or ``"adapt"`` (with the adapter's
-    settings, as :class:`~lightning_memguard.callbacks.memguard.MemGuard` takes them)."""
+    settings, as :class:`~lightning_memguard.callbacks.memguard.MemGuard` takes them, and its clock)."""
     if on_spill == "adapt":
-        return AdaptOnSpill(reports, spill_checkpoint, headroom, adapt_batchnorm, grow_every, adapt_loss)
+        return AdaptOnSpill(reports, spill_checkpoint, headroom, adapt_batchnorm, grow_every, adapt_loss, clock)
     return POLICIES[on_spill](reports, spill_checkpoint, headroom)
 
 

@@ -101,7 +101,8 @@ class MemGuard(Callback):
         read_every: read memory every this many steps (plus every step during warm-up and after a slow step).
         prevent_margin: with ``prevent=True``, memory left free beyond other processes' use (bytes or a string;
             0 for none): this process's CUDA context, which PyTorch does not count, and other processes' growth.
-        clock: seconds as a float; ``time.perf_counter`` unless a test injects another.
+        clock: seconds as a float; ``time.perf_counter`` unless a test injects another (it also times the switch of
+            ``on_spill="adapt"``'s savers).
         spill_checkpoint: where the checkpoint written before a spill stops the run goes: ``True`` (where Lightning
             writes this run's checkpoints: the ModelCheckpoint's folder, else ``<log_dir>/checkpoints``), a folder,
             or ``False`` for none. It is written beside its final name and renamed into place; if it cannot be
@@ -109,8 +110,9 @@ class MemGuard(Callback):
         adapt_batchnorm: with ``on_spill="adapt"``, split the batches of a model whose BatchNorm layers train (their
             statistics then come from each micro-batch: not quite the same training); otherwise such a model adapts
             only by activation checkpointing.
-        grow_every: with ``on_spill="adapt"``, optimizer steps between checks whether fewer micro-batches fit again
-            (one memory reading each; twice as long after a check whose growth spilled again).
+        grow_every: with ``on_spill="adapt"``, optimizer steps between checks whether fewer micro-batches, or (whole
+            again) the step without the savers, fit again (one memory reading each; twice as long after a check whose
+            growth spilled again).
         adapt_loss: with ``on_spill="adapt"``, how the training loss weighs a batch's samples, so that micro-batches
             add up to the batch's gradients: ``"auto"`` (found out before the first split on the batch's first four
             samples: a mean over samples, a token mean over labels with ``ignore_index=-100``, a sum, or a loss that
@@ -140,19 +142,30 @@ class MemGuard(Callback):
     ``on_spill="adapt"``: instead of stopping, the run goes on in a configuration that fits, from the batch at which
     every rank agreed on the spill (the steps that spilled trained correctly, only slowly: they are kept), or, for
     an out-of-memory error inside a training step (``prevent=True`` turns a spill into one), by redoing that step
-    from zeroed gradients. The levers, in order, each only where it keeps the training the same: each loaded batch
-    split into micro-batches whose gradients add up before the one optimizer step (the same samples per step, the
-    same data order, the same optimizer and scheduler steps; each micro-batch's loss weighted by its share of what
-    the loss averages over, ``adapt_loss``, so the gradients are the batch's; the outputs the hooks get joined into
-    the batch's); then activation checkpointing, planned for the memory free now on the batch in hand (every block
-    where it cannot be planned). Where neither is left (manual optimization, a model with training BatchNorm and no
-    blocks, a loss that couples the samples of a batch and no blocks, micro-batches of one sample) the run stops as
-    ``"stop"`` does, saying why; so it does at once where this run's readings say no micro-batch can fit (what a
-    step starts from, alone or with other processes' memory, above the card), naming what holds the memory. Every
-    ``grow_every`` steps, fewer micro-batches are tried again where this run's readings say they fit what is free
-    now. Each change is said in one line, logged (``memguard/micro_batches``, ``memguard/checkpointing``), kept in
-    :attr:`adaptations` and in the checkpoint: a resumed run starts adapted. Under DDP, FSDP and
-    ModelParallelStrategy every rank adapts at the same step to the same split (the largest any rank needs); an
+    from zeroed gradients. The levers, in order, each only where it keeps the training the same: first the savers
+    that keep the batch whole, the levers' planner (:func:`~lightning_memguard.levers.plan_levers`) on the model for
+    the memory free now (the card less its headroom, other processes' memory and what a step starts from), measured
+    on the batch in hand: whole blocks or their parts checkpointed, pointwise chains recomputed (BatchNorm-exact,
+    the gradients the plain step's bit for bit; not the fused loss, whose gradients agree only within floating-point
+    tolerance and which leaves a Hugging Face model's output without logits; not offload, which needs a context
+    around every step); every block where it cannot be planned. Where the plan meets that memory, the batch is not
+    split. Where it does not (the floor reached), or could not be planned, or the model has no blocks, each loaded
+    batch is then split into micro-batches whose gradients add up before the one optimizer step (the same samples
+    per step, the same data order, the same optimizer and scheduler steps; each micro-batch's loss weighted by its
+    share of what the loss averages over, ``adapt_loss``, so the gradients are the batch's; the outputs the hooks
+    get joined into the batch's). Under FSDP and ModelParallelStrategy (a measurement on one rank would leave the
+    others waiting in the shards' gathers) the split comes first, then activation checkpointing. Where neither is
+    left (manual optimization, a model with training BatchNorm and no blocks, a loss that couples the samples of a
+    batch and no blocks, micro-batches of one sample) the run stops as ``"stop"`` does, saying why; so it does at
+    once where this run's readings say no micro-batch can fit (what a step starts from, alone or with other
+    processes' memory, above the card), naming what holds the memory. Every ``grow_every`` steps the run grows back
+    the same way: fewer micro-batches where this run's readings say they fit what is free now, then, whole again,
+    the savers removed where the step's activations without them (the plan's measured baseline) fit. Each change is
+    said in one line (with the wall seconds the savers' switch took, by ``clock``), logged
+    (``memguard/micro_batches``, ``memguard/checkpointing``), kept in :attr:`adaptations` and in the checkpoint: a
+    resumed run starts adapted, its savers applied again from their record without measuring. Under DDP, FSDP and
+    ModelParallelStrategy every rank adapts at the same step to the same split (the largest any rank needs) and,
+    under DDP, the same savers (rank zero plans for the least room of any rank; every rank applies its record); an
     out-of-memory error is recovered from on one device only. Refused in ``setup`` under DeepSpeed (its engine owns
     the backward).
 
@@ -450,7 +463,7 @@ class MemGuard(Callback):
         )
         policy = spill_policy(
             on_spill, self._reports, spill_checkpoint, headroom, adapt_batchnorm=adapt_batchnorm,
-            grow_every=grow_every, adapt_loss=adapt_loss,
+            grow_every=grow_every, adapt_loss=adapt_loss, clock=self._clock,
         )  # fmt: skip
         policy.chosen_from = settings
         return policy

@@ -15,7 +15,14 @@ from __future__ import annotations
 from lightning_memguard.levers.fused_loss import fused_linear_cross_entropy
 from lightning_memguard.levers.huggingface_loss import FusedLossRefused, apply_fused_loss, remove_fused_loss
 from lightning_memguard.levers.offload import ActivationOffload
-from lightning_memguard.levers.plan_levers import InjectedLever, LeverPlan, apply_record, find_loss_target, plan_levers
+from lightning_memguard.levers.plan_levers import (
+    InjectedLever,
+    LeverPlan,
+    apply_record,
+    find_loss_target,
+    plan_levers,
+    remove_levers,
+)
 from lightning_memguard.levers.pointwise import (
     PointwiseCost,
     measure_pointwise,
@@ -39,5 +46,6 @@ __all__ = [
     "find_loss_target",
     "plan_levers",
     "remove_fused_loss",
+    "remove_levers",
     "remove_pointwise",
 ]

@@ -269,12 +269,19 @@ def apply_record(model: nn.Module, record: Mapping[str, Any], units: Units = "au
         if record["pointwise"]:
             recompute_pointwise(model, units=list(record["pointwise"]))
     except BaseException:
-        remove_pointwise(model)
-        remove_checkpointing(model)
-        for module in model.modules():
-            remove_fused_loss(module)
+        remove_levers(model)
         raise
     return model
+
+
+def remove_levers(model: nn.Module) -> bool:
+    """Undo what :func:`plan_levers` or :func:`apply_record` applied to ``model``: the pointwise recomputation, the
+    checkpoints and the fused loss (an offload is left by leaving its context). True: something was removed."""
+    removed = remove_pointwise(model) > 0
+    removed = remove_checkpointing(model) > 0 or removed
+    for module in model.modules():  # the fused loss is on the Hugging Face model the record names, maybe inside
+        removed = remove_fused_loss(module) or removed
+    return removed
 
 
 class _Levers:

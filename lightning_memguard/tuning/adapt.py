@@ -32,6 +32,11 @@ class Adaptation:
         validation: the change is to the validation batches (no backward: their outputs and logged figures are the
             same, only the peak falls).
         weighting: how each micro-batch's loss is weighted (a key of :data:`WEIGHTINGS`; "" before the first split).
+        savers: the savers that keep the batch whole (the levers' plan: checkpointing, pointwise recomputation) taken
+            or removed by this change, in words ("" where none were).
+        savers_off: this change removed them (the memory freed: the step fits without them).
+        switch_s: wall seconds the switch itself took (planning and applying the savers, or removing them); None
+            where it was not timed (a split alone, a record from before it was kept).
 
     Example:
         >>> Adaptation(31, 256, 1, 2, False, "256 x 1 spilled (20.8 GB on a 16.0 GB card)").line()
@@ -42,6 +47,10 @@ class Adaptation:
         'step 80: memory freed; now 128 x 1 (x 2 batches accumulated), the same 256 samples per optimizer step'
         >>> Adaptation(12, 32, 1, 2, False, "out of memory", weighting="sum").line()
         "step 12: out of memory; now 16 x 2, the same 32 samples per optimizer step; each micro-batch's loss added ..."
+        >>> Adaptation(5, 32, 1, 1, True, "out of memory", savers="levers: block recomputed", switch_s=0.25).line()
+        'step 5: out of memory; the savers, in 0.25 s: levers: block recomputed; now 32 x 1, activation ...'
+        >>> Adaptation(9, 32, 1, 1, False, "memory freed", savers="levers: ...", savers_off=True, switch_s=0.01).line()
+        'step 9: memory freed; the savers removed, in 0.01 s (levers: ...); now 32 x 1, the same 32 samples per ...'
     """
 
     step: int
@@ -53,6 +62,9 @@ class Adaptation:
     accumulate: int = 1
     validation: bool = False
     weighting: str = ""
+    savers: str = ""
+    savers_off: bool = False
+    switch_s: float | None = None
 
     def line(self) -> str:
         shape = f"{micro_batch(self.batch, self.after)} x {self.after}"
@@ -62,7 +74,13 @@ class Adaptation:
             shape += f" (x {self.accumulate} batches accumulated)"
         extra = ", activation checkpointing on" if self.checkpointing else ""
         samples = self.batch * self.accumulate
-        line = f"step {self.step}: {self.why}; now {shape}{extra}, the same {samples} samples per optimizer step"
+        took = f", in {self.switch_s:.2f} s" if self.switch_s is not None else ""
+        why = self.why
+        if self.savers and self.savers_off:
+            why += f"; the savers removed{took} ({self.savers})"
+        elif self.savers:
+            why += f"; the savers{took}: {self.savers}"
+        line = f"step {self.step}: {why}; now {shape}{extra}, the same {samples} samples per optimizer step"
         if self.after > 1 and self.weighting:
             line += f"; each micro-batch's loss {WEIGHTINGS[self.weighting]}"
         return line
@@ -152,6 +170,27 @@ def chunks_to_fit(batch: int, chunks: int, advice: FitAdvice | None) -> int:
         # advice.largest_batch is per loaded micro-batch of the spilling step: that step held batch / chunks samples
         wanted = max(wanted, math.ceil(batch / advice.largest_batch))
     return min(wanted, batch)
+
+
+def chunks_with_savers(batch: int, chunks: int, floor: int, measured_on: int, room: int) -> int:
+    """How many micro-batches a batch needs beside savers whose plan did not meet ``room`` (bytes for a step's
+    activations): their measured floor (``floor`` bytes on ``measured_on`` samples) taken per sample, enough that the
+    largest micro-batch fits ``room``, and at least twice as many as now; never more than the batch's samples. Where
+    not even one sample fits, ``chunks`` itself: no split can help.
+
+    Example:
+        >>> chunks_with_savers(32, 1, floor=41_000, measured_on=32, room=27_000)  # 1.3 kB a sample: 21 fit
+        2
+        >>> chunks_with_savers(32, 1, 41_000, 32, 5_000), chunks_with_savers(32, 4, 41_000, 32, 27_000)
+        (11, 8)
+        >>> chunks_with_savers(32, 1, 41_000, 32, 1_000)
+        1
+    """
+    per_sample = floor / max(measured_on, 1)
+    fits = int(room // per_sample) if per_sample > 0 else batch
+    if fits < 1:
+        return chunks
+    return min(max(chunks * 2, math.ceil(batch / fits)), batch)
 
 
 def chunks_to_grow(batch: int, chunks: int, fits: Any) -> int | None:

@@ -20,17 +20,21 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.memory import is_oom_error
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lightning_memguard._compiler import is_compiled
 from lightning_memguard._lightning.batches import (
     inputs_from_batch,
     is_namedtuple,
@@ -46,15 +50,19 @@ from lightning_memguard._lightning.privates import (
     set_rng_states,
     strategy_methods_replaced,
 )
-from lightning_memguard.checkpointing import checkpoint_blocks, is_checkpointed
+from lightning_memguard.checkpointing import apply_plan, checkpoint_blocks, is_checkpointed
 from lightning_memguard.core.advice import FitAdvice
 from lightning_memguard.core.units import size_formatter
+from lightning_memguard.levers.huggingface_loss import refusal
+from lightning_memguard.levers.plan_levers import apply_record, plan_levers, remove_levers
+from lightning_memguard.levers.pointwise import PointwiseRecomputed
 from lightning_memguard.tuning.adapt import (
     WEIGHTINGS,
     Adaptation,
     GrowBack,
     chunks_to_fit,
     chunks_to_grow,
+    chunks_with_savers,
     judge_weighting,
     loss_coefficients,
     micro_batch,
@@ -496,15 +504,86 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+ADAPT_NO_FUSED_LOSS = (
+    "not taken by on_spill='adapt' (its gradients equal the plain loss's within floating-point tolerance only, and"
+    " the model's output would hold no logits for the training step to read)"
+)
+"""Why ``on_spill="adapt"`` leaves the fused loss out of its savers, as a plan's summary says it."""
+
+
+@dataclass(frozen=True)
+class Savers:
+    """The savers that keep the batch whole, as planned (by rank zero) and applied on every rank.
+
+    Attributes:
+        record: what was applied: a levers' plan's record (:meth:`~lightning_memguard.levers.LeverPlan.record`,
+            applied again by :func:`~lightning_memguard.levers.plan_levers.apply_record`), or the checkpointing
+            planner's runs (``{"runs": ..., "split_graphs": ...}``: a compiled model, or every block), applied again
+            by :func:`apply_savers`.
+        said: the plan's summary.
+        held: the plan's measured peak met the room (None: not planned, every block checkpointed).
+        peak: the step's activations without them, measured on ``samples`` samples (bytes; None: not measured).
+        floor: the step's activations with them, measured on ``samples`` samples (bytes; None: not measured).
+        samples: the samples the plan was measured on.
+        switch_s: wall seconds the switch took (planning and applying), by the adapter's clock.
+    """
+
+    record: dict[str, Any] = field(default_factory=dict)
+    said: str = ""
+    held: bool | None = None
+    peak: int | None = None
+    samples: int = 0
+    switch_s: float | None = None
+    floor: int | None = None
+
+    @property
+    def taken(self) -> bool:
+        """Anything applied (a plan whose budget the model met as it was takes nothing)."""
+        record = self.record
+        return bool(record.get("fused_loss") or record.get("runs") or record.get("checkpointed") or record.get("pointwise"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"record": self.record, "said": self.said, "held": self.held, "peak": self.peak,
+                "samples": self.samples, "floor": self.floor}  # fmt: skip
+
+
+def apply_savers(model: nn.Module, record: dict[str, Any]) -> None:
+    """Apply the savers' record again, nothing measured: a levers' plan's (it has a ``"version"``) by
+    :func:`~lightning_memguard.levers.plan_levers.apply_record`, else the checkpointing planner's runs."""
+    if "version" in record:
+        apply_record(model, record)
+    else:
+        apply_plan(model, [list(run) for run in record.get("runs", [])], split_graphs=bool(record.get("split_graphs")))
+
+
 class RunAdapter:
     """What ``MemGuard(on_spill="adapt")`` does instead of stopping: the levers, in order, each only where it keeps the
     training the same, the record of every change, and growing back when memory frees.
 
-    Levers: split each batch into more micro-batches (not for a model whose BatchNorm layers train, unless
-    ``allow_batchnorm``; not below one sample, nor where one sample does not fit); then activation checkpointing
-    (BatchNorm-exact). When neither is left, or at once where the run's readings say no micro-batch can fit beside
+    Levers, in order (one process, or DDP):
+
+    1. The savers that keep the batch whole: the levers' planner
+       (:func:`~lightning_memguard.levers.plan_levers.plan_levers`) on the LightningModule for the room free for the
+       step's activations, measured on the batch in hand: whole blocks or their parts checkpointed, pointwise chains
+       recomputed; BatchNorm-exact, the gradients those of the plain step bit for bit. Not the fused loss: its
+       gradients equal the plain loss's within floating-point tolerance only, and a Hugging Face model's output would
+       then hold no logits (:data:`ADAPT_NO_FUSED_LOSS`). Not offload: it needs a context around every step, which
+       the adapter does not hold. Where the plan holds, the batch is not split. Rank zero plans, every rank applies
+       its record. A model compiled with ``torch.compile`` is planned by the checkpointing planner, which measures
+       it compiled.
+    2. Where the plan does not hold (the floor reached) or could not be planned (no batch or room known, planning
+       raised: every block checkpointed instead), the savers stay on and each batch is split into more micro-batches
+       (not for a model whose BatchNorm layers train, unless ``allow_batchnorm``; not below one sample, nor where one
+       sample does not fit). A model without blocks is split at once.
+
+    Under a sharded strategy (FSDP, ModelParallelStrategy) a measurement on one rank would leave the others waiting
+    in the shards' gathers: there the order is as before the levers' planner, the split first, then activation
+    checkpointing. When no lever is left, or at once where the run's readings say no micro-batch can fit beside
     what is held (what a step starts from, other processes' memory), :meth:`after_spill` says why and the caller
     stops the run as ``"stop"`` does.
+
+    Growing back goes the same way backwards (:meth:`maybe_grow`): fewer micro-batches while split; once whole, the
+    savers removed where the readings say the step's activations without them (the plan's measured baseline) fit.
 
     Args:
         allow_batchnorm: split batches of a model whose BatchNorm layers train (their statistics then come from each
@@ -515,11 +594,20 @@ class RunAdapter:
         loss: how the training loss weighs a batch's samples (``MemGuard(adapt_loss=...)``): ``"auto"`` (found out
             before the first split, :meth:`MicroBatches.judge_loss`), ``"mean"``, ``"sum"``, ``"coupled"`` (never
             split), or a function of a micro-batch giving the count its loss averages over.
+        clock: seconds as a float, read as a switch of the savers starts and ends (``MemGuard(clock=...)``).
     """
 
     def __init__(
-        self, allow_batchnorm: bool, grow_every: int, headroom: float, loss: str | Callable[[Any], Any] = "auto"
+        self,
+        allow_batchnorm: bool,
+        grow_every: int,
+        headroom: float,
+        loss: str | Callable[[Any], Any] = "auto",
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        self.clock = clock
+        self.savers: Savers | None = None  # the savers on (None: none, or a checkpoint from before they were kept)
+        self.room: int | None = None  # bytes free for a step's activations, by the latest reading (an OOM's room)
         self.allow_batchnorm = allow_batchnorm
         self.loss = loss
         self.weighting: str | None = None  # how a micro-batch's loss is weighted, once known ("coupled": not split)
@@ -545,8 +633,13 @@ class RunAdapter:
             self._resumed = False
         else:
             self.grow.restart(trainer.global_step)
-        if self.checkpointing and not any(is_checkpointed(m) for m in pl_module.modules()):
-            checkpoint_blocks(pl_module)
+        if self.checkpointing and not any(
+            is_checkpointed(m) or isinstance(m, PointwiseRecomputed) for m in pl_module.modules()
+        ):  # a resumed run: the savers it took, again, nothing measured (every block: a checkpoint without the plan)
+            if self.savers is not None:
+                apply_savers(pl_module, self.savers.record)
+            else:
+                checkpoint_blocks(pl_module)
         if not pl_module.automatic_optimization:
             return  # a spill then stops the run, saying why (see `_cannot_split`)
         self._micro = MicroBatches(trainer, self._after_oom, recover=trainer.world_size == 1)
@@ -607,17 +700,27 @@ class RunAdapter:
             why = f"{self._shape(samples)} spilled ({size(spill.used_bytes)} on a {size(spill.capacity)} card{pace})"
         else:
             why = f"{self._shape(samples)} spilled on another rank"
-        room = None  # what a checkpointing plan's activations may use: the card less its headroom, others' memory and
+        room = None  # what the savers' activations may use: the card less its headroom, others' memory and
         if spill is not None and allocated_now is not None:  # what a step starts from (weights, gradients, optimizer)
             room = int(spill.capacity * (1 - self.headroom)) - (spill.other_bytes or 0) - allocated_now
+        room = _agreed_room(trainer, room)  # the least any rank has: one plan for every rank
         return self._lever(trainer, pl_module, samples, wanted, why, batch, room, no_split)
+
+    def read(self, reading: Any) -> None:
+        """Memory was read between steps: the room a step's activations have now, kept for an out-of-memory error's
+        savers (planned without a spill's figures)."""
+        if reading.allocated_now is None:
+            return
+        others = reading.other_processes or 0
+        self.room = int(reading.capacity * (1 - self.headroom)) - others - reading.allocated_now
 
     def _after_oom(self, chunks: int, samples: int, error: BaseException) -> int | None:
         """An out-of-memory error inside a training step: the split to redo it with, or None (raised)."""
         trainer = self._trainer
         assert trainer is not None
         why = f"{self._shape(samples)} ran out of memory"
-        why_not = self._lever(trainer, trainer.lightning_module, samples, min(chunks * 2, samples), why)
+        room = self.room
+        why_not = self._lever(trainer, trainer.lightning_module, samples, min(chunks * 2, samples), why, room=room)
         if why_not is not None:
             if self._micro is not None:
                 self._micro.why_not = why_not
@@ -625,11 +728,11 @@ class RunAdapter:
         return self.chunks
 
     def _checkpoint(self, pl_module: LightningModule, batch: Any, samples: int, room: int | None) -> str:
-        """Activation checkpointing that fits what is free now: the library's planner with a budget of ``room``
-        bytes for the step's activations, measured on a micro-batch of this batch (its inputs found as a budget
-        without ``example_input_array`` finds them); every block where that cannot be planned (no batch or room
-        known, inputs ``forward`` does not take or fails on, the measurement itself out of memory). Returns the
-        plan's summary.
+        """Activation checkpointing that fits what is free now (under a sharded strategy, where the split comes
+        first): the library's planner with a budget of ``room`` bytes for the step's activations, measured on a
+        micro-batch of this batch (its inputs found as a budget without ``example_input_array`` finds them); every
+        block where that cannot be planned (no batch or room known, inputs ``forward`` does not take or fails on, the
+        measurement itself out of memory). Returns the plan's summary.
 
         Raises:
             ValueError: the model has no blocks to checkpoint.
@@ -643,6 +746,72 @@ class RunAdapter:
                 free_memory()  # planned on nothing usable (say a batch of indices the model maps): every block
         return checkpoint_blocks(pl_module).summary()
 
+    def _plan_savers(self, pl_module: LightningModule, batch: Any, samples: int, room: int | None) -> Savers:
+        """The savers that keep the batch whole, planned and applied on this process: the levers' planner for
+        ``room`` bytes of activations on the batch in hand (a micro-batch of it where split; a compiled model: the
+        checkpointing planner, which measures it compiled), else (no batch or room, inputs ``forward`` does not take
+        or fails on, the measurement itself out of memory) every block checkpointed.
+
+        Raises:
+            ValueError: the model has no blocks.
+        """
+        part = batch
+        if batch is not None and self.chunks > 1:
+            part = split_batch(batch, samples, self.chunks)[0][0]
+        size = micro_batch(samples, self.chunks)
+        if part is not None and room is not None and room > 0:
+            try:
+                example, _ = inputs_from_batch(part, pl_module.forward)
+                if is_compiled(pl_module):
+                    checkpoints = checkpoint_blocks(pl_module, memory_budget=int(room), example_input=example)
+                    record = {"runs": checkpoints.runs, "split_graphs": bool(checkpoints.graph_splits)}
+                    said, held = checkpoints.summary(), checkpoints.held
+                    floor = checkpoints.measured_bytes
+                    return Savers(record, said, held, checkpoints.baseline_bytes, size, floor=floor)
+                plan = plan_levers(pl_module, example, int(room), fused_loss=False, offload=False)
+                plan.loss_refused = ADAPT_NO_FUSED_LOSS if refusal(pl_module) is None else None
+                floor = plan.measured_bytes
+                return Savers(plan.record(), plan.summary(), plan.held, plan.baseline_bytes, size, floor=floor)
+            except (ValueError, TypeError, RuntimeError):  # RuntimeError: out of memory too
+                free_memory()  # planned on nothing usable (say a batch of indices the model maps): every block
+        every = checkpoint_blocks(pl_module)
+        return Savers({"runs": every.runs, "split_graphs": bool(every.graph_splits)}, every.summary(), None, None, size)
+
+    def _take_savers(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, samples: int, room: int | None
+    ) -> Savers | None:
+        """The savers that keep the batch whole, on every rank alike: rank zero plans and applies them
+        (:meth:`_plan_savers`), the others apply its record. Timed by :attr:`clock`. None: the plan took nothing
+        (the model left as it was).
+
+        Raises:
+            ValueError: the model has no blocks (on rank zero: every rank raises).
+        """
+        start = self.clock()
+        planned: Savers | str | None = None
+        if trainer.is_global_zero:
+            try:
+                planned = self._plan_savers(pl_module, batch, samples, room)
+            except ValueError as err:  # no blocks
+                planned = str(err)
+        if trainer.world_size > 1:
+            planned = trainer.strategy.broadcast(planned, src=0)
+            if isinstance(planned, Savers) and planned.taken and not trainer.is_global_zero:
+                apply_savers(pl_module, planned.record)
+        if isinstance(planned, str):
+            raise ValueError(planned)
+        assert planned is not None
+        if not planned.taken:
+            return None
+        self.checkpointing = True
+        self.savers = replace(planned, switch_s=self.clock() - start)
+        return self.savers
+
+    def _savers_first(self, trainer: Trainer) -> bool:
+        """Whether the savers that keep the batch whole come before a split: on one device and under DDP, where the
+        model is whole on every rank (not under a sharded strategy)."""
+        return isinstance(trainer.strategy, SingleDeviceStrategy | DDPStrategy)
+
     def _lever(
         self,
         trainer: Trainer,
@@ -655,11 +824,22 @@ class RunAdapter:
         no_split: str | None = None,
     ) -> str | None:
         """The next lever, said and recorded (None), or why none is left. ``no_split``: why the run's readings say
-        no split fits (then checkpointing is the only lever)."""
+        no split fits (then the savers are the only lever)."""
         before = self.chunks
         self.grow.restart(trainer.global_step)  # the next try with fewer micro-batches comes an interval later
         if batch is None and self._micro is not None:
             batch = self._micro.batch
+        savers, no_blocks = None, None
+        if not self.checkpointing and self._savers_first(trainer):
+            try:
+                savers = self._take_savers(trainer, pl_module, batch, samples, room)
+            except ValueError as err:  # no blocks: split as before
+                no_blocks = str(err)
+            if savers is not None and savers.held:  # the batch stays whole
+                self._said_savers(trainer, samples, before, why, savers)
+                return None
+        if savers is not None and savers.floor is not None and room is not None:  # the split beside the savers
+            wanted = chunks_with_savers(samples, self.chunks, savers.floor, savers.samples, room)
         cannot = self._cannot_split(pl_module, samples, batch) or no_split
         if cannot is None and wanted > self.chunks:
             self._set_chunks(wanted)
@@ -669,13 +849,26 @@ class RunAdapter:
                     samples,
                     before,
                     wanted,
-                    False,
+                    savers is not None,
                     why,
                     trainer.accumulate_grad_batches,
                     weighting=self.weighting or "",
+                    savers=savers.said if savers is not None else "",
+                    switch_s=savers.switch_s if savers is not None else None,
                 )  # fmt: skip
             )
             return None
+        if savers is None and not self.checkpointing and no_blocks is None and self._savers_first(trainer):
+            # the plan took nothing (the model's peak met the room as measured) and no split is left: every block
+            try:
+                savers = self._take_savers(trainer, pl_module, None, samples, None)
+            except ValueError as err:
+                no_blocks = str(err)
+        if savers is not None:  # the savers alone, the batch not split (it cannot be, or no further)
+            self._said_savers(trainer, samples, before, why, savers)
+            return None
+        if no_blocks is not None:
+            return f"{cannot or 'the batch cannot be split further'}, and activation checkpointing found {no_blocks}"
         if not self.checkpointing:
             try:
                 plan = self._checkpoint(pl_module, batch, samples, room)
@@ -688,6 +881,22 @@ class RunAdapter:
             )
             return None
         return f"{cannot or 'each micro-batch holds one sample'}, and activation checkpointing is on already"
+
+    def _said_savers(self, trainer: Trainer, samples: int, before: int, why: str, savers: Savers) -> None:
+        self._said(
+            Adaptation(
+                trainer.global_step,
+                samples,
+                before,
+                self.chunks,
+                True,
+                why,
+                trainer.accumulate_grad_batches,
+                weighting=(self.weighting or "") if self.chunks > 1 else "",
+                savers=savers.said,
+                switch_s=savers.switch_s,
+            )  # fmt: skip
+        )
 
     def _cannot_split(self, pl_module: LightningModule, samples: int, batch: Any = None) -> str | None:
         if self._micro is None:
@@ -777,11 +986,20 @@ class RunAdapter:
 
     # ------------------------------------------------------------------ growing back
 
+    @property
+    def can_grow(self) -> bool:
+        """Whether there is a way back: fewer micro-batches, or (whole again) savers whose absence can be judged
+        (their plan measured the step without them)."""
+        return self.chunks > 1 or (self.checkpointing and self.savers is not None and self.savers.peak is not None)
+
     def maybe_grow(self, trainer: Trainer, reading: Any, capacity: int, samples: int) -> bool:
-        """Every few hundred steps while split: whether fewer micro-batches fit what is free now, from this run's
+        """Every few hundred steps while adapted: whether fewer micro-batches fit what is free now, from this run's
         readings (what a step starts from, and what each sample adds on top); every rank takes the largest split any
-        needs. True: grown (said and recorded)."""
-        if self.chunks <= 1 or self._micro is None or not self.grow.due(trainer.global_step):
+        needs. Once whole again, whether the step fits without the savers (:meth:`_maybe_remove_savers`). True: grown
+        (said and recorded)."""
+        if self.chunks <= 1:
+            return self._maybe_remove_savers(trainer, reading, capacity, samples)
+        if self._micro is None or not self.grow.due(trainer.global_step):
             return False
         step = trainer.global_step
         fewer = None
@@ -810,6 +1028,49 @@ class RunAdapter:
                 freed,
                 trainer.accumulate_grad_batches,
                 weighting=self.weighting or "",
+            )  # fmt: skip
+        )
+        return True
+
+    def _maybe_remove_savers(self, trainer: Trainer, reading: Any, capacity: int, samples: int) -> bool:
+        """Whole batches with the savers on: whether the step's activations without them (the plan's measured
+        baseline, scaled to this batch's samples) fit what is free now beside what a step starts from, with the same
+        headroom as fewer micro-batches; every rank keeps them where any says they do not fit. Without that figure
+        (every block checkpointed unplanned, a checkpoint from before it was kept) they stay. True: removed (said,
+        recorded, timed)."""
+        savers = self.savers
+        if not self.checkpointing or savers is None or savers.peak is None or not self.grow.due(trainer.global_step):
+            return False
+        step = trainer.global_step
+        peak = savers.peak * samples / max(savers.samples, 1)
+        fits = False
+        if reading.allocated_now is not None:
+            base = reading.allocated_now + (reading.other_processes or 0)
+            fits = base + peak <= min(capacity, reading.capacity) * (1 - self.headroom)
+        stays = _agreed_max(trainer, int(not fits))
+        self.grow.tried(step, undone=False)
+        if stays:
+            return False
+        start = self.clock()
+        remove_levers(trainer.lightning_module)
+        seconds = self.clock() - start
+        self.checkpointing, self.savers = False, None
+        self._grew_at = step
+        size = size_formatter(capacity, 2)
+        free = min(capacity, reading.capacity) - (reading.allocated_now or 0) - (reading.other_processes or 0)
+        freed = f"memory freed ({size(free)} free; the step's activations without the savers: {size(int(peak))})"
+        self._said(
+            Adaptation(
+                step,
+                samples,
+                1,
+                1,
+                False,
+                freed,
+                trainer.accumulate_grad_batches,
+                savers=savers.said.split(";")[0],  # what was taken; its figures were said when it was
+                savers_off=True,
+                switch_s=seconds,
             )  # fmt: skip
         )
         return True
@@ -844,6 +1105,7 @@ class RunAdapter:
             "chunks": self.chunks,
             "validation_chunks": self._micro.validation_chunks if self._micro is not None else self.validation_chunks,
             "checkpointing": self.checkpointing,
+            "savers": self.savers.to_dict() if self.savers is not None else None,  # re-applied, nothing measured
             "weighting": self.weighting,
             "grow_interval": self.grow.interval,  # doubled by growths that spilled again: the card stayed full
         }
@@ -853,6 +1115,9 @@ class RunAdapter:
         self._set_chunks(int(state.get("chunks", 1)))
         self.validation_chunks = int(state.get("validation_chunks", 1))
         self.checkpointing = bool(state.get("checkpointing", False))
+        # a checkpoint from before the savers were kept, checkpointing on, had every block checkpointed
+        saved = state.get("savers")
+        self.savers = Savers(**saved) if self.checkpointing and saved else None
         # a checkpoint from before the weighting was kept, split already, weighted its micro-batches by samples
         self.weighting = state.get("weighting", "samples" if self.chunks > 1 else None)
         if self._micro is not None and self.weighting not in (None, "coupled"):
@@ -867,6 +1132,17 @@ def _agreed_max(trainer: Trainer, value: int) -> int:
         return value
     tensor = torch.tensor(float(value), device=trainer.strategy.root_device)
     return int(trainer.strategy.reduce(tensor, reduce_op="max").item())
+
+
+def _agreed_room(trainer: Trainer, room: int | None) -> int | None:
+    """The least ``room`` of the ranks that know one (None where none does; its own in one process)."""
+    if trainer.world_size <= 1:
+        return room
+    unknown = -(2.0**60)
+    value = -float(room) if room is not None else unknown
+    tensor = torch.tensor(value, dtype=torch.float64, device=trainer.strategy.root_device)
+    most = float(trainer.strategy.reduce(tensor, reduce_op="max").item())
+    return None if most <= unknown else int(-most)
 
 
 def refuse_to_adapt(trainer: Trainer) -> None:

@@ -154,6 +154,7 @@ def test_a_spill_adapts_and_the_run_trains_as_one_that_never_spilled(tmp_path):
     assert [len(m) for m in events.micro_batches[:4]] == [1, 1, 1, 1]
     first = guard.adaptations[0]
     assert (first.before, first.batch) == (1, 32) and first.after >= 2 and not first.checkpointing
+    assert first.savers == "" and first.switch_s is None  # a model without blocks: split at once, as before
     assert "spilled" in first.why and first.step <= 6  # acted on within the steps it reads memory at
     assert all(len(m) == first.after for m in events.micro_batches[first.step + 1 :])
     assert _close(model, _plain(tmp_path))  # the weights of a run that never spilled
@@ -322,9 +323,11 @@ def test_checkpointing_is_planned_for_the_memory_free_now_on_the_batch_in_hand(t
         spill_checkpoint=False,
     )  # fmt: skip
     trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=1, callbacks=[emulator, guard, events]))
-    with pytest.warns(RuntimeWarning, match="activation checkpointing: checkpointed [1-4] of 5 blocks .* budget"):
+    # before the levers' planner: "activation checkpointing: checkpointed 1 of 5 blocks in 1 run(s); budget ..."
+    with pytest.warns(RuntimeWarning, match=r"the savers, in [0-9.]+ s: levers: .*recomputed in .*; budget"):
         trainer.fit(model)
     assert [(a.before, a.after, a.checkpointing) for a in guard.adaptations] == [(1, 1, True)]
+    assert "budget not met" not in guard.adaptations[0].savers  # the plan held: the batch is not split
     assert trainer.global_step == 6 and emulator.spilled_bytes == 0  # the last step fits
     torch.manual_seed(0)
     plain = ResNetOnImages()

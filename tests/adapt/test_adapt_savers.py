@@ -1,0 +1,209 @@
+"""MemGuard(on_spill="adapt") on a model with blocks: the savers that keep the batch whole (the levers' planner:
+checkpointing, pointwise recomputation) come before a split, and go last when memory frees. CPU twins under the
+emulator, with the figures of a residual MLP of four blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ddp_scenario_results, trainer_kwargs
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from models import Blocks
+from test_adapt import _close, _run
+
+from lightning_memguard.checkpointing import is_checkpointed
+from lightning_memguard.levers import LeverPlan, apply_record, plan_levers, remove_levers
+from lightning_memguard.tuning.adapt import Adaptation
+from lightning_memguard.tuning.adapter import RunAdapter
+
+CAPACITY = 56 * 10**6
+GUARD = {"headroom": 0.01}  # 55.44 MB usable: the room is 4.70 MB less what others take
+HELD = 1_500_000  # the batch of 64 spills (56.8 MB); the room, 3.2 MB, is met by checkpointing blocks
+NOT_HELD = 3_000_000  # the room, 1.7 MB, is below the floor (2.4 MB, every block): the savers and two micro-batches
+
+
+def _plain(tmp_path, max_epochs=2, ckpt_path=None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = Blocks()
+    Trainer(**trainer_kwargs(tmp_path / "plain", max_epochs=max_epochs)).fit(model, ckpt_path=ckpt_path)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _checkpointed(model) -> list[str]:
+    return [name for name, m in model.named_modules() if is_checkpointed(m)]
+
+
+def test_where_the_savers_plan_holds_the_batch_stays_whole_with_the_same_gradients_bit_for_bit(tmp_path):
+    trainer, guard, events, model = _run(
+        tmp_path, others={4: HELD}, model=Blocks, capacity=CAPACITY, guard_kwargs=GUARD
+    )  # fmt: skip
+    (adapted,) = guard.adaptations
+    assert (adapted.before, adapted.after, adapted.checkpointing) == (1, 1, True)
+    assert adapted.savers.startswith("levers: block recomputed in blocks.") and "budget not met" not in adapted.savers
+    assert "no fused loss" not in adapted.savers  # a model without a vocabulary head: nothing to say of it
+    assert events.micro_batches == [[64]] * 16 and events.samples_per_step == [64] * 16  # never split
+    assert trainer.global_step == 16 and _checkpointed(model)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), _plain(tmp_path), strict=True))
+
+
+def test_the_switch_is_timed_by_memguards_clock_and_said(tmp_path):
+    # the StepClock of _run advances 0.1 s a call: the switch reads it as it starts and as it ends
+    _, guard, _, _ = _run(tmp_path, others={4: HELD}, model=Blocks, capacity=CAPACITY, guard_kwargs=GUARD)
+    (adapted,) = guard.adaptations
+    assert adapted.switch_s == pytest.approx(0.1)
+    assert "; the savers, in 0.10 s: levers: block recomputed" in adapted.line()
+    assert Adaptation(**adapted.to_dict()) == adapted  # as a checkpoint keeps it
+
+
+def test_where_the_savers_plan_does_not_hold_they_stay_on_and_the_batch_is_split(tmp_path):
+    trainer, guard, events, model = _run(
+        tmp_path, others={4: NOT_HELD}, model=Blocks, capacity=CAPACITY, guard_kwargs=GUARD
+    )  # fmt: skip
+    (adapted,) = guard.adaptations
+    assert (adapted.before, adapted.after, adapted.checkpointing) == (
+        1,
+        2,
+        True,
+    )  # from the floor: 2 (the readings alone: 4)
+    assert "budget not met" in adapted.savers and "now 32 x 2, activation checkpointing on" in adapted.line()
+    assert _checkpointed(model) and events.samples_per_step == [64] * 16
+    assert all(m == [32, 32] for m in events.micro_batches[adapted.step + 1 :])
+    assert _close(model, _plain(tmp_path))
+
+
+def test_an_out_of_memory_error_takes_the_savers_planned_for_the_latest_readings_room(tmp_path):
+    # a 55.5 MB card: the batch of 64 fits (55.26 MB), the room by the readings is 4.2 MB: some blocks free enough
+    def fail_once(model):
+        model.oom_once = True
+
+    trainer, guard, events, model = _run(
+        tmp_path, model_changes={5: fail_once}, model=Blocks, capacity=55_500_000, guard_kwargs=GUARD
+    )  # fmt: skip
+    (adapted,) = guard.adaptations
+    assert adapted.why.endswith("ran out of memory") and (adapted.after, adapted.checkpointing) == (1, True)
+    assert "budget not met" not in adapted.savers and events.micro_batches[5] == [64, 64]  # redone whole
+    assert trainer.global_step == 16 and events.samples_per_step == [64] * 16
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), _plain(tmp_path), strict=True))
+
+
+def test_growing_back_removes_the_split_first_then_the_savers(tmp_path):
+    trainer, guard, events, model = _run(
+        tmp_path, others={3: NOT_HELD, 8: 0}, model=Blocks, capacity=CAPACITY, guard_kwargs={**GUARD, "grow_every": 2}
+    )  # fmt: skip
+    said = [(a.before, a.after, a.checkpointing, a.savers_off) for a in guard.adaptations]
+    assert said == [(1, 2, True, False), (2, 1, False, False), (1, 1, False, True)]
+    removed = guard.adaptations[-1]
+    assert removed.why.startswith("memory freed") and removed.switch_s == pytest.approx(0.1)
+    assert "the savers removed, in 0.10 s (levers: block recomputed" in removed.line()
+    assert not _checkpointed(model) and events.micro_batches[-1] == [64] and trainer.global_step == 16
+    assert _close(model, _plain(tmp_path))
+
+
+def test_a_removal_of_the_savers_that_spills_again_doubles_the_wait(tmp_path):
+    _, guard, _, model = _run(
+        tmp_path, others={3: NOT_HELD, 8: 0, 13: NOT_HELD}, model=Blocks, capacity=CAPACITY,
+        guard_kwargs={**GUARD, "grow_every": 2},
+    )  # fmt: skip
+    said = [(a.before, a.after, a.checkpointing, a.savers_off) for a in guard.adaptations]
+    assert said[:3] == [(1, 2, True, False), (2, 1, False, False), (1, 1, False, True)]
+    assert said[3] == (1, 2, True, False) and _checkpointed(model)  # the savers again, and the split
+    assert guard._policy.adapter.grow.interval == 4  # the card stayed full: twice as long before the next try
+
+
+def test_the_checkpointing_metric_goes_back_to_zero_when_the_savers_are_removed(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path / "logs")
+    _run(
+        tmp_path, others={3: NOT_HELD, 8: 0}, model=Blocks, capacity=CAPACITY, guard_kwargs={**GUARD, "grow_every": 2},
+        logger=logger,
+    )  # fmt: skip
+    logger.save()
+    import csv
+
+    with open(logger.experiment.metrics_file_path, encoding="utf-8") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("memguard/checkpointing")]
+    assert [float(r["memguard/checkpointing"]) for r in rows] == [1.0, 1.0, 0.0]
+
+
+def test_a_resumed_run_restores_the_savers_without_planning_again(tmp_path, monkeypatch):
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
+    _, first, _, first_model = _run(
+        tmp_path, others={4: HELD}, model=Blocks, capacity=CAPACITY, guard_kwargs=GUARD, callbacks=[saver],
+        enable_checkpointing=True,
+    )  # fmt: skip
+    import lightning_memguard.tuning.adapter as adapter
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(adapter, "plan_levers", no_planning)
+    ckpt = tmp_path / "ckpt" / "epoch=0.ckpt"
+    trainer, guard, events, model = _run(
+        tmp_path / "resumed", ckpt_path=ckpt, others={8: HELD}, model=Blocks, capacity=CAPACITY, guard_kwargs=GUARD,
+        expect_adapting=False,
+    )  # fmt: skip
+    assert guard.adaptations == first.adaptations and _checkpointed(model) == _checkpointed(first_model)
+    assert events.micro_batches == [[64]] * 8 and trainer.global_step == 16
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), _plain(tmp_path, ckpt_path=ckpt), strict=True))
+
+
+def test_a_checkpoint_from_before_the_savers_were_kept_still_loads_with_every_block():
+    old = {  # MemGuard's "adapt" state as the code before the levers' planner wrote it
+        "adaptations": [
+            {"step": 5, "batch": 32, "before": 1, "after": 1, "checkpointing": True, "why": "spilled",
+             "accumulate": 1, "validation": False, "weighting": ""}
+        ],
+        "chunks": 1, "validation_chunks": 1, "checkpointing": True, "weighting": None, "grow_interval": 200,
+    }  # fmt: skip
+    adapter = RunAdapter(allow_batchnorm=False, grow_every=200, headroom=0.05)
+    adapter.load_state_dict(old)
+    assert adapter.checkpointing and adapter.savers is None and not adapter.can_grow  # no figure: the savers stay
+    assert adapter.adaptations[0].savers == "" and adapter.adaptations[0].switch_s is None
+    assert "activation checkpointing on" in adapter.adaptations[0].line()
+
+    from types import SimpleNamespace
+
+    model = Blocks()
+    model.automatic_optimization = False  # no training step to own: the savers alone are started
+    adapter.start(SimpleNamespace(global_step=5, world_size=1), model)
+    assert {"blocks.0", "blocks.1", "blocks.2", "blocks.3"} <= set(_checkpointed(model))  # every block, as before
+
+
+def test_a_plan_record_applies_again_exactly_and_comes_off():
+    torch.manual_seed(0)
+    model = Blocks()
+    example = model.x[:32]
+    plan = plan_levers(model, example, 0.5, fused_loss=False, offload=False)
+    record = plan.record()
+    planned = _checkpointed(model)
+    assert record["checkpointed"] and record["checkpointed"] == plan.checkpointed
+    assert remove_levers(model) and not _checkpointed(model)
+    apply_record(model, record)
+    assert _checkpointed(model) == planned
+    assert isinstance(plan, LeverPlan) and remove_levers(model) and not remove_levers(model)
+
+
+def test_a_record_that_fails_part_way_leaves_the_model_as_it_was():
+    model = Blocks()
+    with pytest.raises(ValueError, match="nowhere"):
+        record = {"version": 1, "fused_loss": False, "loss_module": "", "checkpointed": ["blocks.0"]}
+        apply_record(model, {**record, "pointwise": ["nowhere"]})
+    assert not _checkpointed(model)
+
+
+def test_two_ddp_ranks_take_the_same_savers_when_one_spills(ddp_launch):
+    """Rank 1 alone meets less memory at step 2 (tests/ddp_adapt_run.py, scenario ``savers``): rank zero plans, both
+    ranks apply its record, at the same step; neither splits; the weights are those of the DDP run without the
+    spill, bit for bit."""
+    results = ddp_scenario_results(ddp_launch, "ddp_adapt_run:savers", "savers{rank}.json")
+    lines = [
+        [(a["step"], a["before"], a["after"], a["checkpointing"]) for a in results[rank]["adaptations"]]
+        for rank in (0, 1)
+    ]
+    assert lines[0] == lines[1] and len(lines[0]) == 1 and lines[0][0][1:] == (1, 1, True)
+    assert results[0]["adaptations"][0]["savers"] == results[1]["adaptations"][0]["savers"]
+    assert results[0]["checkpointed"] == results[1]["checkpointed"] != []
+    assert "spilled on another rank" in results[0]["adaptations"][0]["why"]
+    assert all(results[r]["same_as_plain"] for r in (0, 1))
