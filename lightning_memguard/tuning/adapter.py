@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from torch import nn
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.memory import is_oom_error
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
 
 from lightning_memguard._compiler import is_compiled
 from lightning_memguard._lightning.batches import (
@@ -540,7 +540,7 @@ class Savers:
     def taken(self) -> bool:
         """Anything applied (a plan whose budget the model met as it was takes nothing)."""
         record = self.record
-        return bool(record.get("fused_loss") or record.get("runs") or record.get("checkpointed") or record.get("pointwise"))
+        return any(record.get(key) for key in ("fused_loss", "runs", "checkpointed", "pointwise"))
 
     def to_dict(self) -> dict[str, Any]:
         return {"record": self.record, "said": self.said, "held": self.held, "peak": self.peak,
