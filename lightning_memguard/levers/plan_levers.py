@@ -61,6 +61,11 @@ IN_PLACE = "changes its input in place"
 """What :class:`~.pointwise.PointwiseRecomputed` says of a block it cannot recompute: that block gets no pointwise
 option, the others do."""
 
+MUTATED = "cached during selective activation checkpoint has been mutated"
+"""What torch's selective checkpoint says in backward where a block changes in place a product it keeps (timm's
+squeeze-excite: a convolution's output through ``ReLU(inplace=True)``): that block gets no pointwise option."""
+
+
 BACKWARD_PER_FORWARD = 2.0
 """A link's backward time, in forward times, where offload's exposed copies are predicted (a matmul's backward is two
 matmuls)."""
@@ -394,18 +399,19 @@ class _Levers:
 
     def _pointwise_costs(self) -> list[PointwiseCost]:
         """Each link's pointwise chains measured (:func:`~.pointwise.measure_pointwise`); where a block refuses it
-        (it changes its input in place), the links one at a time, that block left without the option."""
+        (it changes its input in place) or fails in backward (it changes a kept product in place), the links one at a
+        time, that block left without the option."""
         try:
             return measure_pointwise(self.model, self.example, self.links, self.loss_fn, self.clock)
         except RuntimeError as err:
-            if IN_PLACE not in str(err):
+            if IN_PLACE not in str(err) and MUTATED not in str(err):
                 raise
         costs = []
         for link in self.links:
             try:
                 costs += measure_pointwise(self.model, self.example, [link], self.loss_fn, self.clock)
             except RuntimeError as err:
-                if IN_PLACE not in str(err):
+                if IN_PLACE not in str(err) and MUTATED not in str(err):
                     raise
         return costs
 

@@ -404,3 +404,25 @@ def test_a_plan_with_offload_or_an_injected_lever_has_no_record():
     injected = LeverPlan(False, {"h.0": LinkOption("pointwise", 10, 1.0)}, 100, 50)  # not in plan.pointwise
     with pytest.raises(ValueError, match="injected lever"):
         injected.record()
+
+
+def test_a_block_that_changes_a_kept_product_in_place_gets_no_pointwise_option_and_the_others_plan():
+    """A block whose ReLU(inplace=True) changes a Linear's output (a product the pointwise lever keeps: timm's
+    squeeze-excite does it to a convolution's output) fails in backward under selective checkpointing; the planner
+    leaves that block without the option instead of failing, and the model trains as the plain one."""
+    torch.manual_seed(0)
+
+    def block(inplace: bool) -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(inplace=inplace), nn.Linear(64, 64), nn.GELU())
+
+    model = nn.Sequential(block(False), block(True), block(False), block(False))
+    plain = copy.deepcopy(model)
+    x = torch.randn(256, 64)
+    plan = plan_levers(model, x, memory_budget=0.7, units=[nn.Sequential])
+    assert plan.held
+    assert not isinstance(model[1], PointwiseRecomputed) and "1" not in plan.pointwise
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    plain(x).sum().backward()
+    for mine, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)
