@@ -269,6 +269,16 @@ class MemoryReports:
         if error.args and isinstance(error.args[0], str):
             error.args = (error.args[0] + "\n" + said.lstrip("\n"), *error.args[1:])
 
+    def read_now(self) -> Any:
+        """MemGuard's probe, read now (a :class:`~lightning_memguard.core.reading.MemoryReading`).
+
+        Raises:
+            RuntimeError: outside a fit (no probe yet).
+        """
+        if self._probe is None:
+            raise RuntimeError("MemoryReports.read_now: no probe outside a fit")
+        return self._probe.read()
+
     def _failed_situation(self, batch: Any) -> Situation:
         """The card when the step failed, read before anything is freed: the failed step's peak (on CUDA, where
         MemGuard's probe reads PyTorch's counters) with other processes' memory."""

@@ -340,6 +340,8 @@ class AdaptOnSpill(StopOnSpill):
         refuse_to_adapt(trainer)
 
     def train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.adapter.capacity = self.reports.capacity  # the room is judged against MemGuard's capacity, as a spill is
+        self.adapter.read_memory = self.reports.read_now
         self.adapter.start(trainer, pl_module)
         self._reported = len(self.adapter.adaptations)  # a resumed run's earlier ones are reported
 

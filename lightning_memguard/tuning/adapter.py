@@ -21,6 +21,7 @@ import copy
 import gc
 import math
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -311,6 +312,9 @@ class MicroBatches:
                 if not (isinstance(err, torch.OutOfMemoryError) or is_oom_error(err)):
                     raise
                 why_not = self._why_not_redone(first, accumulate)
+                if why_not is None:  # what the failed step held is let go of before the next lever is planned
+                    traceback.clear_frames(err.__traceback__)
+                    free_memory()
                 finer = self.on_oom(self.chunks, samples, err) if why_not is None else None
                 if finer is None:
                     _explain(err, why_not or self.why_not or "no lever is left")
@@ -504,6 +508,25 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def not_yet_held(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> int:
+    """Bytes a step will add beside its activations that are not held yet (before the first optimizer step): the
+    gradients of trainable weights that hold none, and the optimizer state of weights that have none, two tensors
+    of a weight's size for an optimizer with ``betas`` (Adam's kin), one with a ``momentum``, none for plain SGD."""
+    added = 0
+    states = {}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            kept = 2 if "betas" in group else int(bool(group.get("momentum")))
+            for p in group["params"]:
+                if not optimizer.state.get(p):
+                    states[id(p)] = kept
+    for p in model.parameters():
+        if p.requires_grad:
+            size = p.numel() * p.element_size()
+            added += (size if p.grad is None else 0) + size * states.get(id(p), 0)
+    return added
+
+
 ADAPT_NO_FUSED_LOSS = (
     "not taken by on_spill='adapt' (its gradients equal the plain loss's within floating-point tolerance only, and"
     " the model's output would hold no logits for the training step to read)"
@@ -608,6 +631,8 @@ class RunAdapter:
         self.clock = clock
         self.savers: Savers | None = None  # the savers on (None: none, or a checkpoint from before they were kept)
         self.room: int | None = None  # bytes free for a step's activations, by the latest reading (an OOM's room)
+        self.capacity: int | None = None  # what MemGuard judges against (a declared capacity below the card's)
+        self.read_memory: Callable[[], Any] | None = None  # MemGuard's probe, read at an out-of-memory error
         self.allow_batchnorm = allow_batchnorm
         self.loss = loss
         self.weighting: str | None = None  # how a micro-batch's loss is weighted, once known ("coupled": not split)
@@ -712,15 +737,21 @@ class RunAdapter:
         if reading.allocated_now is None:
             return
         others = reading.other_processes or 0
-        self.room = int(reading.capacity * (1 - self.headroom)) - others - reading.allocated_now
+        capacity = reading.capacity if self.capacity is None else min(self.capacity, reading.capacity)
+        self.room = int(capacity * (1 - self.headroom)) - others - reading.allocated_now
 
     def _after_oom(self, chunks: int, samples: int, error: BaseException) -> int | None:
         """An out-of-memory error inside a training step: the split to redo it with, or None (raised)."""
         trainer = self._trainer
         assert trainer is not None
         why = f"{self._shape(samples)} ran out of memory"
-        room = self.room
-        why_not = self._lever(trainer, trainer.lightning_module, samples, min(chunks * 2, samples), why, room=room)
+        if self.read_memory is not None:  # the failed step's tensors are let go of: what the step starts from, now
+            self.read(self.read_memory())
+            if self.room is not None:  # a first step: its gradients and optimizer state are not held yet
+                self.room -= not_yet_held(trainer.lightning_module, trainer.optimizers)
+        why_not = self._lever(
+            trainer, trainer.lightning_module, samples, min(chunks * 2, samples), why, room=self.room, redo=True
+        )
         if why_not is not None:
             if self._micro is not None:
                 self._micro.why_not = why_not
@@ -791,7 +822,8 @@ class RunAdapter:
         planned: Savers | str | None = None
         if trainer.is_global_zero:
             try:
-                planned = self._plan_savers(pl_module, batch, samples, room)
+                with trainer.precision_plugin.train_step_context():  # measured as the step runs (autocast)
+                    planned = self._plan_savers(pl_module, batch, samples, room)
             except ValueError as err:  # no blocks
                 planned = str(err)
         if trainer.world_size > 1:
@@ -822,9 +854,12 @@ class RunAdapter:
         batch: Any = None,
         room: int | None = None,
         no_split: str | None = None,
+        redo: bool = False,
     ) -> str | None:
         """The next lever, said and recorded (None), or why none is left. ``no_split``: why the run's readings say
-        no split fits (then the savers are the only lever)."""
+        no split fits (then the savers are the only lever). ``redo``: the step is redone at once (an out-of-memory
+        error): savers taken without a plan (every block) are tried on the whole batch first, a split only where that
+        runs out of memory too."""
         before = self.chunks
         self.grow.restart(trainer.global_step)  # the next try with fewer micro-batches comes an interval later
         if batch is None and self._micro is not None:
@@ -840,6 +875,8 @@ class RunAdapter:
                 return None
         if savers is not None and savers.floor is not None and room is not None:  # the split beside the savers
             wanted = chunks_with_savers(samples, self.chunks, savers.floor, savers.samples, room)
+        elif savers is not None and redo:  # every block, unplanned: the redone step says whether the batch fits whole
+            wanted = self.chunks
         cannot = self._cannot_split(pl_module, samples, batch) or no_split
         if cannot is None and wanted > self.chunks:
             self._set_chunks(wanted)
@@ -871,7 +908,8 @@ class RunAdapter:
             return f"{cannot or 'the batch cannot be split further'}, and activation checkpointing found {no_blocks}"
         if not self.checkpointing:
             try:
-                plan = self._checkpoint(pl_module, batch, samples, room)
+                with trainer.precision_plugin.train_step_context():  # measured as the step runs
+                    plan = self._checkpoint(pl_module, batch, samples, room)
             except ValueError as err:  # no blocks found
                 return f"{cannot or 'the batch cannot be split further'}, and activation checkpointing found {err}"
             self.checkpointing = True

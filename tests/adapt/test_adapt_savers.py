@@ -75,7 +75,7 @@ def test_where_the_savers_plan_does_not_hold_they_stay_on_and_the_batch_is_split
 def test_an_out_of_memory_error_takes_the_savers_planned_for_the_latest_readings_room(tmp_path):
     # a 55.5 MB card: the batch of 64 fits (55.26 MB), the room by the readings is 4.2 MB: some blocks free enough
     def fail_once(model):
-        model.oom_once = True
+        model.ooms = 1
 
     trainer, guard, events, model = _run(
         tmp_path, model_changes={5: fail_once}, model=Blocks, capacity=55_500_000, guard_kwargs=GUARD
@@ -85,6 +85,85 @@ def test_an_out_of_memory_error_takes_the_savers_planned_for_the_latest_readings
     assert "budget not met" not in adapted.savers and events.micro_batches[5] == [64, 64]  # redone whole
     assert trainer.global_step == 16 and events.samples_per_step == [64] * 16
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), _plain(tmp_path), strict=True))
+
+
+def test_an_out_of_memory_error_before_any_reading_plans_for_the_room_read_as_it_is_handled(tmp_path):
+    # the first step fails: no reading between steps yet; the room is read once the failed step's tensors are gone,
+    # less the gradients and momentum it would have made: 55.5 MB x 0.99 - 50.74 MB = 4.2 MB, as at step 5
+    def fail_once(model):
+        model.ooms = 1
+
+    trainer, guard, events, model = _run(
+        tmp_path, model_changes={0: fail_once}, model=Blocks, capacity=55_500_000, guard_kwargs=GUARD
+    )  # fmt: skip
+    (adapted,) = guard.adaptations
+    assert adapted.step == 0 and (adapted.after, adapted.checkpointing) == (1, True)
+    assert adapted.savers.startswith("levers: ") and "budget 4.2 MB" in adapted.savers  # planned for the room
+    assert "budget not met" not in adapted.savers
+    assert events.micro_batches[0] == [64, 64] and events.samples_per_step == [64] * 16  # redone whole
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), _plain(tmp_path), strict=True))
+
+
+def _plan_fails(monkeypatch):
+    import lightning_memguard.tuning.adapter as adapter
+
+    def fails(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected, while the savers are measured)")
+
+    monkeypatch.setattr(adapter, "plan_levers", fails)
+
+
+@pytest.mark.parametrize("ooms", [1, 2])
+def test_after_an_out_of_memory_error_unplanned_savers_are_tried_whole_and_the_batch_split_only_if_that_fails(
+    tmp_path, monkeypatch, ooms
+):
+    # measuring the plain model can itself run out of memory: every block, unplanned, and the step redone whole; a
+    # second error in that step (the savers were not enough) splits it
+    def fail(model):
+        model.ooms = ooms
+
+    _plan_fails(monkeypatch)
+    trainer, guard, events, model = _run(
+        tmp_path, model_changes={5: fail}, model=Blocks, capacity=55_500_000, guard_kwargs=GUARD
+    )  # fmt: skip
+    # the second adaptation is the split alone: the savers are on from the first
+    assert [(a.before, a.after, a.checkpointing) for a in guard.adaptations] == [(1, 1, True), (1, 2, False)][:ooms]
+    assert guard.adaptations[0].savers.startswith("checkpointed 4 of 4 blocks")
+    assert events.micro_batches[5] == ([64, 64] if ooms == 1 else [64, 64, 32, 32])
+    assert trainer.global_step == 16 and events.samples_per_step == [64] * 16 and _checkpointed(model)
+    assert _close(model, _plain(tmp_path))
+
+
+def test_the_savers_are_measured_under_the_trainers_precision(tmp_path, monkeypatch):
+    import lightning_memguard.tuning.adapter as adapter
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return plan_levers(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "plan_levers", spy)
+    _, guard, events, _ = _run(
+        tmp_path, others={4: NOT_HELD}, model=Blocks, capacity=CAPACITY, guard_kwargs=GUARD, precision="bf16-mixed"
+    )  # fmt: skip
+    assert seen == [torch.bfloat16]
+    # measured in bf16, the blocks' activations are half those in float32: the room (1.7 MB) that float32's floor
+    # (2.4 MB) misses is met, and the batch stays whole
+    (adapted,) = guard.adaptations
+    assert adapted.after == 1 and "budget not met" not in adapted.savers and events.micro_batches[-1] == [64]
+
+
+def test_the_room_is_judged_against_memguards_capacity_where_it_is_below_the_cards():
+    from lightning_memguard.core.reading import MemoryReading
+
+    adapter = RunAdapter(allow_batchnorm=False, grow_every=4, headroom=0.1)
+    reading = MemoryReading(0, 0, capacity=80 * 10**9, allocated_now=2 * 10**9, other_processes=10**9)
+    adapter.read(reading)
+    assert adapter.room == 72 * 10**9 - 3 * 10**9  # the card's
+    adapter.capacity = 16 * 10**9  # MemGuard(capacity="16GB") on an 80 GB card
+    adapter.read(reading)
+    assert adapter.room == int(16 * 10**9 * 0.9) - 3 * 10**9
 
 
 def test_growing_back_removes_the_split_first_then_the_savers(tmp_path):
