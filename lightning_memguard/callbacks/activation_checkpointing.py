@@ -51,7 +51,9 @@ class ActivationCheckpointing(Callback):
     run re-applies them without measuring again. Under DDP rank zero measures and every rank applies its plan; under
     ``ModelParallelStrategy`` (FSDP2) on several devices every rank measures, as the sharded forward needs them all,
     and rank zero's plan is applied on every rank. Its place in ``callbacks`` does not matter: a tuner listed before
-    it has it plan first, and measures the model as it will train.
+    it has it plan first, and measures the model as it will train. Lightning's ``BatchSizeFinder`` runs first
+    whatever the order (Lightning moves it there): with a budget its trials run on the model not yet planned, and the
+    budget is then measured on a first batch of the size it chose (an ``example_input_array`` as it is given).
 
     On a compiled module (``fit(torch.compile(module))``) a budget is measured compiled and may use compile's own
     ``activation_memory_budget`` (see :func:`~lightning_memguard.checkpointing.checkpoint_blocks`); the setting
