@@ -66,9 +66,12 @@ class ActivationCheckpointing(Callback):
     memory per millisecond. The levers chosen (``LeverPlan.record()``, plain data) are kept in the callback's state:
     a resumed run, and the same callback in a second fit, re-apply them
     (:func:`~lightning_memguard.levers.apply_record`) without measuring; under DDP rank zero measures and every rank
-    applies its record. The callback does not offer offload: offload is not a change to the model but a context to
-    enter around every step, which the fit would have to hold for each step and MemGuard to count as the user's
-    own host memory; use ``plan_levers(..., offload=True)`` and ``with plan.offload:`` in a loop of your own for it.
+    applies its record. Under ``ddp_spawn`` that happens in the spawned processes, each with its own copy of the
+    callback; Lightning hands the launching process back the weights, not the callbacks, so this instance keeps no
+    record there and a second fit with it measures again. The callback does not offer offload: offload is not a
+    change to the model but a context to enter around every step, which the fit would have to hold for each step and
+    MemGuard to count as the user's own host memory; use ``plan_levers(..., offload=True)`` and ``with
+    plan.offload:`` in a loop of your own for it.
     ``levers=True`` is refused on a compiled module and under ``ModelParallelStrategy`` on several devices (see
     Raises).
 

@@ -7,6 +7,10 @@ fused loss; the combinations the planner cannot serve are refused, naming why.""
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 import warnings
 from types import SimpleNamespace
 
@@ -284,3 +288,32 @@ def test_under_ddp_rank_zero_measures_and_every_rank_applies_its_record(levers_l
     assert zero["fused"] == ["model"] and (zero["checkpointed"] or zero["pointwise"])
     assert zero["step"] == one["step"] == 2 and zero["checksum"] == one["checksum"]
     assert zero["close_to_plain"] and one["close_to_plain"]
+
+
+def test_under_ddp_spawn_rank_zero_measures_and_every_rank_applies_its_record(tmp_path):
+    """tests/ddp_spawn_run.py ``levers``: each child gets the callback by pickling and plans at its fit start, rank
+    zero measuring and rank 1 applying rank zero's record; the launching process gets rank zero's weights back, but
+    not the record (Lightning brings back weights and metrics only: the same callback in a second fit measures
+    again)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["PYTHONWARNINGS"] = "ignore"
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ddp_spawn_run.py")
+    try:
+        done = subprocess.run(
+            [sys.executable, script, str(tmp_path), "levers"], capture_output=True, text=True, timeout=240, env=env,
+            cwd=tmp_path,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the ddp_spawn run did not end within {err.timeout} s: a rank was left waiting")
+    assert done.returncode == 0, done.stderr[-3000:]
+    zero, one, launcher = (
+        json.loads((tmp_path / f"{name}.json").read_text(encoding="utf-8"))
+        for name in ("levers0", "levers1", "launcher")
+    )
+    assert zero["measured"] and not one["measured"]  # rank one measured nothing
+    assert zero["record"] == one["record"] and zero["record"]["fused_loss"]
+    for key in ("fused", "checkpointed", "pointwise"):
+        assert zero[key] == one[key]
+    assert zero["fused"] == ["model"] and (zero["checkpointed"] or zero["pointwise"])
+    assert zero["step"] == one["step"] == 2 and zero["checksum"] == one["checksum"] == launcher["checksum"]
+    assert launcher["record"] is None
