@@ -70,8 +70,8 @@ class ActivationCheckpointing(Callback):
     callback; Lightning hands the launching process back the weights, not the callbacks, so this instance keeps no
     record there and a second fit with it measures again. The callback does not offer offload: offload is not a
     change to the model but a context to enter around every step, which the fit would have to hold for each step and
-    MemGuard to count as the user's own host memory; use ``plan_levers(..., offload=True)`` and ``with
-    plan.offload:`` in a loop of your own for it.
+    MemGuard to count as the user's own host memory; use ``plan_levers(..., offload=True)`` and
+    ``with plan.offload:`` in a loop of your own for it.
     ``levers=True`` is refused on a compiled module and under ``ModelParallelStrategy`` on several devices (see
     Raises).
 
