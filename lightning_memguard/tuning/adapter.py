@@ -811,10 +811,10 @@ class RunAdapter:
             planned = trainer.strategy.broadcast(planned, src=0)
             if failed is not None:
                 raise failed
-            if isinstance(planned, SaversNotPlanned):
-                raise planned
             if isinstance(planned, Savers) and planned.taken and not trainer.is_global_zero:
                 apply_savers(pl_module, planned.record)
+        if isinstance(planned, SaversNotPlanned):
+            raise planned
         if isinstance(planned, str):
             raise ValueError(planned)
         assert planned is not None
