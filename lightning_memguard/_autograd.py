@@ -11,8 +11,9 @@ tensors, and the saved-tensor hooks in force, which torch offers no public way t
   :func:`checkpoint_hook`: whether a pack hook is ``torch.utils.checkpoint``'s own (inside a checkpoint nothing is
   kept anyway).
 - :func:`version`: a tensor's version counter (``_version``), which in-place changes move: a recipe holds only
-  while its tensor is unchanged.
-- :func:`view_root`: the tensor a view was made from (``_base``): the spill emulator counts storage, not views.
+  while its tensor is unchanged, and the offload lever tells a saved tensor it holds from one changed since.
+- :func:`view_root`: the tensor a view was made from (``_base``): the spill emulator counts storage, not views, and
+  the offload lever finds the autocast copy of a weight behind a view of it.
 - :func:`storage_watch`: whether a tensor's storage has been freed since, asked without keeping it alive (a weak
   reference to the storage, ``StorageWeakRef``): the ledger of saved tensors tells a freed storage from a new one
   that the allocator gave its address.

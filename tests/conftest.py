@@ -310,6 +310,7 @@ DDP_SCENARIOS = [
     "ddp_strategy_run:eager",
     "ddp_adapt_run:adapt",
     "ddp_adapt_run:savers",
+    "ddp_adapt_run:planning_raises",
     "ddp_tuner_run:oom_compiled",
     "ddp_strategy_run:compiled",
     "strategy_cells_run:ddp",

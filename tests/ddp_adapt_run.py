@@ -1,7 +1,9 @@
 """Two CPU processes under DDP (gloo); on rank 1 alone another application takes memory of the emulated card at
 optimizer step 4, and MemGuard(on_spill="adapt") adapts. Run by test_adapt.py, through ddp_run.py, as scenario
 ``adapt``; scenario ``savers``: the same on a model with blocks, met by the savers that keep the batch whole. Each
-rank also trains the same run without the spill: the weights must agree.
+rank also trains the same run without the spill: the weights must agree. Scenario ``planning_raises``: as ``savers``,
+but rank zero's planning of the savers raises a RuntimeError (injected): each rank writes what its fit raised, then
+waits (a minute at most, reading files, not in a collective) until the other has written too.
 
 Usage: python ddp_adapt_run.py OUT_DIR
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -130,9 +133,37 @@ def savers(out: str) -> None:
         )
 
 
+def planning_raises(out: str, wait_s: float = 60.0) -> None:
+    from lightning_memguard.tuning.adapter import RunAdapter
+
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("injected while rank zero plans the savers")
+
+    planned = RunAdapter._plan_savers
+    RunAdapter._plan_savers = fails  # type: ignore[method-assign]  # called on rank zero alone
+    raised = None
+    try:
+        _fit_blocks(out, True)
+    except Exception as err:
+        raised = {"type": type(err).__name__, "message": str(err)}
+    finally:
+        RunAdapter._plan_savers = planned  # type: ignore[method-assign]
+    with open(os.path.join(out, f"planning{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump({"raised": raised}, f)
+    other = os.path.join(out, f"planning{1 - rank}.json")
+    deadline = time.monotonic() + wait_s  # a rank left waiting in rank zero's broadcast never writes its file
+    while not os.path.exists(other) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def run(out: str, scenario: str = "adapt") -> None:
     if scenario == "savers":
         savers(out)
+        return
+    if scenario == "planning_raises":
+        planning_raises(out)
         return
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     adapted, plain = _fit(out, adapt=True), _fit(out, adapt=False)

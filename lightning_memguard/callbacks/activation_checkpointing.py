@@ -51,7 +51,9 @@ class ActivationCheckpointing(Callback):
     run re-applies them without measuring again. Under DDP rank zero measures and every rank applies its plan; under
     ``ModelParallelStrategy`` (FSDP2) on several devices every rank measures, as the sharded forward needs them all,
     and rank zero's plan is applied on every rank. Its place in ``callbacks`` does not matter: a tuner listed before
-    it has it plan first, and measures the model as it will train.
+    it has it plan first, and measures the model as it will train. Lightning's ``BatchSizeFinder`` runs first
+    whatever the order (Lightning moves it there): with a budget its trials run on the model not yet planned, and the
+    budget is then measured on a first batch of the size it chose (an ``example_input_array`` as it is given).
 
     On a compiled module (``fit(torch.compile(module))``) a budget is measured compiled and may use compile's own
     ``activation_memory_budget`` (see :func:`~lightning_memguard.checkpointing.checkpoint_blocks`); the setting
@@ -64,9 +66,12 @@ class ActivationCheckpointing(Callback):
     memory per millisecond. The levers chosen (``LeverPlan.record()``, plain data) are kept in the callback's state:
     a resumed run, and the same callback in a second fit, re-apply them
     (:func:`~lightning_memguard.levers.apply_record`) without measuring; under DDP rank zero measures and every rank
-    applies its record. The callback does not offer offload: offload is not a change to the model but a context to
-    enter around every step, which the fit would have to hold for each step and MemGuard to count as the user's
-    own host memory; use ``plan_levers(..., offload=True)`` and ``with plan.offload:`` in a loop of your own for it.
+    applies its record. Under ``ddp_spawn`` that happens in the spawned processes, each with its own copy of the
+    callback; Lightning hands the launching process back the weights, not the callbacks, so this instance keeps no
+    record there and a second fit with it measures again. The callback does not offer offload: offload is not a
+    change to the model but a context to enter around every step, which the fit would have to hold for each step and
+    MemGuard to count as the user's own host memory; use ``plan_levers(..., offload=True)`` and
+    ``with plan.offload:`` in a loop of your own for it.
     ``levers=True`` is refused on a compiled module and under ``ModelParallelStrategy`` on several devices (see
     Raises).
 

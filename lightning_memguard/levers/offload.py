@@ -24,6 +24,7 @@ import psutil
 import torch
 from torch import nn
 
+from lightning_memguard._autograd import version, view_root
 from lightning_memguard.core.checks import check_callable, check_fraction, check_size
 from lightning_memguard.core.units import format_size
 
@@ -507,7 +508,7 @@ class ActivationOffload:
 
 def _key(t: torch.Tensor) -> tuple[Any, ...]:
     """What makes two saved tensors the same while one of them is held: memory, layout, type and version."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, version(t))
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:
@@ -520,9 +521,7 @@ def _tensors(output: Any) -> list[torch.Tensor]:
 
 def _is_cast_parameter(t: torch.Tensor) -> bool:
     """An autocast copy of a parameter (or a view of one): cast straight from a leaf that accumulates a gradient."""
-    if t._is_view() and t._base is not None:
-        t = t._base
-    fn = t.grad_fn
+    fn = view_root(t).grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0":
         return False
     return any(type(nxt).__name__ == "AccumulateGrad" for nxt, _ in fn.next_functions if nxt is not None)

@@ -78,6 +78,11 @@ class OutputsNotJoined(ValueError):
     """The outputs of a batch's micro-batches cannot be joined into the whole batch's (the message says where)."""
 
 
+class SaversNotPlanned(RuntimeError):
+    """Raised on the other ranks where rank zero's planning of the savers failed with an error other than finding no
+    blocks (rank zero raises its own error): the message names that error's type and says what it said."""
+
+
 def join_outputs(outputs: list[Any], counts: list[int], where: str = "output") -> Any:
     """The outputs a step returned for each micro-batch (``counts``: their samples) joined into what the whole batch
     would have returned: tensors and lists of one entry per sample concatenated (tensors detached); a number (a
@@ -817,19 +822,31 @@ class RunAdapter:
 
         Raises:
             ValueError: the model has no blocks (on rank zero: every rank raises).
+            SaversNotPlanned: on the other ranks, where rank zero's planning raised anything else (rank zero raises
+                that error itself): no rank is left waiting for a plan that never comes.
         """
         start = self.clock()
-        planned: Savers | str | None = None
+        planned: Savers | str | SaversNotPlanned | None = None
+        failed: Exception | None = None
         if trainer.is_global_zero:
             try:
                 with trainer.precision_plugin.train_step_context():  # measured as the step runs (autocast)
                     planned = self._plan_savers(pl_module, batch, samples, room)
             except ValueError as err:  # no blocks
                 planned = str(err)
+            except Exception as err:  # the other ranks learn it below instead of waiting in the broadcast
+                if trainer.world_size == 1:
+                    raise
+                failed = err
+                planned = SaversNotPlanned(f"rank zero failed planning the savers: {type(err).__name__}: {err}")
         if trainer.world_size > 1:
             planned = trainer.strategy.broadcast(planned, src=0)
+            if failed is not None:
+                raise failed
             if isinstance(planned, Savers) and planned.taken and not trainer.is_global_zero:
                 apply_savers(pl_module, planned.record)
+        if isinstance(planned, SaversNotPlanned):
+            raise planned
         if isinstance(planned, str):
             raise ValueError(planned)
         assert planned is not None

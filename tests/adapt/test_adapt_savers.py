@@ -286,3 +286,15 @@ def test_two_ddp_ranks_take_the_same_savers_when_one_spills(ddp_launch):
     assert results[0]["checkpointed"] == results[1]["checkpointed"] != []
     assert "spilled on another rank" in results[0]["adaptations"][0]["why"]
     assert all(results[r]["same_as_plain"] for r in (0, 1))
+
+
+def test_rank_zero_failing_while_it_plans_the_savers_raises_on_every_rank(ddp_launch):
+    """Rank zero's planning raises a RuntimeError (tests/ddp_adapt_run.py, scenario ``planning_raises``): rank zero's
+    fit raises it, and rank 1's, instead of waiting in the broadcast for a plan (where it waited until rank zero's
+    process ended and gloo closed the connection), raises SaversNotPlanned naming it."""
+    results = ddp_scenario_results(ddp_launch, "ddp_adapt_run:planning_raises", "planning{rank}.json")
+    assert results[0]["raised"] == {"type": "RuntimeError", "message": "injected while rank zero plans the savers"}
+    assert results[1]["raised"] == {
+        "type": "SaversNotPlanned",
+        "message": "rank zero failed planning the savers: RuntimeError: injected while rank zero plans the savers",
+    }

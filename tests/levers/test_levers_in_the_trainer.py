@@ -7,6 +7,10 @@ fused loss; the combinations the planner cannot serve are refused, naming why.""
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 import warnings
 from types import SimpleNamespace
 
@@ -193,6 +197,48 @@ def test_a_model_of_no_known_family_plans_without_the_fused_loss(tmp_path):
         torch.testing.assert_close(got, want)
 
 
+class Sized(Blocks):
+    """:class:`Blocks` with its batch size on ``batch_size``, where Lightning's ``BatchSizeFinder`` sets it, and no
+    ``example_input_array``: the budget is measured on the first training batch. Each training step records its
+    batch's size and whether the levers were on the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = None
+        self.batch_size = 4
+        self.steps: list[tuple[int, bool]] = []
+
+    def training_step(self, batch, batch_idx):
+        levers = _levers_on(self)
+        self.steps.append((len(batch[0]), bool(levers["checkpointed"] or levers["pointwise"])))
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self):
+        return DataLoader(torch.utils.data.TensorDataset(self.data), batch_size=self.batch_size)
+
+
+def test_beside_the_batch_size_finder_the_levers_are_planned_for_the_size_it_settled_on(tmp_path, monkeypatch):
+    """Lightning runs its BatchSizeFinder first, at fit start: its trials (4, 8) run on the model as it is, and
+    the levers are then measured on a first batch of the size it chose, whatever the order in ``callbacks``."""
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    measured: list[int] = []
+    plan = lever_policy.plan_levers
+
+    def counted(model, example, *args, **kwargs):
+        measured.append(len(example))
+        return plan(model, example, *args, **kwargs)
+
+    monkeypatch.setattr(lever_policy, "plan_levers", counted)
+    cb = ActivationCheckpointing(units={Block}, memory_budget=0.6, levers=True)
+    finder = BatchSizeFinder(mode="power", init_val=4, max_trials=2, steps_per_trial=1)
+    module = Sized()
+    trainer = _fit(module, tmp_path, [cb, finder], limit_train_batches=2)
+    assert finder.optimal_batch_size == module.batch_size == 8 and measured == [8]
+    assert module.steps == [(4, False), (8, False), (8, True), (8, True)] and trainer.global_step == 2
+    assert cb.lever_plan is not None and cb.lever_plan.held and cb.lever_record["checkpointed"]
+
+
 def test_bad_settings_are_refused_naming_the_fix():
     with pytest.raises(ValueError, match=r"`levers=True` chooses among the levers for a budget.*give one"):
         ActivationCheckpointing(levers=True)
@@ -242,3 +288,32 @@ def test_under_ddp_rank_zero_measures_and_every_rank_applies_its_record(levers_l
     assert zero["fused"] == ["model"] and (zero["checkpointed"] or zero["pointwise"])
     assert zero["step"] == one["step"] == 2 and zero["checksum"] == one["checksum"]
     assert zero["close_to_plain"] and one["close_to_plain"]
+
+
+def test_under_ddp_spawn_rank_zero_measures_and_every_rank_applies_its_record(tmp_path):
+    """tests/ddp_spawn_run.py ``levers``: each child gets the callback by pickling and plans at its fit start, rank
+    zero measuring and rank 1 applying rank zero's record; the launching process gets rank zero's weights back, but
+    not the record (Lightning brings back weights and metrics only: the same callback in a second fit measures
+    again)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["PYTHONWARNINGS"] = "ignore"
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ddp_spawn_run.py")
+    try:
+        done = subprocess.run(
+            [sys.executable, script, str(tmp_path), "levers"], capture_output=True, text=True, timeout=240, env=env,
+            cwd=tmp_path,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the ddp_spawn run did not end within {err.timeout} s: a rank was left waiting")
+    assert done.returncode == 0, done.stderr[-3000:]
+    zero, one, launcher = (
+        json.loads((tmp_path / f"{name}.json").read_text(encoding="utf-8"))
+        for name in ("levers0", "levers1", "launcher")
+    )
+    assert zero["measured"] and not one["measured"]  # rank one measured nothing
+    assert zero["record"] == one["record"] and zero["record"]["fused_loss"]
+    for key in ("fused", "checkpointed", "pointwise"):
+        assert zero[key] == one[key]
+    assert zero["fused"] == ["model"] and (zero["checkpointed"] or zero["pointwise"])
+    assert zero["step"] == one["step"] == 2 and zero["checksum"] == one["checksum"] == launcher["checksum"]
+    assert launcher["record"] is None
