@@ -358,7 +358,7 @@ class AdaptOnSpill(StopOnSpill):
 
     def read(self, trainer: Trainer, reading: MemoryReading) -> None:
         super().read(trainer, reading)
-        self.adapter.read(reading)  # the room an out-of-memory error's savers are planned for
+        self.adapter.read(reading, self.reports.capacity or reading.capacity)  # an out-of-memory error's room
 
     def agreed(
         self,

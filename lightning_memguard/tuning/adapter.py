@@ -700,19 +700,22 @@ class RunAdapter:
             why = f"{self._shape(samples)} spilled ({size(spill.used_bytes)} on a {size(spill.capacity)} card{pace})"
         else:
             why = f"{self._shape(samples)} spilled on another rank"
-        room = None  # what the savers' activations may use: the card less its headroom, others' memory and
-        if spill is not None and allocated_now is not None:  # what a step starts from (weights, gradients, optimizer)
-            room = int(spill.capacity * (1 - self.headroom)) - (spill.other_bytes or 0) - allocated_now
+        room = None
+        if spill is not None and allocated_now is not None:
+            room = self._room(spill.capacity, spill.other_bytes, allocated_now)
         room = _agreed_room(trainer, room)  # the least any rank has: one plan for every rank
         return self._lever(trainer, pl_module, samples, wanted, why, batch, room, no_split)
 
-    def read(self, reading: Any) -> None:
-        """Memory was read between steps: the room a step's activations have now, kept for an out-of-memory error's
-        savers (planned without a spill's figures)."""
-        if reading.allocated_now is None:
-            return
-        others = reading.other_processes or 0
-        self.room = int(reading.capacity * (1 - self.headroom)) - others - reading.allocated_now
+    def read(self, reading: Any, capacity: int) -> None:
+        """Memory was read between steps: the room a step's activations have now (``capacity``: the memory MemGuard
+        judges against), kept for an out-of-memory error's savers (planned without a spill's figures)."""
+        if reading.allocated_now is not None:
+            self.room = self._room(min(capacity, reading.capacity), reading.other_processes, reading.allocated_now)
+
+    def _room(self, capacity: int, others: int | None, allocated_now: int) -> int:
+        """Bytes a step's activations may use: the capacity less its headroom, other processes' memory and what a
+        step starts from (weights, gradients, optimizer state)."""
+        return int(capacity * (1 - self.headroom)) - (others or 0) - allocated_now
 
     def _after_oom(self, chunks: int, samples: int, error: BaseException) -> int | None:
         """An out-of-memory error inside a training step: the split to redo it with, or None (raised)."""
@@ -1045,8 +1048,7 @@ class RunAdapter:
         peak = savers.peak * samples / max(savers.samples, 1)
         fits = False
         if reading.allocated_now is not None:
-            base = reading.allocated_now + (reading.other_processes or 0)
-            fits = base + peak <= min(capacity, reading.capacity) * (1 - self.headroom)
+            fits = peak <= self._room(min(capacity, reading.capacity), reading.other_processes, reading.allocated_now)
         stays = _agreed_max(trainer, int(not fits))
         self.grow.tried(step, undone=False)
         if stays:

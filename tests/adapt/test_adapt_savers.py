@@ -87,6 +87,17 @@ def test_an_out_of_memory_error_takes_the_savers_planned_for_the_latest_readings
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), _plain(tmp_path), strict=True))
 
 
+def test_an_out_of_memory_errors_room_is_taken_from_the_capacity_memguard_judges_against():
+    from types import SimpleNamespace
+
+    adapter = RunAdapter(allow_batchnorm=False, grow_every=200, headroom=0.1)
+    reading = SimpleNamespace(allocated_now=1_000, other_processes=500, capacity=100_000)  # the card's own
+    adapter.read(reading, capacity=10_000)  # MemGuard(capacity=...) below the card: its room, not the card's
+    assert adapter.room == 9_000 - 500 - 1_000
+    adapter.read(SimpleNamespace(allocated_now=None, other_processes=0, capacity=100_000), capacity=10_000)
+    assert adapter.room == 7_500  # a reading without what a step starts from leaves the last room
+
+
 def test_growing_back_removes_the_split_first_then_the_savers(tmp_path):
     trainer, guard, events, model = _run(
         tmp_path, others={3: NOT_HELD, 8: 0}, model=Blocks, capacity=CAPACITY, guard_kwargs={**GUARD, "grow_every": 2}
