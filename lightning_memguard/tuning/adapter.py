@@ -53,8 +53,7 @@ from lightning_memguard._lightning.privates import (
 from lightning_memguard.checkpointing import apply_plan, checkpoint_blocks, is_checkpointed
 from lightning_memguard.core.advice import FitAdvice
 from lightning_memguard.core.units import size_formatter
-from lightning_memguard.levers.huggingface_loss import refusal
-from lightning_memguard.levers.plan_levers import apply_record, plan_levers, remove_levers
+from lightning_memguard.levers.plan_levers import apply_record, find_loss_target, plan_levers, remove_levers
 from lightning_memguard.levers.pointwise import PointwiseRecomputed
 from lightning_memguard.tuning.adapt import (
     WEIGHTINGS,
@@ -772,7 +771,8 @@ class RunAdapter:
                     floor = checkpoints.measured_bytes
                     return Savers(record, said, held, checkpoints.baseline_bytes, size, floor=floor)
                 plan = plan_levers(pl_module, example, int(room), fused_loss=False, offload=False)
-                plan.loss_refused = ADAPT_NO_FUSED_LOSS if refusal(pl_module) is None else None
+                # said where the planner would have offered it: the model, or the Hugging Face model it holds
+                plan.loss_refused = ADAPT_NO_FUSED_LOSS if find_loss_target(pl_module)[2] is None else None
                 floor = plan.measured_bytes
                 return Savers(plan.record(), plan.summary(), plan.held, plan.baseline_bytes, size, floor=floor)
             except (ValueError, TypeError, RuntimeError):  # RuntimeError: out of memory too

@@ -98,6 +98,16 @@ def test_an_out_of_memory_errors_room_is_taken_from_the_capacity_memguard_judges
     assert adapter.room == 7_500  # a reading without what a step starts from leaves the last room
 
 
+def test_the_savers_say_why_the_fused_loss_is_left_out_of_a_hugging_face_model_held_by_the_module():
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    from language_model import LanguageModel, Tokens
+
+    module = LanguageModel()  # GPT-2 as `self.model`: the planner would fuse its loss, adapt does not
+    batch = {key: torch.stack([Tokens()[i][key] for i in range(8)]) for key in ("input_ids", "labels")}
+    savers = RunAdapter(allow_batchnorm=False, grow_every=200, headroom=0.05)._plan_savers(module, batch, 8, 2 * 10**6)
+    assert "no fused loss: not taken by on_spill='adapt'" in savers.said and not savers.record["fused_loss"]
+
+
 def test_growing_back_removes_the_split_first_then_the_savers(tmp_path):
     trainer, guard, events, model = _run(
         tmp_path, others={3: NOT_HELD, 8: 0}, model=Blocks, capacity=CAPACITY, guard_kwargs={**GUARD, "grow_every": 2}
