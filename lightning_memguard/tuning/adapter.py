@@ -21,6 +21,7 @@ import copy
 import gc
 import math
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -310,6 +311,9 @@ class MicroBatches:
                 if not (isinstance(err, torch.OutOfMemoryError) or is_oom_error(err)):
                     raise
                 why_not = self._why_not_redone(first, accumulate)
+                if why_not is None:  # the failed step's frames hold its activations: freed before a lever is measured
+                    traceback.clear_frames(err.__traceback__)
+                    free_memory()
                 finer = self.on_oom(self.chunks, samples, err) if why_not is None else None
                 if finer is None:
                     _explain(err, why_not or self.why_not or "no lever is left")

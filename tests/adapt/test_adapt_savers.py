@@ -4,6 +4,8 @@ emulator, with the figures of a residual MLP of four blocks."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from conftest import ddp_scenario_results, trainer_kwargs
@@ -106,6 +108,34 @@ def test_the_savers_say_why_the_fused_loss_is_left_out_of_a_hugging_face_model_h
     batch = {key: torch.stack([Tokens()[i][key] for i in range(8)]) for key in ("input_ids", "labels")}
     savers = RunAdapter(allow_batchnorm=False, grow_every=200, headroom=0.05)._plan_savers(module, batch, 8, 2 * 10**6)
     assert "no fused loss: not taken by on_spill='adapt'" in savers.said and not savers.record["fused_loss"]
+
+
+class _FailsAfterItsForward(Blocks):
+    """Runs out of memory once after its forward made activations, watched by a weak reference."""
+
+    def training_step(self, batch, batch_idx):
+        if self.oom_once:
+            self.oom_once = False
+            activations = self(batch[0])
+            self.made = weakref.ref(activations)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_out_of_memory_errors_savers_are_measured_with_the_failed_steps_activations_freed(tmp_path, monkeypatch):
+    alive = []
+    plan = RunAdapter._plan_savers
+
+    def watched(self, pl_module, *args):
+        alive.append(pl_module.made() is not None)
+        return plan(self, pl_module, *args)
+
+    monkeypatch.setattr(RunAdapter, "_plan_savers", watched)
+    _run(
+        tmp_path, model_changes={5: lambda model: setattr(model, "oom_once", True)}, model=_FailsAfterItsForward,
+        capacity=55_500_000, guard_kwargs=GUARD,
+    )  # fmt: skip
+    assert alive == [False]
 
 
 def test_growing_back_removes_the_split_first_then_the_savers(tmp_path):
