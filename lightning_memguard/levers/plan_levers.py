@@ -217,13 +217,15 @@ def find_loss_target(model: nn.Module) -> tuple[str, nn.Module, str | None]:
     reason = refusal(model)
     if reason is None or getattr(getattr(model, "config", None), "model_type", None) is not None:
         return "", model, reason
-    inner = None
+    inner, refused = None, list[str]()
     for name, module in model.named_modules():
+        if any(name.startswith(f"{r}.") for r in refused):  # inside one that refused: its own parts, never fused
+            continue
         if name and getattr(getattr(module, "config", None), "model_type", None) is not None:
             why = refusal(module)
             if why is None:
                 return name, module, None
-            inner = inner or f"{name}: {why}"
+            inner, refused = inner or f"{name}: {why}", [*refused, name]
     return "", model, inner or reason
 
 

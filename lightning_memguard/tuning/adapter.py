@@ -54,8 +54,7 @@ from lightning_memguard._lightning.privates import (
 from lightning_memguard.checkpointing import apply_plan, checkpoint_blocks, is_checkpointed
 from lightning_memguard.core.advice import FitAdvice
 from lightning_memguard.core.units import size_formatter
-from lightning_memguard.levers.huggingface_loss import refusal
-from lightning_memguard.levers.plan_levers import apply_record, plan_levers, remove_levers
+from lightning_memguard.levers.plan_levers import apply_record, find_loss_target, plan_levers, remove_levers
 from lightning_memguard.levers.pointwise import PointwiseRecomputed
 from lightning_memguard.tuning.adapt import (
     WEIGHTINGS,
@@ -730,20 +729,23 @@ class RunAdapter:
             why = f"{self._shape(samples)} spilled ({size(spill.used_bytes)} on a {size(spill.capacity)} card{pace})"
         else:
             why = f"{self._shape(samples)} spilled on another rank"
-        room = None  # what the savers' activations may use: the card less its headroom, others' memory and
-        if spill is not None and allocated_now is not None:  # what a step starts from (weights, gradients, optimizer)
-            room = int(spill.capacity * (1 - self.headroom)) - (spill.other_bytes or 0) - allocated_now
+        room = None
+        if spill is not None and allocated_now is not None:
+            room = self._room(spill.capacity, spill.other_bytes, allocated_now)
         room = _agreed_room(trainer, room)  # the least any rank has: one plan for every rank
         return self._lever(trainer, pl_module, samples, wanted, why, batch, room, no_split)
 
     def read(self, reading: Any) -> None:
-        """Memory was read between steps: the room a step's activations have now, kept for an out-of-memory error's
-        savers (planned without a spill's figures)."""
-        if reading.allocated_now is None:
-            return
-        others = reading.other_processes or 0
-        capacity = reading.capacity if self.capacity is None else min(self.capacity, reading.capacity)
-        self.room = int(capacity * (1 - self.headroom)) - others - reading.allocated_now
+        """Memory was read between steps: the room a step's activations have now, against the memory MemGuard
+        judges (:attr:`capacity`), kept for an out-of-memory error's savers (planned without a spill's figures)."""
+        if reading.allocated_now is not None:
+            capacity = reading.capacity if self.capacity is None else min(self.capacity, reading.capacity)
+            self.room = self._room(capacity, reading.other_processes, reading.allocated_now)
+
+    def _room(self, capacity: int, others: int | None, allocated_now: int) -> int:
+        """Bytes a step's activations may use: the capacity less its headroom, other processes' memory and what a
+        step starts from (weights, gradients, optimizer state)."""
+        return int(capacity * (1 - self.headroom)) - (others or 0) - allocated_now
 
     def _after_oom(self, chunks: int, samples: int, error: BaseException) -> int | None:
         """An out-of-memory error inside a training step: the split to redo it with, or None (raised)."""
@@ -805,7 +807,8 @@ class RunAdapter:
                     floor = checkpoints.measured_bytes
                     return Savers(record, said, held, checkpoints.baseline_bytes, size, floor=floor)
                 plan = plan_levers(pl_module, example, int(room), fused_loss=False, offload=False)
-                plan.loss_refused = ADAPT_NO_FUSED_LOSS if refusal(pl_module) is None else None
+                # said where the planner would have offered it: the model, or the Hugging Face model it holds
+                plan.loss_refused = ADAPT_NO_FUSED_LOSS if find_loss_target(pl_module)[2] is None else None
                 floor = plan.measured_bytes
                 return Savers(plan.record(), plan.summary(), plan.held, plan.baseline_bytes, size, floor=floor)
             except (ValueError, TypeError, RuntimeError):  # RuntimeError: out of memory too
@@ -1100,8 +1103,7 @@ class RunAdapter:
         peak = savers.peak * samples / max(savers.samples, 1)
         fits = False
         if reading.allocated_now is not None:
-            base = reading.allocated_now + (reading.other_processes or 0)
-            fits = base + peak <= min(capacity, reading.capacity) * (1 - self.headroom)
+            fits = peak <= self._room(min(capacity, reading.capacity), reading.other_processes, reading.allocated_now)
         stays = _agreed_max(trainer, int(not fits))
         self.grow.tried(step, undone=False)
         if stays:

@@ -4,6 +4,8 @@ emulator, with the figures of a residual MLP of four blocks."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from conftest import ddp_scenario_results, trainer_kwargs
@@ -164,6 +166,44 @@ def test_the_room_is_judged_against_memguards_capacity_where_it_is_below_the_car
     adapter.capacity = 16 * 10**9  # MemGuard(capacity="16GB") on an 80 GB card
     adapter.read(reading)
     assert adapter.room == int(16 * 10**9 * 0.9) - 3 * 10**9
+
+
+def test_the_savers_say_why_the_fused_loss_is_left_out_of_a_hugging_face_model_held_by_the_module():
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    from language_model import LanguageModel, Tokens
+
+    module = LanguageModel()  # GPT-2 as `self.model`: the planner would fuse its loss, adapt does not
+    batch = {key: torch.stack([Tokens()[i][key] for i in range(8)]) for key in ("input_ids", "labels")}
+    savers = RunAdapter(allow_batchnorm=False, grow_every=200, headroom=0.05)._plan_savers(module, batch, 8, 2 * 10**6)
+    assert "no fused loss: not taken by on_spill='adapt'" in savers.said and not savers.record["fused_loss"]
+
+
+class _FailsAfterItsForward(Blocks):
+    """Runs out of memory once after its forward made activations, watched by a weak reference."""
+
+    def training_step(self, batch, batch_idx):
+        if self.ooms:
+            self.ooms = 0
+            activations = self(batch[0])
+            self.made = weakref.ref(activations)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_out_of_memory_errors_savers_are_measured_with_the_failed_steps_activations_freed(tmp_path, monkeypatch):
+    alive = []
+    plan = RunAdapter._plan_savers
+
+    def watched(self, pl_module, *args):
+        alive.append(pl_module.made() is not None)
+        return plan(self, pl_module, *args)
+
+    monkeypatch.setattr(RunAdapter, "_plan_savers", watched)
+    _run(
+        tmp_path, model_changes={5: lambda model: setattr(model, "ooms", 1)}, model=_FailsAfterItsForward,
+        capacity=55_500_000, guard_kwargs=GUARD,
+    )  # fmt: skip
+    assert alive == [False]
 
 
 def test_growing_back_removes_the_split_first_then_the_savers(tmp_path):

@@ -491,9 +491,14 @@ def test_adapt_goes_on_split_when_memory_is_taken_and_grows_back_when_it_is_free
     with pytest.warns(RuntimeWarning, match="MemGuard adapted"):
         trainer.fit(model)
     assert trainer.global_step == 30
-    (shrunk, grown) = guard.adaptations
-    assert (shrunk.before, shrunk.after) == (1, 2) and 5 < shrunk.step <= 8 and "spilled" in shrunk.why
-    assert (grown.before, grown.after) == (2, 1) and 15 < grown.step <= 15 + 2 * 4 + 1 and "freed" in grown.why
+    # the savers first (planned under bf16 for the room the ballast leaves; a split only where they miss it), then,
+    # once the ballast is gone, back to the model as it was (CPU twin: tests/adapt/test_adapt_savers.py)
+    first, *later = guard.adaptations
+    assert first.checkpointing and first.savers and 5 < first.step <= 8 and "spilled" in first.why
+    assert not any("spilled" in a.why for a in later)  # it took: no spill after it
+    removed = [a for a in later if a.savers_off]
+    assert len(removed) == 1 and 15 < removed[0].step <= 15 + 2 * 4 + 1 and "freed" in removed[0].why
+    assert guard._policy.adapter.chunks == 1
 
 
 def test_adapt_redoes_a_step_that_ran_out_of_memory_under_prevent(tmp_path):
@@ -503,9 +508,11 @@ def test_adapt_redoes_a_step_that_ran_out_of_memory_under_prevent(tmp_path):
     model = ImageClassifier("resnet50", image_size=224, batch_size=64, steps_per_epoch=6, channels_last=True)
     trainer = _trainer(tmp_path, [guard], max_epochs=1)
     try:
-        with pytest.warns(RuntimeWarning, match="ran out of memory; now 32 x 2"):
+        with pytest.warns(RuntimeWarning, match="ran out of memory; the savers"):
             trainer.fit(model)
-        assert trainer.global_step == 6 and guard.adaptations[0].step == 0
+        # measuring the plain model runs out of memory under the cap too: every block, and the step redone whole
+        (adapted,) = guard.adaptations
+        assert trainer.global_step == 6 and adapted.step == 0 and (adapted.after, adapted.checkpointing) == (1, True)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()

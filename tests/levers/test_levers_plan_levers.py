@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import importlib
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -381,6 +382,19 @@ def test_a_record_with_pointwise_links_and_a_held_language_model():
     apply_record(holder, record)
     assert is_fused(model) and checkpointed(holder) == ["model.transformer.h.0"]
     assert pointwised(holder) == ["model.transformer.h.1"]
+
+
+def test_a_hugging_face_model_that_refuses_the_fused_loss_is_not_looked_into():
+    """A wrapper of an unverified family (a vision-language model holding its language model) computes its loss from
+    the inner model's logits: the inner model is not fused behind its back."""
+    model, _ = gpt2()
+    wrapper = nn.Module()
+    wrapper.config = SimpleNamespace(model_type="llava")  # type: ignore[assignment]
+    wrapper.language_model = model
+    holder = nn.Module()
+    holder.model = wrapper
+    name, target, why = find_loss_target(holder)
+    assert (name, target) == ("", holder) and why is not None and why.startswith("model: llava: not verified")
 
 
 def test_a_bad_record_is_refused_and_leaves_the_model_as_it_was():

@@ -7,6 +7,7 @@ The policies are driven without a Trainer (a stand-in with the few attributes th
 from __future__ import annotations
 
 import ast
+import contextlib
 import pathlib
 import warnings
 from types import SimpleNamespace
@@ -36,7 +37,7 @@ def _trainer(model: TinyModel) -> SimpleNamespace:
     )  # fmt: skip
     return SimpleNamespace(
         strategy=strategy, global_step=3, world_size=1, accumulate_grad_batches=1, loggers=[], should_stop=False,
-        lightning_module=model,
+        lightning_module=model, precision_plugin=SimpleNamespace(train_step_context=contextlib.nullcontext),
     )  # fmt: skip
 
 
