@@ -599,7 +599,8 @@ class RunAdapter:
        its record. A model compiled with ``torch.compile`` is planned by the checkpointing planner, which measures
        it compiled.
     2. Where the plan does not hold (the floor reached) or could not be planned (no batch or room known, planning
-       raised: every block checkpointed instead), the savers stay on and each batch is split into more micro-batches
+       raised: every block checkpointed instead; after an out-of-memory error, split only once the step redone with
+       them runs out of memory too), the savers stay on and each batch is split into more micro-batches
        (not for a model whose BatchNorm layers train, unless ``allow_batchnorm``; not below one sample, nor where one
        sample does not fit). A model without blocks is split at once.
 
