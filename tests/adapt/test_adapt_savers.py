@@ -32,6 +32,11 @@ def _plain(tmp_path, max_epochs=2, ckpt_path=None) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _oom(times: int = 1):
+    """A change to the model (``Events``' ``model_changes``): its next ``times`` training steps run out of memory."""
+    return lambda model: setattr(model, "ooms", times)
+
+
 def _checkpointed(model) -> list[str]:
     return [name for name, m in model.named_modules() if is_checkpointed(m)]
 
@@ -76,11 +81,8 @@ def test_where_the_savers_plan_does_not_hold_they_stay_on_and_the_batch_is_split
 
 def test_an_out_of_memory_error_takes_the_savers_planned_for_the_latest_readings_room(tmp_path):
     # a 55.5 MB card: the batch of 64 fits (55.26 MB), the room by the readings is 4.2 MB: some blocks free enough
-    def fail_once(model):
-        model.ooms = 1
-
     trainer, guard, events, model = _run(
-        tmp_path, model_changes={5: fail_once}, model=Blocks, capacity=55_500_000, guard_kwargs=GUARD
+        tmp_path, model_changes={5: _oom()}, model=Blocks, capacity=55_500_000, guard_kwargs=GUARD
     )  # fmt: skip
     (adapted,) = guard.adaptations
     assert adapted.why.endswith("ran out of memory") and (adapted.after, adapted.checkpointing) == (1, True)
@@ -92,11 +94,8 @@ def test_an_out_of_memory_error_takes_the_savers_planned_for_the_latest_readings
 def test_an_out_of_memory_error_before_any_reading_plans_for_the_room_read_as_it_is_handled(tmp_path):
     # the first step fails: no reading between steps yet; the room is read once the failed step's tensors are gone,
     # less the gradients and momentum it would have made: 55.5 MB x 0.99 - 50.74 MB = 4.2 MB, as at step 5
-    def fail_once(model):
-        model.ooms = 1
-
     trainer, guard, events, model = _run(
-        tmp_path, model_changes={0: fail_once}, model=Blocks, capacity=55_500_000, guard_kwargs=GUARD
+        tmp_path, model_changes={0: _oom()}, model=Blocks, capacity=55_500_000, guard_kwargs=GUARD
     )  # fmt: skip
     (adapted,) = guard.adaptations
     assert adapted.step == 0 and (adapted.after, adapted.checkpointing) == (1, True)
@@ -121,12 +120,9 @@ def test_after_an_out_of_memory_error_unplanned_savers_are_tried_whole_and_the_b
 ):
     # measuring the plain model can itself run out of memory: every block, unplanned, and the step redone whole; a
     # second error in that step (the savers were not enough) splits it
-    def fail(model):
-        model.ooms = ooms
-
     _plan_fails(monkeypatch)
     trainer, guard, events, model = _run(
-        tmp_path, model_changes={5: fail}, model=Blocks, capacity=55_500_000, guard_kwargs=GUARD
+        tmp_path, model_changes={5: _oom(ooms)}, model=Blocks, capacity=55_500_000, guard_kwargs=GUARD
     )  # fmt: skip
     # the second adaptation is the split alone: the savers are on from the first
     assert [(a.before, a.after, a.checkpointing) for a in guard.adaptations] == [(1, 1, True), (1, 2, False)][:ooms]
@@ -200,7 +196,7 @@ def test_an_out_of_memory_errors_savers_are_measured_with_the_failed_steps_activ
 
     monkeypatch.setattr(RunAdapter, "_plan_savers", watched)
     _run(
-        tmp_path, model_changes={5: lambda model: setattr(model, "ooms", 1)}, model=_FailsAfterItsForward,
+        tmp_path, model_changes={5: _oom()}, model=_FailsAfterItsForward,
         capacity=55_500_000, guard_kwargs=GUARD,
     )  # fmt: skip
     assert alive == [False]
