@@ -26,9 +26,9 @@ recomputation sets the peak); each of the two also as
 batch>)``); ``levers_at_switch_memory`` and ``levers_half_switch``: ``plan_levers`` on the Hugging Face model (the
 fused loss, then per block the cheapest of checkpointing it whole, its parts or recomputing its pointwise chains) or on
 the vision model (no fused loss: no vocabulary), offload not offered since this loop does not enter its context, for
-a budget of the switch's measured activation peak and of half of it, as the ``ours_at_switch_memory`` row's fraction
-of the plain row's peak (goals, :data:`LEVERS_GOAL`: at the switch's memory at most 0.90x its step time on vision
-models, 0.85x on language and speech models, 0.80x on GPT-2; every block + the fused loss at most 0.30x the switch's
+a budget of the switch's measured activation peak and of half of it, in bytes (goals, :data:`LEVERS_GOAL`: at the
+switch's memory at most 0.90x its step time on vision models, 0.85x on language and speech models, 0.80x on GPT-2;
+every block + the fused loss at most 0.30x the switch's
 memory at 1.05x its time, :data:`FUSED_GOAL`); and ``ours_rebuild`` (``rebuild_bn_relu(model)``) for timm
 resnet50; torchvision resnet50 (``tv_resnet50``: no switch of its own) runs plain, ours and the rebuild, so that
 the two rebuilds are compared on the same basis (``rebuild_goal``).
@@ -308,8 +308,8 @@ def figures(plan: Any) -> dict[str, Any]:
 
 def apply_levers(model: nn.Module, example: torch.Tensor, setting: Setting, budget: float) -> dict[str, Any]:
     """``plan_levers`` on the Hugging Face model inside the wrapper (the fused loss needs it), called with its
-    labels as the wrapper calls it, or on the vision model with its images, for ``budget`` (a fraction of its peak
-    before any lever); offload not offered (this loop does not enter its context)."""
+    labels as the wrapper calls it, or on the vision model with its images, for ``budget`` (bytes of activations);
+    offload not offered (this loop does not enter its context)."""
     if isinstance(model, (CausalLM, SpeechSeq2Seq)):
         lm: nn.Module = model.model  # type: ignore[assignment]
         inputs = (
@@ -435,13 +435,21 @@ def measure(
     return result
 
 
-def switch_fraction(rows: dict[str, dict[str, Any]], row: str = "ours_at_switch_memory") -> float | None:
+def switch_fraction(
+    rows: dict[str, dict[str, Any]], row: str = "ours_at_switch_memory", smoke: bool = False
+) -> float | None:
     """The budget of a row set by the switch (:data:`AT_SWITCH`): the family switch's measured activation peak, as a
-    fraction of the plain model's, times the row's share of it (None where either was not measured, or for another
-    row)."""
+    fraction of the plain model's, times the row's share of it, or for the levers' rows (:data:`LEVERS`) that share
+    of the switch's peak in bytes, but for ``smoke`` (where the figure is the bytes a step saves, not a peak) (None
+    where either was not measured, or for another row)."""
     plain, switch = rows.get("plain", {}), rows.get("family_switch", {})
     if row not in AT_SWITCH or "activation_peak_gb" not in plain or "activation_peak_gb" not in switch:
         return None
+    if (
+        row in LEVERS and not smoke
+    ):  # bytes: the Hugging Face model's own output holds its logits (the wrapper's frees them), which
+        # the planner counts in its peak before any lever: a fraction of that peak is more than the switch's memory
+        return int(AT_SWITCH[row] * switch["activation_peak_gb"] * 1e9)
     return min(1.0, AT_SWITCH[row] * switch["activation_peak_gb"] / plain["activation_peak_gb"])
 
 
@@ -678,7 +686,7 @@ def main() -> None:
                 continue
             if row == "fused_loss_every_block" and name not in FUSED:
                 continue
-            at_switch = switch_fraction(rows, row)
+            at_switch = switch_fraction(rows, row, args.smoke)
             if row in AT_SWITCH and at_switch is None:
                 continue
             rows[row] = measure(name, row, setting, at_switch, alive if args.rounds else None)

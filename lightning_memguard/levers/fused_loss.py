@@ -278,7 +278,7 @@ def _chunks(
             if grad_hidden is not None:
                 grad_hidden[start:end] = low @ w
             if grad_weight is not None:
-                grad_weight += (low.t() @ h).float()
+                _add_product(grad_weight, low.t(), h)
         loss_value = total / count.float() if settings.reduction == "mean" else total
     return (
         loss_value,
@@ -286,6 +286,18 @@ def _chunks(
         None if grad_weight is None else grad_weight.to(dtype),
         None if grad_bias is None or bias is None else grad_bias.to(dtype),
     )
+
+
+def _add_product(total: Tensor, a: Tensor, b: Tensor) -> None:
+    """``total += a @ b`` in float32 for ``a`` and ``b`` in a lower dtype: on CUDA one matmul that accumulates and
+    adds in float32 (``out_dtype``), elsewhere (and under ``torch.compile``) the product rounded to their dtype,
+    then added."""
+    if a.dtype == total.dtype:
+        total.addmm_(a, b)
+    elif a.is_cuda and not torch.compiler.is_compiling():
+        torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
+    else:
+        total += (a @ b).float()
 
 
 ChunkTerms = tuple[Tensor, Tensor, Tensor, Tensor | None]
