@@ -24,7 +24,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -75,6 +75,13 @@ MICRO_BATCH_END = "memguard_micro_batch_end"
 
 class OutputsNotJoined(ValueError):
     """The outputs of a batch's micro-batches cannot be joined into the whole batch's (the message says where)."""
+
+
+def _known(kind: type, saved: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a saved row that the dataclass ``kind`` has: a checkpoint written by a later version may hold
+    more (a missing one takes its default)."""
+    names = {f.name for f in fields(kind)}
+    return {key: value for key, value in saved.items() if key in names}
 
 
 class SaversNotPlanned(RuntimeError):
@@ -1169,13 +1176,13 @@ class RunAdapter:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.adaptations = [Adaptation(**row) for row in state.get("adaptations", [])]
+        self.adaptations = [Adaptation(**_known(Adaptation, row)) for row in state.get("adaptations", [])]
         self._set_chunks(int(state.get("chunks", 1)))
         self.validation_chunks = int(state.get("validation_chunks", 1))
         self.checkpointing = bool(state.get("checkpointing", False))
         # a checkpoint from before the savers were kept, checkpointing on, had every block checkpointed
         saved = state.get("savers")
-        self.savers = Savers(**saved) if self.checkpointing and saved else None
+        self.savers = Savers(**_known(Savers, saved)) if self.checkpointing and saved else None
         # a checkpoint from before the weighting was kept, split already, weighted its micro-batches by samples
         self.weighting = state.get("weighting", "samples" if self.chunks > 1 else None)
         if self._micro is not None and self.weighting not in (None, "coupled"):

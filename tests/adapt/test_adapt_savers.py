@@ -277,6 +277,11 @@ def test_a_checkpoint_from_before_the_savers_were_kept_still_loads_with_every_bl
     assert adapter.checkpointing and adapter.savers is None and not adapter.can_grow  # no figure: the savers stay
     assert adapter.adaptations[0].savers == "" and adapter.adaptations[0].switch_s is None
     assert "activation checkpointing on" in adapter.adaptations[0].line()
+    later = {**old, "adaptations": [{**old["adaptations"][0], "from_a_later_version": 1}],
+             "savers": {"record": {}, "said": "every block", "from_a_later_version": 2}}  # fmt: skip
+    adapter.load_state_dict(later)  # what a later version adds is left, what it kept is read
+    assert adapter.adaptations[0].step == 5 and adapter.savers is not None and adapter.savers.said == "every block"
+    adapter.load_state_dict(old)
 
     from types import SimpleNamespace
 
