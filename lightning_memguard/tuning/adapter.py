@@ -805,6 +805,11 @@ class RunAdapter:
         if batch is not None and self.chunks > 1:
             part = split_batch(batch, samples, self.chunks)[0][0]
         size = micro_batch(samples, self.chunks)
+        why = "; not planned: " + (
+            "no batch in hand" if part is None
+            else "the room for activations is not known" if room is None
+            else f"no room left for activations ({room / 1e6:.1f} MB)"
+        )  # fmt: skip
         if part is not None and room is not None and room > 0:
             try:
                 example, _ = inputs_from_batch(part, pl_module.forward)
@@ -819,10 +824,12 @@ class RunAdapter:
                 plan.loss_refused = ADAPT_NO_FUSED_LOSS if find_loss_target(pl_module)[2] is None else None
                 floor = plan.measured_bytes
                 return Savers(plan.record(), plan.summary(), plan.held, plan.baseline_bytes, size, floor=floor)
-            except (ValueError, TypeError, RuntimeError):  # RuntimeError: out of memory too
+            except (ValueError, TypeError, RuntimeError) as err:  # RuntimeError: out of memory too
                 free_memory()  # planned on nothing usable (say a batch of indices the model maps): every block
+                why = f"; not planned: measuring the batch raised {type(err).__name__}: {str(err)[:160]}"
         every = checkpoint_blocks(pl_module)
-        return Savers({"runs": every.runs, "split_graphs": bool(every.graph_splits)}, every.summary(), None, None, size)
+        said = every.summary() + why
+        return Savers({"runs": every.runs, "split_graphs": bool(every.graph_splits)}, said, None, None, size)
 
     def _take_savers(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, samples: int, room: int | None

@@ -118,8 +118,9 @@ def _plan_fails(monkeypatch):
 def test_after_an_out_of_memory_error_unplanned_savers_are_tried_whole_and_the_batch_split_only_if_that_fails(
     tmp_path, monkeypatch, ooms
 ):
-    # measuring the plain model can itself run out of memory: every block, unplanned, and the step redone whole; a
-    # second error in that step (the savers were not enough) splits it
+    # no room to plan in (the failed step's other tensors fill the capacity; measuring the plain model could run out
+    # of memory too): every block, unplanned, and the step redone whole; a second error in that step (the savers
+    # were not enough) splits it
     _plan_fails(monkeypatch)
     trainer, guard, events, model = _run(
         tmp_path, model_changes={5: _oom(ooms)}, model=Blocks, capacity=55_500_000, guard_kwargs=GUARD
@@ -127,9 +128,24 @@ def test_after_an_out_of_memory_error_unplanned_savers_are_tried_whole_and_the_b
     # the second adaptation is the split alone: the savers are on from the first
     assert [(a.before, a.after, a.checkpointing) for a in guard.adaptations] == [(1, 1, True), (1, 2, False)][:ooms]
     assert guard.adaptations[0].savers.startswith("checkpointed 4 of 4 blocks")
+    assert guard.adaptations[0].savers.endswith("not planned: no room left for activations (-12.7 MB)")  # why
     assert events.micro_batches[5] == ([64, 64] if ooms == 1 else [64, 64, 32, 32])
     assert trainer.global_step == 16 and events.samples_per_step == [64] * 16 and _checkpointed(model)
     assert _close(model, _plain(tmp_path))
+
+
+def test_savers_that_could_not_be_measured_are_every_block_and_say_why(monkeypatch):
+    _plan_fails(monkeypatch)
+    adapter, model = RunAdapter(allow_batchnorm=False, grow_every=200, headroom=0.05), Blocks()
+    batch = (model.x[:64], model.y[:64])
+    savers = adapter._plan_savers(model, batch, 64, room=10**9)
+    assert savers.held is None and {"blocks.0", "blocks.3"} <= set(_checkpointed(model))
+    assert savers.said.endswith("not planned: measuring the batch raised OutOfMemoryError: CUDA out of memory "
+                                "(injected, while the savers are measured)")  # fmt: skip
+    remove_levers(model)
+    assert adapter._plan_savers(model, None, 64, room=10**9).said.endswith("not planned: no batch in hand")
+    remove_levers(model)
+    assert adapter._plan_savers(model, batch, 64, room=None).said.endswith("the room for activations is not known")
 
 
 def test_the_savers_are_measured_under_the_trainers_precision(tmp_path, monkeypatch):
