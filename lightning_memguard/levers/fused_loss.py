@@ -278,7 +278,7 @@ def _chunks(
             if grad_hidden is not None:
                 grad_hidden[start:end] = low @ w
             if grad_weight is not None:
-                _add_product(grad_weight, low.t(), h)
+                grad_weight = _add_product(grad_weight, low.t(), h)
         loss_value = total / count.float() if settings.reduction == "mean" else total
     return (
         loss_value,
@@ -288,16 +288,17 @@ def _chunks(
     )
 
 
-def _add_product(total: Tensor, a: Tensor, b: Tensor) -> None:
-    """``total += a @ b`` in float32 for ``a`` and ``b`` in a lower dtype: on CUDA one matmul that accumulates and
-    adds in float32 (``out_dtype``), elsewhere (and under ``torch.compile``) the product rounded to their dtype,
-    then added."""
-    if a.dtype == total.dtype:
-        total.addmm_(a, b)
-    elif a.is_cuda and not torch.compiler.is_compiling():
-        torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
-    else:
-        total += (a @ b).float()
+def _add_product(total: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``total + a @ b``, in ``total``'s memory but under ``torch.compile`` (whose trace of the loss's forward
+    refuses a tensor changed in place and then returned). For ``a`` and ``b`` in a lower dtype than ``total``
+    (float32), on CUDA one matmul that accumulates and adds in float32 (``out_dtype``); elsewhere the product is
+    rounded to their dtype, then added."""
+    if torch.compiler.is_compiling():
+        return total + (a @ b).to(total.dtype)
+    if a.is_cuda and a.dtype != total.dtype:
+        return torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
+    total += (a @ b).to(total.dtype)
+    return total
 
 
 ChunkTerms = tuple[Tensor, Tensor, Tensor, Tensor | None]
