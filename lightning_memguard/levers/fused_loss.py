@@ -278,7 +278,10 @@ def _chunks(
             if grad_hidden is not None:
                 grad_hidden[start:end] = low @ w
             if grad_weight is not None:
-                grad_weight = _add_product(grad_weight, low.t(), h)
+                if low.is_cuda and low.dtype != grad_weight.dtype and not torch.compiler.is_compiling():
+                    torch.addmm(grad_weight, low.t(), h, out_dtype=grad_weight.dtype, out=grad_weight)  # float32 sum
+                else:
+                    grad_weight += (low.t() @ h).float()
         loss_value = total / count.float() if settings.reduction == "mean" else total
     return (
         loss_value,
@@ -286,19 +289,6 @@ def _chunks(
         None if grad_weight is None else grad_weight.to(dtype),
         None if grad_bias is None or bias is None else grad_bias.to(dtype),
     )
-
-
-def _add_product(total: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """``total + a @ b``, in ``total``'s memory but under ``torch.compile`` (whose trace of the loss's forward
-    refuses a tensor changed in place and then returned). For ``a`` and ``b`` in a lower dtype than ``total``
-    (float32), on CUDA one matmul that accumulates and adds in float32 (``out_dtype``); elsewhere the product is
-    rounded to their dtype, then added."""
-    if torch.compiler.is_compiling():
-        return total + (a @ b).to(total.dtype)
-    if a.is_cuda and a.dtype != total.dtype:
-        return torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
-    total += (a @ b).to(total.dtype)
-    return total
 
 
 ChunkTerms = tuple[Tensor, Tensor, Tensor, Tensor | None]
