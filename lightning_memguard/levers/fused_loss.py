@@ -23,19 +23,12 @@ in bf16, and where no token is counted (a micro-batch of prompt tokens only) its
 
 from __future__ import annotations
 
-import functools
-import importlib
-import os
-import sys
-import warnings
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-
-from lightning_memguard import _compiler
 
 DEFAULT_CHUNK_TOKENS = 2048
 """Tokens per chunk: each chunk's float32 logits take ``chunk_tokens x vocabulary x 4`` bytes (411 MB for GPT-2)."""
@@ -260,28 +253,36 @@ def _chunks(
             h = hidden[start:end].to(dtype)
             mask = counted[start:end]
             target = torch.where(mask, labels[start:end], 0).unsqueeze(1)
-            logits = F.linear(h, w, b)  # the same op and dtype as the plain head's under autocast
-            scale = mask.float() * per_token
-            terms = _softmax_gradient(logits, target, scale, settings) if any(needs) else None
-            if terms is None:  # PyTorch's operations, in float32
-                terms = _float_chunk(logits, target, scale, settings, any(needs))
-            lse, picked, row_sum, grad = terms
-            loss = lse - picked
+            logits = F.linear(h, w, b).float()  # the same op and dtype as the plain head's under autocast
+            if settings.logit_scale is not None:
+                logits = logits * settings.logit_scale
+            capped = None
+            if settings.softcap is not None:
+                capped = torch.tanh(logits / settings.softcap)
+                logits = capped * settings.softcap
+            lse = torch.logsumexp(logits, dim=1)
+            loss = lse - logits.gather(1, target).squeeze(1)
             if smoothing:
-                loss = (1.0 - smoothing) * loss + smoothing * (lse - row_sum / vocabulary)
+                loss = (1.0 - smoothing) * loss + smoothing * (lse - logits.mean(dim=1))
             total = total + torch.where(mask, loss, 0.0).sum()
-            if grad is None:
+            if not any(needs):
                 continue
+            grad = torch.exp(logits.sub_(lse.unsqueeze(1)))  # the softmax, in the logits' memory
+            grad.scatter_add_(1, target, torch.full_like(target, -(1.0 - smoothing), dtype=grad.dtype))
+            if smoothing:
+                grad.sub_(smoothing / vocabulary)
+            grad.mul_((mask.float() * per_token).unsqueeze(1))
+            if capped is not None:
+                grad.mul_(1.0 - capped * capped)
+            if settings.logit_scale is not None:
+                grad.mul_(settings.logit_scale)
             if grad_bias is not None:
-                grad_bias += grad.sum(dim=0, dtype=torch.float32)
+                grad_bias += grad.sum(dim=0)
             low = grad.to(dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = low @ w
             if grad_weight is not None:
-                if low.is_cuda and low.dtype != grad_weight.dtype and not torch.compiler.is_compiling():
-                    torch.addmm(grad_weight, low.t(), h, out_dtype=grad_weight.dtype, out=grad_weight)  # float32 sum
-                else:
-                    grad_weight += (low.t() @ h).float()
+                grad_weight += (low.t() @ h).float()
         loss_value = total / count.float() if settings.reduction == "mean" else total
     return (
         loss_value,
@@ -289,97 +290,6 @@ def _chunks(
         None if grad_weight is None else grad_weight.to(dtype),
         None if grad_bias is None or bias is None else grad_bias.to(dtype),
     )
-
-
-ChunkTerms = tuple[Tensor, Tensor, Tensor, Tensor | None]
-"""A chunk's log-sum-exp, target logit and (with smoothing) sum of logits per token, float32, and its logits'
-gradient (None where no gradient is asked for)."""
-
-
-def _float_chunk(logits: Tensor, target: Tensor, scale: Tensor, settings: _Settings, gradient: bool) -> ChunkTerms:
-    """A chunk's terms by PyTorch's operations, in float32 (with the soft cap and logit scale, where set)."""
-    logits = logits.float()
-    if settings.logit_scale is not None:
-        logits = logits * settings.logit_scale
-    capped = None
-    if settings.softcap is not None:
-        capped = torch.tanh(logits / settings.softcap)
-        logits = capped * settings.softcap
-    smoothing = settings.label_smoothing
-    lse = torch.logsumexp(logits, dim=1)
-    picked = logits.gather(1, target).squeeze(1)
-    row_sum = logits.sum(dim=1) if smoothing else lse  # read only with smoothing
-    if not gradient:
-        return lse, picked, row_sum, None
-    grad = torch.exp(logits.sub_(lse.unsqueeze(1)))  # the softmax, in the logits' memory
-    grad.scatter_add_(1, target, torch.full_like(target, -(1.0 - smoothing), dtype=grad.dtype))
-    if smoothing:
-        grad.sub_(smoothing / logits.shape[1])
-    grad.mul_(scale.unsqueeze(1))
-    if capped is not None:
-        grad.mul_(1.0 - capped * capped)
-    if settings.logit_scale is not None:
-        grad.mul_(settings.logit_scale)
-    return lse, picked, row_sum, grad
-
-
-_BLOCK = 4096
-"""Words per step of the kernel's loop over a row."""
-
-_failed: list[str] = []  # why the kernel could not run here, once it has failed: from then on, PyTorch's kernels
-
-
-def _kernel_runs(logits: Tensor, settings: _Settings) -> bool:
-    """Whether the Triton kernel computes this chunk: on CUDA with Triton (or Triton's CPU interpreter), outside
-    ``torch.compile``'s tracing (which compiles the PyTorch code itself), without a soft cap or logit scale (which
-    PyTorch's kernels apply), on a dense chunk of logits, until it has once failed."""
-    if _failed or settings.softcap is not None or settings.logit_scale is not None or not logits.is_contiguous():
-        return False
-    if torch.compiler.is_compiling() or not _triton_installed():
-        return False
-    return logits.is_cuda or (logits.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-
-
-_triton_installed = functools.cache(_compiler.triton_installed)  # asked at every chunk: once is enough
-
-
-@functools.cache
-def _kernel() -> Any:
-    """The Triton kernel, defined when first needed (under Triton's interpreter if ``TRITON_INTERPRET=1`` then)."""
-    name = "lightning_memguard.levers._loss_kernel"
-    module = sys.modules.get(name)
-    return (importlib.reload(module) if module is not None else importlib.import_module(name)).softmax_gradient
-
-
-def _softmax_gradient(logits: Tensor, target: Tensor, scale: Tensor, settings: _Settings) -> ChunkTerms | None:
-    """A chunk's terms by the Triton kernel, in one launch, ``logits`` overwritten with the loss's gradient, row by
-    row ``(softmax - (1 - smoothing) * onehot(target) - smoothing / vocabulary) * scale`` in the logits' dtype.
-
-    None, ``logits`` untouched, where the kernel does not run (PyTorch's operations then compute the chunk): see
-    :func:`_kernel_runs`, and once it has failed to build or run (with one warning)."""
-    if not _kernel_runs(logits, settings):
-        return None
-    rows, vocabulary = logits.shape
-    smoothing = settings.label_smoothing
-    picked = logits.gather(1, target).squeeze(1).float()  # before the kernel writes over it
-    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    row_sum = torch.empty_like(lse) if smoothing else lse  # not written without smoothing
-    keep, share = 1.0 - smoothing, smoothing / vocabulary
-    try:
-        _kernel()[(rows,)](
-            logits, logits.stride(0), target.squeeze(1), scale, lse, row_sum, vocabulary, keep, share,
-            SMOOTHING=bool(smoothing), BLOCK=_BLOCK,
-        )  # fmt: skip
-    except Exception as err:  # Triton cannot build or run it for this GPU: PyTorch's operations, and say so once
-        _failed.append(f"{type(err).__name__}: {err}")
-        warnings.warn(
-            f"lightning-memguard: the fused loss's kernel cannot run here ({_failed[0][:200]}); computing its"
-            " chunks with PyTorch's own operations instead (same result, slower)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
-    return lse, picked, row_sum, logits
 
 
 class _ChunkedLoss(torch.autograd.Function):
