@@ -23,12 +23,19 @@ in bf16, and where no token is counted (a micro-batch of prompt tokens only) its
 
 from __future__ import annotations
 
+import functools
+import importlib
+import os
+import sys
+import warnings
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+
+from lightning_memguard import _compiler
 
 DEFAULT_CHUNK_TOKENS = 2048
 """Tokens per chunk: each chunk's float32 logits take ``chunk_tokens x vocabulary x 4`` bytes (411 MB for GPT-2)."""
@@ -125,6 +132,7 @@ def fused_linear_cross_entropy(
         )
     compute_dtype = autocast_dtype or torch.promote_types(hidden.dtype, weight.dtype)
     settings = _Settings(ignore_index, label_smoothing, reduction, logit_scale, softcap, chunk_tokens, compute_dtype)
+    settings.kernel = _kernel_runs(hidden, settings)
     if not torch.is_grad_enabled():  # no graph: the loss alone, no gradients computed
         with torch.no_grad():
             return _chunks(flat_hidden, weight, bias, flat_labels, settings, (False, False, False))[0]
@@ -198,6 +206,7 @@ class _Settings:
     __slots__ = (
         "chunk_tokens",
         "compute_dtype",
+        "kernel",
         "ignore_index",
         "label_smoothing",
         "logit_scale",
@@ -222,6 +231,7 @@ class _Settings:
         self.softcap = softcap
         self.chunk_tokens = chunk_tokens
         self.compute_dtype = compute_dtype
+        self.kernel = False  # the chunks' softmax and gradient by the Triton kernel (:func:`_kernel_runs`)
 
 
 def _chunks(
@@ -253,36 +263,49 @@ def _chunks(
             h = hidden[start:end].to(dtype)
             mask = counted[start:end]
             target = torch.where(mask, labels[start:end], 0).unsqueeze(1)
-            logits = F.linear(h, w, b).float()  # the same op and dtype as the plain head's under autocast
-            if settings.logit_scale is not None:
-                logits = logits * settings.logit_scale
-            capped = None
-            if settings.softcap is not None:
-                capped = torch.tanh(logits / settings.softcap)
-                logits = capped * settings.softcap
-            lse = torch.logsumexp(logits, dim=1)
-            loss = lse - logits.gather(1, target).squeeze(1)
-            if smoothing:
-                loss = (1.0 - smoothing) * loss + smoothing * (lse - logits.mean(dim=1))
-            total = total + torch.where(mask, loss, 0.0).sum()
-            if not any(needs):
-                continue
-            grad = torch.exp(logits.sub_(lse.unsqueeze(1)))  # the softmax, in the logits' memory
-            grad.scatter_add_(1, target, torch.full_like(target, -(1.0 - smoothing), dtype=grad.dtype))
-            if smoothing:
-                grad.sub_(smoothing / vocabulary)
-            grad.mul_((mask.float() * per_token).unsqueeze(1))
-            if capped is not None:
-                grad.mul_(1.0 - capped * capped)
-            if settings.logit_scale is not None:
-                grad.mul_(settings.logit_scale)
-            if grad_bias is not None:
-                grad_bias += grad.sum(dim=0)
-            low = grad.to(dtype)
+            logits = F.linear(h, w, b)  # the same op and dtype as the plain head's under autocast
+            terms = None
+            if settings.kernel and any(needs):
+                terms = _softmax_gradient(logits, target, mask.float() * per_token, smoothing)
+            if terms is not None:  # the kernel: the loss's terms, and the gradient in the logits' place
+                lse, picked, row_sum = terms
+                loss = _smoothed(lse - picked, lse, row_sum / vocabulary, smoothing)
+                total = total + torch.where(mask, loss, 0.0).sum()
+                if grad_bias is not None:
+                    grad_bias += logits.sum(dim=0, dtype=torch.float32)
+                low = logits
+            else:  # PyTorch's operations, in float32
+                logits = logits.float()
+                if settings.logit_scale is not None:
+                    logits = logits * settings.logit_scale
+                capped = None
+                if settings.softcap is not None:
+                    capped = torch.tanh(logits / settings.softcap)
+                    logits = capped * settings.softcap
+                lse = torch.logsumexp(logits, dim=1)
+                loss = _smoothed(lse - logits.gather(1, target).squeeze(1), lse, logits.mean(dim=1), smoothing)
+                total = total + torch.where(mask, loss, 0.0).sum()
+                if not any(needs):
+                    continue
+                grad = torch.exp(logits.sub_(lse.unsqueeze(1)))  # the softmax, in the logits' memory
+                grad.scatter_add_(1, target, torch.full_like(target, -(1.0 - smoothing), dtype=grad.dtype))
+                if smoothing:
+                    grad.sub_(smoothing / vocabulary)
+                grad.mul_((mask.float() * per_token).unsqueeze(1))
+                if capped is not None:
+                    grad.mul_(1.0 - capped * capped)
+                if settings.logit_scale is not None:
+                    grad.mul_(settings.logit_scale)
+                if grad_bias is not None:
+                    grad_bias += grad.sum(dim=0)
+                low = grad.to(dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = low @ w
             if grad_weight is not None:
-                grad_weight += (low.t() @ h).float()
+                if low.is_cuda and low.dtype != grad_weight.dtype and not torch.compiler.is_compiling():
+                    torch.addmm(grad_weight, low.t(), h, out_dtype=grad_weight.dtype, out=grad_weight)  # float32 sum
+                else:
+                    grad_weight += (low.t() @ h).float()
         loss_value = total / count.float() if settings.reduction == "mean" else total
     return (
         loss_value,
@@ -290,6 +313,71 @@ def _chunks(
         None if grad_weight is None else grad_weight.to(dtype),
         None if grad_bias is None or bias is None else grad_bias.to(dtype),
     )
+
+
+def _smoothed(loss: Tensor, lse: Tensor, mean: Tensor, smoothing: float) -> Tensor:
+    """Each token's loss with label smoothing: ``(1 - s) * loss + s * (lse - mean of its logits)``."""
+    return (1.0 - smoothing) * loss + smoothing * (lse - mean) if smoothing else loss
+
+
+_BLOCK = 4096
+"""Words per step of the kernel's loop over a row."""
+
+_failed: list[str] = []  # why the kernel could not run here, once it has failed: from then on, PyTorch's kernels
+
+
+def _kernel_runs(tensor: Tensor, settings: _Settings) -> bool:
+    """Whether the Triton kernel computes the chunks' softmax and gradient: on CUDA with Triton (or in Triton's CPU
+    interpreter), not where ``torch.compile`` traces the loss (it compiles PyTorch's operations itself), without a
+    soft cap or logit scale (which PyTorch's operations apply), until it has once failed."""
+    if torch.compiler.is_compiling() or _failed or settings.softcap is not None or settings.logit_scale is not None:
+        return False
+    interpreted = tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return (tensor.is_cuda or interpreted) and _triton_installed()
+
+
+_triton_installed = functools.cache(_compiler.triton_installed)  # asked at every call: once is enough
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The Triton kernel, defined when first needed (under Triton's interpreter if ``TRITON_INTERPRET=1`` then)."""
+    name = "lightning_memguard.levers._loss_kernel"
+    module = sys.modules.get(name)
+    return (importlib.reload(module) if module is not None else importlib.import_module(name)).softmax_gradient
+
+
+def _softmax_gradient(
+    logits: Tensor, target: Tensor, scale: Tensor, smoothing: float
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """A chunk's log-sum-exp, target logit and (with smoothing) sum of logits per token, in float32, by the Triton
+    kernel in one launch, ``logits`` overwritten with the loss's gradient, row by row
+    ``(softmax - (1 - smoothing) * onehot(target) - smoothing / vocabulary) * scale``, in the logits' dtype.
+
+    None, ``logits`` untouched, once the kernel has failed to build or run (with one warning): PyTorch's operations
+    then compute the chunk."""
+    if _failed:
+        return None
+    rows, vocabulary = logits.shape
+    picked = logits.gather(1, target).squeeze(1).float()  # before the kernel writes over it
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    row_sum = torch.empty_like(lse) if smoothing else lse  # not written without smoothing
+    keep, share = 1.0 - smoothing, smoothing / vocabulary
+    try:
+        _kernel()[(rows,)](
+            logits, logits.stride(0), target.squeeze(1), scale, lse, row_sum, vocabulary, keep, share,
+            SMOOTHING=bool(smoothing), BLOCK=_BLOCK,
+        )  # fmt: skip
+    except Exception as err:  # Triton cannot build or run it for this GPU: PyTorch's operations, and say so once
+        _failed.append(f"{type(err).__name__}: {err}")
+        warnings.warn(
+            f"lightning-memguard: the fused loss's kernel cannot run here ({_failed[0][:200]}); computing its"
+            " chunks with PyTorch's own operations instead (same result, slower)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    return lse, picked, row_sum
 
 
 class _ChunkedLoss(torch.autograd.Function):

@@ -581,3 +581,55 @@ def test_finer_links_alone_and_nested_train_as_the_plain_model_on_cuda():
     )
     assert plan.held, plan.summary()
     assert all(torch.equal(expected[n], g) for n, g in grads(budgeted).items())
+
+
+def test_the_fused_losss_kernel_on_cuda(monkeypatch):
+    """GPU twin of test_the_triton_kernel_computes_the_chunks_as_pytorchs_operations_do: at GPT-2's vocabulary, bf16
+    autocast, every chunk by the Triton kernel (ignored tokens and smoothing included), within one bf16 step of
+    PyTorch's operations and no further from the float32 reference; under torch.compile the compiled graph instead."""
+    from lightning_memguard import fused_linear_cross_entropy
+    from lightning_memguard.levers import fused_loss
+
+    launches = []
+    kernel = fused_loss._softmax_gradient
+    monkeypatch.setattr(fused_loss, "_softmax_gradient", lambda *args: _counted(kernel, launches, *args))
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(4, 512, 768, device="cuda", generator=generator, requires_grad=True)
+    weight = (torch.randn(50257, 768, device="cuda", generator=generator) * 0.02).requires_grad_()
+    labels = torch.randint(0, 50257, (4, 512), device="cuda", generator=generator)
+    labels[0] = -100  # a chunk of 512 tokens that holds ignored tokens only
+
+    def loss_and_grads(fn, autocast=True):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = fn()
+        return [loss.detach().float(), *(g.float() for g in torch.autograd.grad(loss, (hidden, weight)))]
+
+    def fused():
+        return fused_linear_cross_entropy(hidden, weight, labels, shift=True, label_smoothing=0.1, chunk_tokens=512)
+
+    def plain():
+        logits = torch.nn.functional.linear(hidden, weight).float()[:, :-1].flatten(0, 1)
+        return torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), label_smoothing=0.1)
+
+    ours = loss_and_grads(fused)
+    assert launches == [True] * 4
+    kernel_runs = fused_loss._kernel_runs
+    monkeypatch.setattr(fused_loss, "_kernel_runs", lambda *args: False)
+    torch_ops = loss_and_grads(fused)
+    monkeypatch.setattr(fused_loss, "_kernel_runs", kernel_runs)
+    reference = loss_and_grads(plain, autocast=False)
+    for got, theirs, want in zip(ours, torch_ops, reference, strict=True):
+        scale = want.abs().max()
+        assert (got - theirs).abs().max() <= 2**-7 * scale  # one bf16 step at most
+        assert (got - want).abs().max() <= 1.5 * (theirs - want).abs().max() + 1e-3 * scale
+    launches.clear()
+    compiled = loss_and_grads(torch.compile(fused))
+    assert True not in launches  # traced: Inductor compiles PyTorch's operations
+    for got, want in zip(compiled, reference, strict=True):
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def _counted(kernel, launches, *args):
+    terms = kernel(*args)
+    launches.append(terms is not None)
+    return terms

@@ -5,6 +5,13 @@ and what it keeps for backward: its gradients, never the logits."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -309,3 +316,44 @@ def test_a_sharded_head_or_a_tensor_parallel_input_is_refused_saying_what_to_do(
             fused_linear_cross_entropy(
                 given["hidden"], given["weight"], labels, bias=given["bias"], implementation=implementation
             )
+
+
+def test_the_triton_kernel_computes_the_chunks_as_pytorchs_operations_do():
+    """CPU twin of test_the_fused_losss_kernel_on_cuda (tests/gpu/test_gpu.py), in Triton's interpreter (in a process
+    of its own: the interpreter must be chosen before Triton is imported): every chunk by the kernel, one that holds
+    ignored tokens only included; float32 to rounding, bf16 autocast within one bf16 step of PyTorch's operations and
+    no further from the float32 reference."""
+    pytest.importorskip("triton")
+    script = Path(__file__).resolve().parents[1] / "fused_loss_kernel_run.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, case in result.items():
+        assert case["kernel_chunks"] == [True] * 4, name  # 120 tokens in chunks of 32
+        if name.startswith("bf16"):
+            assert max(case["vs_torch_ops"]) <= 2**-7, name  # one bf16 step at most
+            for ours, theirs in zip(case["vs_plain_float32"], case["torch_ops_vs_plain_float32"], strict=True):
+                assert ours <= 1.5 * theirs + 1e-3, name
+        else:
+            assert max(case["vs_torch_ops"]) <= 1e-5 and max(case["vs_plain_float32"]) <= 1e-5, name
+
+
+def test_a_kernel_that_cannot_build_leaves_pytorchs_operations_and_says_so_once(monkeypatch):
+    class Unbuildable:
+        def __getitem__(self, grid):
+            raise RuntimeError("no compiler for this GPU")
+
+    monkeypatch.setattr(fused_loss, "_failed", [])
+    monkeypatch.setattr(fused_loss, "_kernel", lambda: Unbuildable())
+    monkeypatch.setattr(fused_loss, "_triton_installed", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # a CPU tensor goes to the kernel
+    hidden, weight, bias, labels = _inputs()
+    with pytest.warns(RuntimeWarning, match="fused loss's kernel cannot run here .*no compiler for this GPU"):
+        fused = _loss_and_grads(
+            lambda: fused_linear_cross_entropy(hidden, weight, labels, bias=bias), hidden, weight, bias
+        )
+    _assert_same(fused, _loss_and_grads(lambda: _plain(hidden, weight, labels, bias), hidden, weight, bias))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: the next call goes to PyTorch's operations without a word
+        fused_linear_cross_entropy(hidden, weight, labels, bias=bias)
