@@ -11,7 +11,8 @@ internals, and this package is the only place that touches them, one module per 
   static graph per trial size; :func:`activation_memory_budget` (for a block) and :func:`activation_memory_budget_now`:
   compile's own memory lever (``torch._functorch.config``); :func:`eager`: compiled code run eagerly;
   :func:`backends`, :func:`inductor_missing` and :func:`triton_installed`: the backends ``torch.compile`` knows, what
-  Inductor lacks here, and whether Triton is there (for Inductor on CUDA and the rebuild's kernel).
+  Inductor lacks here, and whether Triton is there (for Inductor on CUDA and the library's kernels);
+  :func:`triton_runs_on` and :func:`triton_module`: where the library's Triton kernels can run, and their module.
 - :mod:`.graphs`: a model's graphs. :func:`graph_apart` and :func:`not_traced`: a model split into several compiled
   graphs, each with its own backward; :func:`forget_graphs_apart`: their functions made anew;
   :func:`gradient_realized`: a block's input gradient held in one buffer (the package's one custom op,
@@ -37,6 +38,8 @@ from lightning_memguard._compiler.compile_settings import (
     inductor_missing,
     static_graph_per_size,
     triton_installed,
+    triton_module,
+    triton_runs_on,
 )
 from lightning_memguard._compiler.dynamo_state import CompileWatch, compiles, compiling, is_compiled, unwrapped
 from lightning_memguard._compiler.frames import ran_compiled, saved_by_compiled_graph
@@ -63,5 +66,7 @@ __all__ = [
     "saved_by_compiled_graph",
     "static_graph_per_size",
     "triton_installed",
+    "triton_module",
+    "triton_runs_on",
     "unwrapped",
 ]

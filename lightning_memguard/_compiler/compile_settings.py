@@ -9,17 +9,22 @@ what this machine offers ``torch.compile`` (its backends, what Inductor lacks).
   :func:`activation_memory_budget_now`: its value in force.
 - :func:`eager`: compiled code run eagerly.
 - :func:`backends`, :func:`inductor_missing` and :func:`triton_installed`: the backends ``torch.compile`` knows,
-  what Inductor lacks here, and whether Triton is there (for Inductor on CUDA and the rebuild's kernel).
+  what Inductor lacks here, and whether Triton is there (for Inductor on CUDA and the library's own kernels);
+  :func:`triton_runs_on` and :func:`triton_module`: where the library's Triton kernels (the rebuild's, the fused
+  loss's) can run, and their module, defined anew for Triton's CPU interpreter.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import os
 import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import ModuleType
 
 import torch
 
@@ -87,6 +92,23 @@ def backends() -> list[str]:
 def triton_installed() -> bool:
     """Whether Triton can be imported (without importing it): Inductor's CUDA code and the rebuild's kernel need it."""
     return importlib.util.find_spec("triton") is not None
+
+
+_triton_found = functools.cache(triton_installed)  # asked at every kernel's call: once is enough
+
+
+def triton_runs_on(tensor: torch.Tensor) -> bool:
+    """Whether a Triton kernel of the library can run on ``tensor``'s device: CUDA with Triton installed, or the CPU
+    under Triton's interpreter (``TRITON_INTERPRET=1``, the CPU twins of the kernels' GPU tests)."""
+    interpreted = tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return (tensor.is_cuda or interpreted) and _triton_found()
+
+
+def triton_module(name: str) -> ModuleType:
+    """The module of Triton kernels ``name``, imported, or imported again where it was: its kernels defined anew,
+    under Triton's interpreter if ``TRITON_INTERPRET=1`` now. Imported only where Triton is installed."""
+    module = sys.modules.get(name)
+    return importlib.reload(module) if module is not None else importlib.import_module(name)
 
 
 def inductor_missing(cuda: bool) -> str | None:

@@ -11,9 +11,6 @@ two dense ones (contiguous, channels_last), or once the kernel has failed to bui
 from __future__ import annotations
 
 import functools
-import importlib
-import os
-import sys
 import warnings
 from typing import Any
 
@@ -28,20 +25,13 @@ _failed: list[str] = []  # why the kernel could not run here, once it has failed
 
 def available(t: torch.Tensor) -> bool:
     """Whether the kernel can run on ``t``'s device: CUDA with Triton, or Triton's CPU interpreter."""
-    if _failed or not _triton_installed():
-        return False
-    return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-
-
-_triton_installed = functools.cache(_compiler.triton_installed)  # asked at every rebuild: once is enough
+    return not _failed and _compiler.triton_runs_on(t)
 
 
 @functools.cache
 def _kernel() -> Any:
     """The Triton kernel, defined when first needed (under Triton's interpreter if ``TRITON_INTERPRET=1`` then)."""
-    name = "lightning_memguard.checkpointing._kernels"
-    module = sys.modules.get(name)
-    return (importlib.reload(module) if module is not None else importlib.import_module(name)).bn_relu
+    return _compiler.triton_module("lightning_memguard.checkpointing._kernels").bn_relu
 
 
 BatchNormArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

@@ -24,9 +24,6 @@ in bf16, and where no token is counted (a micro-batch of prompt tokens only) its
 from __future__ import annotations
 
 import functools
-import importlib
-import os
-import sys
 import warnings
 from typing import Any, Literal
 
@@ -302,7 +299,7 @@ def _chunks(
             if grad_hidden is not None:
                 grad_hidden[start:end] = low @ w
             if grad_weight is not None:
-                if low.is_cuda and low.dtype != grad_weight.dtype and not torch.compiler.is_compiling():
+                if low.is_cuda and low.dtype != grad_weight.dtype and not _compiler.compiling():
                     torch.addmm(grad_weight, low.t(), h, out_dtype=grad_weight.dtype, out=grad_weight)  # float32 sum
                 else:
                     grad_weight += (low.t() @ h).float()
@@ -330,21 +327,15 @@ def _kernel_runs(tensor: Tensor, settings: _Settings) -> bool:
     """Whether the Triton kernel computes the chunks' softmax and gradient: on CUDA with Triton (or in Triton's CPU
     interpreter), not where ``torch.compile`` traces the loss (it compiles PyTorch's operations itself), without a
     soft cap or logit scale (which PyTorch's operations apply), until it has once failed."""
-    if torch.compiler.is_compiling() or _failed or settings.softcap is not None or settings.logit_scale is not None:
+    if _compiler.compiling() or _failed or settings.softcap is not None or settings.logit_scale is not None:
         return False
-    interpreted = tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-    return (tensor.is_cuda or interpreted) and _triton_installed()
-
-
-_triton_installed = functools.cache(_compiler.triton_installed)  # asked at every call: once is enough
+    return _compiler.triton_runs_on(tensor)
 
 
 @functools.cache
 def _kernel() -> Any:
     """The Triton kernel, defined when first needed (under Triton's interpreter if ``TRITON_INTERPRET=1`` then)."""
-    name = "lightning_memguard.levers._loss_kernel"
-    module = sys.modules.get(name)
-    return (importlib.reload(module) if module is not None else importlib.import_module(name)).softmax_gradient
+    return _compiler.triton_module("lightning_memguard.levers._loss_kernel").softmax_gradient
 
 
 def _softmax_gradient(
