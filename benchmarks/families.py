@@ -435,7 +435,7 @@ def measure(
     return result
 
 
-def switch_fraction(
+def switch_budget(
     rows: dict[str, dict[str, Any]], row: str = "ours_at_switch_memory", smoke: bool = False
 ) -> float | None:
     """The budget of a row set by the switch (:data:`AT_SWITCH`): the family switch's measured activation peak, as a
@@ -686,7 +686,7 @@ def main() -> None:
                 continue
             if row == "fused_loss_every_block" and name not in FUSED:
                 continue
-            at_switch = switch_fraction(rows, row, args.smoke)
+            at_switch = switch_budget(rows, row, args.smoke)
             if row in AT_SWITCH and at_switch is None:
                 continue
             rows[row] = measure(name, row, setting, at_switch, alive if args.rounds else None)

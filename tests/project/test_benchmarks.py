@@ -170,8 +170,8 @@ def test_families_goals_compare_ours_with_the_family_switch_and_say_unmet_budget
     assert levers["levers_half_switch"] == {"memory_vs_switch": 0.5, "step_time_vs_switch": 1.05, "held": False,
                                             "kinds": ["block"]}  # fmt: skip
     assert levers["budgets_held_or_said"]["levers_half_switch"] and families.AT_SWITCH["levers_half_switch"] == 0.5
-    assert families.switch_fraction(rows, "levers_half_switch") == 2 * 10**9  # bytes: half the switch's 4 GB
-    assert families.switch_fraction(rows, "ours_below_switch") == 0.8 * 4.0 / 10.0  # a fraction of plain's peak
+    assert families.switch_budget(rows, "levers_half_switch") == 2 * 10**9  # bytes: half the switch's 4 GB
+    assert families.switch_budget(rows, "ours_below_switch") == 0.8 * 4.0 / 10.0  # a fraction of plain's peak
     del rows["levers_half_switch"]
     # torchvision's resnet50 has no switch: its budgets are still checked; the two rebuilds are compared alike
     del rows["family_switch"]
