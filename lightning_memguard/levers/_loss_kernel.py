@@ -13,7 +13,7 @@ def softmax_gradient(
     scale_ptr,
     lse_ptr,
     row_sum_ptr,
-    vocabulary,
+    vocabulary: tl.constexpr,  # one build per vocabulary; Triton 3.6's interpreter cannot loop to a scalar argument
     keep,  # 1 - label_smoothing: what the target's one-hot weighs
     share,  # label_smoothing / vocabulary: what every word's uniform share weighs
     SMOOTHING: tl.constexpr,
