@@ -80,7 +80,11 @@ class Block(torch.nn.Module):
 
 class Blocks(LightningModule):
     """Four residual MLP blocks and a wide head outside them: a step starts from 50.74 MB (weights, gradients,
-    momentum) and saves 4.52 MB at batch 64 (70.7 kB a sample), 2.4 MB with every block checkpointed (the head's)."""
+    momentum) and saves 4.52 MB at batch 64 (70.7 kB a sample), 2.4 MB with every block checkpointed (the head's).
+
+    A learning rate low enough that float32's rounding, summed in another order where a batch is split, stays at
+    rounding's size over the run's 16 steps (at 0.05, a ReLU of the head flipped by it made the weights differ by 2 %
+    of their change on one CPU and not on another)."""
 
     def __init__(self, n: int = 64 * 8) -> None:
         super().__init__()
@@ -107,7 +111,7 @@ class Blocks(LightningModule):
         return torch.nn.functional.cross_entropy(self(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
     def train_dataloader(self):
         return DataLoader(TensorDataset(self.x, self.y), batch_size=self.bs, shuffle=True)

@@ -18,6 +18,7 @@ from lightning_memguard.levers.offload import ActivationOffload
 from lightning_memguard.levers.plan_levers import (
     InjectedLever,
     LeverPlan,
+    applied_levers,
     apply_record,
     find_loss_target,
     plan_levers,
@@ -36,6 +37,7 @@ __all__ = [
     "FusedLossRefused",
     "PointwiseCost",
     "apply_fused_loss",
+    "applied_levers",
     "apply_record",
     "fused_linear_cross_entropy",
     "measure_pointwise",

@@ -34,6 +34,7 @@ from lightning_memguard.checkpointing.families import Units, check_units
 from lightning_memguard.checkpointing.measure import StepMeter, default_loss
 from lightning_memguard.checkpointing.model_map import ModelMap, map_model
 from lightning_memguard.checkpointing.surgery import remove_checkpointing
+from lightning_memguard.checkpointing.wrap import is_checkpointed
 from lightning_memguard.core.checks import check_instance, check_memory_budget, check_size
 from lightning_memguard.levers.choose import (
     RECORD_VERSION,
@@ -44,10 +45,17 @@ from lightning_memguard.levers.choose import (
     Measurement,
     Proposal,
 )
-from lightning_memguard.levers.huggingface_loss import FusedLossRefused, apply_fused_loss, refusal, remove_fused_loss
+from lightning_memguard.levers.huggingface_loss import (
+    FusedLossRefused,
+    apply_fused_loss,
+    is_fused,
+    refusal,
+    remove_fused_loss,
+)
 from lightning_memguard.levers.offload import ActivationOffload, bucket_size, exposed_transfer_ms
 from lightning_memguard.levers.pointwise import (
     PointwiseCost,
+    PointwiseRecomputed,
     default_clock,
     measure_pointwise,
     recompute_pointwise,
@@ -146,7 +154,8 @@ def plan_levers(
 
     Raises:
         ValueError: a budget out of range, no links found, a bad bandwidth or host bound, an injected lever of a
-            kind offered here (or two of one kind).
+            kind offered here (or two of one kind); a model that carries levers already (:func:`applied_levers`:
+            planning would take them off; ``remove_levers(model)`` first, to plan afresh).
         TypeError: ``model`` not an ``nn.Module``.
 
     Example:
@@ -161,6 +170,7 @@ def plan_levers(
         (True, ['block'])
     """
     check_instance("model", model, nn.Module, "be a torch.nn.Module (the model itself, built)")
+    _refuse_applied(model, "plan_levers plans")
     budget = check_memory_budget(memory_budget)
     if budget is None:
         raise ValueError("`memory_budget` must be given: a fraction in (0, 1] or bytes")
@@ -243,7 +253,8 @@ def apply_record(model: nn.Module, record: Mapping[str, Any], units: Units = "au
         The same model.
 
     Raises:
-        ValueError: a record of another layout or version, or naming a block, part or module the model lacks.
+        ValueError: a record of another layout or version, or naming a block, part or module the model lacks; a
+            model that carries levers already (:func:`applied_levers`).
         FusedLossRefused: the record fuses the loss and the module it names does not take it.
 
     Example:
@@ -255,6 +266,7 @@ def apply_record(model: nn.Module, record: Mapping[str, Any], units: Units = "au
         True
     """
     check_instance("model", model, nn.Module, "be a torch.nn.Module (the model itself, built)")
+    _refuse_applied(model, "apply_record applies a record")
     keys = ("version", "fused_loss", "loss_module", "checkpointed", "pointwise")
     if not isinstance(record, Mapping) or any(key not in record for key in keys):
         raise ValueError(f"a lever record must be a dict with the keys {list(keys)}, got {record!r}")
@@ -279,6 +291,37 @@ def apply_record(model: nn.Module, record: Mapping[str, Any], units: Units = "au
         remove_levers(model)
         raise
     return model
+
+
+def applied_levers(model: nn.Module) -> list[str]:
+    """The levers ``model`` carries already, said (empty: none): blocks or parts checkpointed by this library
+    (``checkpoint_blocks``, ``ActivationCheckpointing``, a plan), pointwise chains recomputed, the fused loss.
+    :func:`plan_levers` and :func:`apply_record` refuse such a model (they would take those levers off), and
+    ``MemGuard(on_spill="adapt")`` keeps them, splitting the batch instead of planning savers over them.
+
+    Example:
+        >>> from lightning_memguard.checkpointing import checkpoint_blocks
+        >>> block = lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        >>> model = torch.nn.Sequential(block(), block())
+        >>> _ = checkpoint_blocks(model, units=[torch.nn.Sequential])
+        >>> applied_levers(model)
+        ['checkpointed: 0, 1']
+    """
+    checkpointed = [name or "(the model)" for name, m in model.named_modules() if is_checkpointed(m)]
+    pointwise = [name or "(the model)" for name, m in model.named_modules() if isinstance(m, PointwiseRecomputed)]
+    fused = [name or "(the model)" for name, m in model.named_modules() if is_fused(m)]
+    said = [("checkpointed", checkpointed), ("pointwise chains recomputed", pointwise), ("fused loss", fused)]
+    return [f"{what}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}" for what, names in said if names]
+
+
+def _refuse_applied(model: nn.Module, what: str) -> None:
+    applied = applied_levers(model)
+    if applied:
+        raise ValueError(
+            f"{what} on a model as built, and this one carries levers already ({'; '.join(applied)}): doing so"
+            " would take them off. Call remove_levers(model) first to plan afresh, or keep them and leave the"
+            " planner out"
+        )
 
 
 def remove_levers(model: nn.Module) -> bool:

@@ -54,7 +54,13 @@ from lightning_memguard._lightning.privates import (
 from lightning_memguard.checkpointing import apply_plan, checkpoint_blocks, is_checkpointed
 from lightning_memguard.core.advice import FitAdvice
 from lightning_memguard.core.units import size_formatter
-from lightning_memguard.levers.plan_levers import apply_record, find_loss_target, plan_levers, remove_levers
+from lightning_memguard.levers.plan_levers import (
+    applied_levers,
+    apply_record,
+    find_loss_target,
+    plan_levers,
+    remove_levers,
+)
 from lightning_memguard.levers.pointwise import PointwiseRecomputed
 from lightning_memguard.tuning.adapt import (
     WEIGHTINGS,
@@ -900,7 +906,10 @@ class RunAdapter:
         if batch is None and self._micro is not None:
             batch = self._micro.batch
         savers, no_blocks = None, None
-        if not self.checkpointing and self._savers_first(trainer):
+        kept = [] if self.checkpointing else applied_levers(pl_module)  # the user's own: never planned over
+        if kept:
+            why = f"{why}; no savers: the model's own levers are kept ({'; '.join(kept)})"
+        if not self.checkpointing and not kept and self._savers_first(trainer):
             try:
                 savers = self._take_savers(trainer, pl_module, batch, samples, room)
             except ValueError as err:  # no blocks: split as before
@@ -930,7 +939,7 @@ class RunAdapter:
                 )  # fmt: skip
             )
             return None
-        if savers is None and not self.checkpointing and no_blocks is None and self._savers_first(trainer):
+        if savers is None and not self.checkpointing and not kept and no_blocks is None and self._savers_first(trainer):
             # the plan took nothing (the model's peak met the room as measured) and no split is left: every block
             try:
                 savers = self._take_savers(trainer, pl_module, None, samples, None)
@@ -941,6 +950,9 @@ class RunAdapter:
             return None
         if no_blocks is not None:
             return f"{cannot or 'the batch cannot be split further'}, and activation checkpointing found {no_blocks}"
+        if kept:
+            split = cannot or "the batch cannot be split further"
+            return f"{split}, and the model's own levers are kept ({'; '.join(kept)})"
         if not self.checkpointing:
             try:
                 with trainer.precision_plugin.train_step_context():  # measured as the step runs

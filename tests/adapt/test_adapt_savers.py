@@ -11,10 +11,10 @@ import torch
 from conftest import ddp_scenario_results, trainer_kwargs
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import Blocks
+from models import Block, Blocks
 from test_adapt import _close, _run
 
-from lightning_memguard.checkpointing import is_checkpointed
+from lightning_memguard.checkpointing import apply_plan, is_checkpointed
 from lightning_memguard.levers import LeverPlan, apply_record, plan_levers, remove_levers
 from lightning_memguard.tuning.adapt import Adaptation
 from lightning_memguard.tuning.adapter import RunAdapter
@@ -228,6 +228,28 @@ def test_growing_back_removes_the_split_first_then_the_savers(tmp_path):
     assert removed.why.startswith("memory freed") and removed.switch_s == pytest.approx(0.1)
     assert "the savers removed, in 0.10 s (levers: block recomputed" in removed.line()
     assert not _checkpointed(model) and events.micro_batches[-1] == [64] and trainer.global_step == 16
+    assert _close(model, _plain(tmp_path))
+
+
+def _own_checkpointing() -> Blocks:
+    """Blocks whose user checkpointed its first block before the fit."""
+    model = Blocks()
+    apply_plan(model, [["blocks.0"]], units=[Block])
+    return model
+
+
+def test_a_model_with_its_own_checkpointing_keeps_it_the_batch_split_and_it_grows_back_without_touching_it(tmp_path):
+    # the user's levers are theirs: the savers are not planned over them (that would take them off, and growing
+    # back would remove them); the split keeps the batch per optimizer step and goes when the memory frees
+    trainer, guard, events, model = _run(
+        tmp_path, others={3: HELD, 8: 0}, model=_own_checkpointing, capacity=CAPACITY,
+        guard_kwargs={**GUARD, "grow_every": 2},
+    )  # fmt: skip
+    said = [(a.before, a.after, a.checkpointing, a.savers_off) for a in guard.adaptations]
+    assert said == [(1, 2, False, False), (2, 1, False, False)]
+    assert "no savers: the model's own levers are kept (checkpointed: blocks.0)" in guard.adaptations[0].line()
+    assert _checkpointed(model) == ["blocks.0"] and events.samples_per_step == [64] * 16
+    assert events.micro_batches[-1] == [64] and trainer.global_step == 16
     assert _close(model, _plain(tmp_path))
 
 

@@ -440,3 +440,20 @@ def test_a_block_that_changes_a_kept_product_in_place_gets_no_pointwise_option_a
     plain(x).sum().backward()
     for mine, theirs in zip(model.parameters(), plain.parameters(), strict=True):
         assert torch.equal(mine.grad, theirs.grad)
+
+
+def test_a_model_that_carries_levers_already_is_refused_and_keeps_them():
+    # planning starts from the model as built and undoes what it tried: over the user's own levers, it would take
+    # them off without a word
+    model, example = gpt2()
+    apply_plan(model, [["transformer.h.1"]])
+    apply_fused_loss(model)
+    record = {"version": 1, "fused_loss": False, "loss_module": "", "checkpointed": ["transformer.h.0"]}
+    record["pointwise"] = []
+    for call in (lambda: plan_levers(model, example, memory_budget=0.5), lambda: apply_record(model, record)):
+        with pytest.raises(ValueError, match=r"carries levers already \(checkpointed: transformer\.h\.1; fused loss:"):
+            call()
+        assert checkpointed(model) == ["transformer.h.1"] and is_fused(model)
+    assert plan_levers_module.remove_levers(model) and plan_levers_module.applied_levers(model) == []
+    recompute_pointwise(model, units=["transformer.h.2"])
+    assert plan_levers_module.applied_levers(model) == ["pointwise chains recomputed: transformer.h.2"]
