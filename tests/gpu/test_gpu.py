@@ -576,8 +576,10 @@ def test_finer_links_alone_and_nested_train_as_the_plain_model_on_cuda():
     apply_plan(ours, runs)
     assert all(torch.equal(expected[n], g) for n, g in grads(ours).items())
     budgeted = copy.deepcopy(plain)
+    # the floor, every block checkpointed, is 0.68-0.70 of the step's peak on an H100 (weights, the head, the
+    # batch): a budget of 0.7 sat on it and missed by 0.1 MB; 0.8 leaves room and still takes parts of blocks
     plan = checkpoint_blocks(
-        budgeted, memory_budget=0.7, example_input=x, loss_fn=lambda out: out.float().pow(2).mean()
+        budgeted, memory_budget=0.8, example_input=x, loss_fn=lambda out: out.float().pow(2).mean()
     )
     assert plan.held, plan.summary()
     assert all(torch.equal(expected[n], g) for n, g in grads(budgeted).items())
