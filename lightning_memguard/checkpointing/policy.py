@@ -19,6 +19,38 @@ from lightning_memguard.checkpointing.measure import measured_alike
 from lightning_memguard.checkpointing.result import CheckpointPlan
 
 
+class PlanningFailed(RuntimeError):
+    """Raised on every rank but zero where rank zero's planning raised (rank zero raises that error itself): the
+    message names the error's type and says what it said, so no rank waits for a plan that never comes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    said: str
+
+
+def planned_on_rank_zero(plan: Callable[[], Any], is_rank_zero: bool, broadcast: Callable[[Any], Any]) -> Any:
+    """What ``plan()`` returned on rank zero, on every rank (``broadcast``): rank zero plans; where that raises,
+    rank zero raises its error and every other rank :class:`PlanningFailed`, after the broadcast they all wait in.
+
+    Example:
+        >>> planned_on_rank_zero(lambda: ["h.0"], True, lambda obj: obj)
+        ['h.0']
+    """
+    planned, failed = None, None
+    if is_rank_zero:
+        try:
+            planned = plan()
+        except Exception as err:  # the other ranks learn it below instead of waiting in the broadcast
+            failed, planned = err, _Failed(f"{type(err).__name__}: {err}")
+    planned = broadcast(planned)
+    if failed is not None:
+        raise failed
+    if isinstance(planned, _Failed):
+        raise PlanningFailed(f"rank zero failed planning what to checkpoint: {planned.said}")
+    return planned
+
+
 class CheckpointingPolicy:
     """Applies :class:`~.checkpointing_settings.CheckpointingSettings` to a model once, and keeps what was chosen.
 
@@ -101,6 +133,9 @@ class CheckpointingPolicy:
             measuring: the context to measure in (the Trainer's precision).
             every_rank_measures: every rank runs the measurement, as a sharded model's forward and backward hold
                 collectives that need every rank; each takes rank zero's figures, so all reach rank zero's plan.
+
+        Raises:
+            PlanningFailed: on every rank but zero, where rank zero's planning raised (rank zero raises its error).
         """
         if self.runs is not None:
             self._apply_runs(model, self.runs, self.split_graphs)
@@ -121,9 +156,9 @@ class CheckpointingPolicy:
                 "a `memory_budget` is measured on a real batch: give the module an `example_input_array`, or a train"
                 " loader whose first batch holds the model's inputs"
             )
-        runs, setting, split = None, None, False
         measures = is_rank_zero or every_rank_measures
-        if measures:
+
+        def plan() -> tuple[list[list[str]], float | None, bool]:
             # a sharded forward holds collectives: every rank measures, each taking rank zero's figures, so all run
             # the same passes and reach rank zero's plan
             agreed = measured_alike(broadcast) if every_rank_measures else contextlib.nullcontext()
@@ -137,10 +172,12 @@ class CheckpointingPolicy:
                     rebuild_bn_relu=settings.rebuild_bn_relu,
                     rebuild_config=settings.rebuild_config,
                 )
-            runs = self.plan.runs
-            setting = self.plan.activation_memory_budget
-            split = bool(self.plan.graph_splits)
-        runs, setting, split = broadcast((runs, setting, split))  # rank zero's, on every rank
+            return self.plan.runs, self.plan.activation_memory_budget, bool(self.plan.graph_splits)
+
+        if every_rank_measures:
+            runs, setting, split = broadcast(plan())  # rank zero's, on every rank
+        else:
+            runs, setting, split = planned_on_rank_zero(plan, is_rank_zero, broadcast)
         if not measures:  # only a rank that measured has applied the plan
             self._apply_runs(model, runs, split)
         self.runs, self.compile_setting, self.split_graphs = runs, setting, split

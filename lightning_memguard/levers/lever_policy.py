@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from lightning_memguard.checkpointing.checkpointing_settings import CheckpointingSettings
-from lightning_memguard.checkpointing.policy import CheckpointingPolicy
+from lightning_memguard.checkpointing.policy import CheckpointingPolicy, planned_on_rank_zero
 from lightning_memguard.levers.choose import LeverPlan
 from lightning_memguard.levers.plan_levers import apply_record, plan_levers
 
@@ -70,6 +70,7 @@ class LeverPolicy(CheckpointingPolicy):
 
         Raises:
             ValueError: no ``example_input`` to measure on; ``every_rank_measures``.
+            PlanningFailed: on every rank but zero, where rank zero's planning raised (rank zero raises its error).
         """
         units = self.settings.units
         if self.lever_record is not None:
@@ -86,12 +87,13 @@ class LeverPolicy(CheckpointingPolicy):
                 " loader whose first batch holds the model's inputs"
             )
         budget: Any = self.settings.memory_budget
-        record = None
-        if is_rank_zero:
+
+        def plan() -> dict[str, Any]:
             with measuring():
                 self.lever_plan = plan_levers(model, example_input, budget, units=units, offload=False)
-            record = self.lever_plan.record()
-        record = broadcast(record)  # rank zero's, on every rank
+            return self.lever_plan.record()
+
+        record = planned_on_rank_zero(plan, is_rank_zero, broadcast)  # rank zero's, on every rank
         if not is_rank_zero:
             apply_record(model, record, units)
         self.lever_record = record

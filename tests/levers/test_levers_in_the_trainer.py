@@ -317,3 +317,37 @@ def test_under_ddp_spawn_rank_zero_measures_and_every_rank_applies_its_record(tm
     assert zero["fused"] == ["model"] and (zero["checkpointed"] or zero["pointwise"])
     assert zero["step"] == one["step"] == 2 and zero["checksum"] == one["checksum"] == launcher["checksum"]
     assert launcher["record"] is None
+
+
+@pytest.mark.parametrize("levers", [False, True], ids=["checkpointing", "levers"])
+def test_rank_zero_failing_while_it_plans_raises_on_every_rank_instead_of_leaving_them_waiting(levers):
+    # two ranks' calls, the broadcast between them kept by hand: rank zero's measurement fails (a batch the model
+    # cannot take); it raises its own error, the other rank learns it from the broadcast it waits in
+    from lightning_memguard.checkpointing.checkpointing_settings import CheckpointingSettings
+    from lightning_memguard.checkpointing.policy import PlanningFailed
+
+    sent = []
+
+    def from_zero(obj):
+        sent.append(obj)
+        return obj
+
+    def to_one(obj):
+        assert obj is None  # rank one plans nothing
+        return sent[0]
+
+    def model():
+        return nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3)))
+
+    settings = CheckpointingSettings([nn.Sequential], memory_budget=0.5, levers=levers)
+    zero, one = lever_policy.make_policy(settings), lever_policy.make_policy(settings)
+    models = model(), model()
+    bad = torch.randn(4, 7)  # the first Linear takes 16 features
+    with pytest.raises(Exception) as raised:  # noqa: PT011 (whatever the measurement raised)
+        zero.apply(models[0], bad, is_rank_zero=True, broadcast=from_zero)
+    said = f"{type(raised.value).__name__}: {raised.value}"
+    with pytest.raises(PlanningFailed, match="rank zero failed planning what to checkpoint: ") as other:
+        one.apply(models[1], bad, is_rank_zero=False, broadcast=to_one)
+    assert str(other.value).endswith(said) and len(sent) == 1
+    assert not zero.decided and not one.decided
+    assert not any(is_checkpointed(m) for pair in models for m in pair.modules())  # both left as they were
