@@ -51,7 +51,7 @@ from lightning_memguard._lightning.privates import (
     set_rng_states,
     strategy_methods_replaced,
 )
-from lightning_memguard.checkpointing import apply_plan, checkpoint_blocks, is_checkpointed
+from lightning_memguard.checkpointing import CheckpointPlan, apply_plan, checkpoint_blocks, is_checkpointed
 from lightning_memguard.core.advice import FitAdvice
 from lightning_memguard.core.units import size_formatter
 from lightning_memguard.levers.plan_levers import (
@@ -587,6 +587,13 @@ class Savers:
                 "samples": self.samples, "floor": self.floor}  # fmt: skip
 
 
+def _budgeted_checkpoints(pl_module: LightningModule, example: Any, room: int) -> CheckpointPlan:
+    """The checkpointing planner for ``room`` bytes of activations, compile's ``activation_memory_budget`` left at its
+    default: the adapter holds no compile setting for the rest of a run, so a plan that needed one would not be what
+    runs (nor what a resumed run applies again from the record)."""
+    return checkpoint_blocks(pl_module, memory_budget=int(room), example_input=example, compile_settings=())
+
+
 def apply_savers(model: nn.Module, record: dict[str, Any]) -> None:
     """Apply the savers' record again, nothing measured: a levers' plan's (it has a ``"version"``) by
     :func:`~lightning_memguard.levers.plan_levers.apply_record`, else the checkpointing planner's runs."""
@@ -793,7 +800,7 @@ class RunAdapter:
             part = split_batch(batch, samples, self.chunks)[0][0] if self.chunks > 1 else batch
             try:
                 example, _ = inputs_from_batch(part, pl_module.forward)
-                return checkpoint_blocks(pl_module, memory_budget=int(room), example_input=example).summary()
+                return _budgeted_checkpoints(pl_module, example, room).summary()
             except (ValueError, TypeError, RuntimeError):  # RuntimeError: out of memory too
                 free_memory()  # planned on nothing usable (say a batch of indices the model maps): every block
         return checkpoint_blocks(pl_module).summary()
@@ -820,7 +827,7 @@ class RunAdapter:
             try:
                 example, _ = inputs_from_batch(part, pl_module.forward)
                 if is_compiled(pl_module):
-                    checkpoints = checkpoint_blocks(pl_module, memory_budget=int(room), example_input=example)
+                    checkpoints = _budgeted_checkpoints(pl_module, example, room)
                     record = {"runs": checkpoints.runs, "split_graphs": bool(checkpoints.graph_splits)}
                     said, held = checkpoints.summary(), checkpoints.held
                     floor = checkpoints.measured_bytes

@@ -148,6 +148,29 @@ def test_savers_that_could_not_be_measured_are_every_block_and_say_why(monkeypat
     assert adapter._plan_savers(model, batch, 64, room=None).said.endswith("the room for activations is not known")
 
 
+def test_a_compiled_models_savers_are_planned_with_compiles_default_setting(monkeypatch):
+    # the adapter holds no compile setting for the rest of the run: a plan that needed one would not be what runs
+    import lightning_memguard.tuning.adapter as adapter_module
+
+    plans, real = [], adapter_module.checkpoint_blocks
+
+    def kept(*args, **kwargs):
+        plans.append(real(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(adapter_module, "checkpoint_blocks", kept)
+    torch._dynamo.reset()
+    model = Blocks()
+    compiled = torch.compile(model, backend="aot_eager")
+    batch = (model.x[:64], model.y[:64])
+    savers = RunAdapter(allow_batchnorm=False, grow_every=200, headroom=0.05)._plan_savers(
+        compiled, batch, 64, 3 * 10**6
+    )
+    (plan,) = plans
+    assert plan.compiled and plan.activation_memory_budget is None and savers.held
+    assert {c["activation_memory_budget"] for c in plan.compile_candidates} == {None} and _checkpointed(model)
+
+
 def test_the_savers_are_measured_under_the_trainers_precision(tmp_path, monkeypatch):
     import lightning_memguard.tuning.adapter as adapter
 

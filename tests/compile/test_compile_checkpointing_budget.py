@@ -197,6 +197,17 @@ def test_a_setting_equal_to_compiles_default_in_force_is_measured_once():
     assert [c["activation_memory_budget"] for c in plan.compile_candidates if not c["runs"]] == [None, 0.5]
 
 
+def test_with_no_compile_settings_only_compiles_default_is_tried_and_none_is_chosen():
+    # what MemGuard's adapt asks for a compiled model mid-run: it holds no setting for the rest of the run
+    model = small_resnet()
+    x = torch.randn(4, 3, 64, 64)
+    plan = checkpoint_resnet(
+        model, memory_budget=0.6, example_input=x, compile={"backend": "aot_eager"}, compile_settings=()
+    )
+    assert plan.compiled and plan.activation_memory_budget is None
+    assert {c["activation_memory_budget"] for c in plan.compile_candidates} == {None}
+
+
 def test_an_eager_plan_is_still_made_in_eager_mode():
     model = _resnet()
     x = torch.randn(4, 3, 64, 64)
