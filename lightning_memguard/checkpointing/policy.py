@@ -41,7 +41,7 @@ def planned_on_rank_zero(plan: Callable[[], Any], is_rank_zero: bool, broadcast:
     if is_rank_zero:
         try:
             planned = plan()
-        except Exception as err:  # the other ranks learn it below instead of waiting in the broadcast
+        except BaseException as err:  # the other ranks learn it below instead of waiting in the broadcast
             failed, planned = err, _Failed(f"{type(err).__name__}: {err}")
     planned = broadcast(planned)
     if failed is not None:
@@ -135,7 +135,8 @@ class CheckpointingPolicy:
                 collectives that need every rank; each takes rank zero's figures, so all reach rank zero's plan.
 
         Raises:
-            PlanningFailed: on every rank but zero, where rank zero's planning raised (rank zero raises its error).
+            PlanningFailed: where rank zero alone plans (not ``every_rank_measures``), on every rank but zero where
+                its planning raised (rank zero raises its error).
         """
         if self.runs is not None:
             self._apply_runs(model, self.runs, self.split_graphs)

@@ -12,7 +12,7 @@ from torch import nn
 from lightning_memguard.checkpointing.checkpointing_settings import CheckpointingSettings
 from lightning_memguard.checkpointing.policy import CheckpointingPolicy, planned_on_rank_zero
 from lightning_memguard.levers.choose import LeverPlan
-from lightning_memguard.levers.plan_levers import apply_record, plan_levers
+from lightning_memguard.levers.plan_levers import applied_levers, apply_record, plan_levers, remove_levers
 
 
 class LeverPolicy(CheckpointingPolicy):
@@ -73,7 +73,9 @@ class LeverPolicy(CheckpointingPolicy):
             PlanningFailed: on every rank but zero, where rank zero's planning raised (rank zero raises its error).
         """
         units = self.settings.units
-        if self.lever_record is not None:
+        if self.lever_record is not None:  # a second fit of this model carries them still: taken off, then again
+            if applied_levers(model):
+                remove_levers(model)
             apply_record(model, self.lever_record, units)
             return
         if every_rank_measures:

@@ -51,7 +51,7 @@ from lightning_memguard._lightning.privates import (
     set_rng_states,
     strategy_methods_replaced,
 )
-from lightning_memguard.checkpointing import CheckpointPlan, apply_plan, checkpoint_blocks, is_checkpointed
+from lightning_memguard.checkpointing import CheckpointPlan, apply_plan, checkpoint_blocks
 from lightning_memguard.core.advice import FitAdvice
 from lightning_memguard.core.units import size_formatter
 from lightning_memguard.levers.plan_levers import (
@@ -61,7 +61,6 @@ from lightning_memguard.levers.plan_levers import (
     plan_levers,
     remove_levers,
 )
-from lightning_memguard.levers.pointwise import PointwiseRecomputed
 from lightning_memguard.tuning.adapt import (
     WEIGHTINGS,
     Adaptation,
@@ -594,6 +593,22 @@ def _budgeted_checkpoints(pl_module: LightningModule, example: Any, room: int) -
     return checkpoint_blocks(pl_module, memory_budget=int(room), example_input=example, compile_settings=())
 
 
+_SAVERS_MARK = "memguard_adapt_savers"
+"""Set in a LightningModule's ``__dict__`` while the levers it carries are the adapter's savers (not in its
+``state_dict``): what tells them from the user's own levers, which the adapter never plans over or removes."""
+
+
+def _took_savers(pl_module: nn.Module) -> bool:
+    return bool(pl_module.__dict__.get(_SAVERS_MARK))
+
+
+def _mark_savers(pl_module: nn.Module, taken: bool) -> None:
+    if taken:
+        pl_module.__dict__[_SAVERS_MARK] = True
+    else:
+        pl_module.__dict__.pop(_SAVERS_MARK, None)
+
+
 def apply_savers(model: nn.Module, record: dict[str, Any]) -> None:
     """Apply the savers' record again, nothing measured: a levers' plan's (it has a ``"version"``) by
     :func:`~lightning_memguard.levers.plan_levers.apply_record`, else the checkpointing planner's runs."""
@@ -683,13 +698,25 @@ class RunAdapter:
             self._resumed = False
         else:
             self.grow.restart(trainer.global_step)
-        if self.checkpointing and not any(
-            is_checkpointed(m) or isinstance(m, PointwiseRecomputed) for m in pl_module.modules()
-        ):  # a resumed run: the savers it took, again, nothing measured (every block: a checkpoint without the plan)
+        carried = applied_levers(pl_module)
+        if carried and _took_savers(pl_module) and not self.checkpointing:  # an earlier fit's, this one knows none
+            remove_levers(pl_module)  # the fit starts from the model as it was built
+            _mark_savers(pl_module, False)
+            carried = []
+        if self.checkpointing and carried and not _took_savers(pl_module):  # the checkpoint's, beside the user's own
+            rank_zero_warn(
+                f"MemGuard: the checkpoint's savers are not applied: the model carries levers of its own"
+                f" ({'; '.join(carried)}), which are kept; a spill splits the batch instead",
+                category=RuntimeWarning,
+            )
+            self.checkpointing, self.savers = False, None
+        elif self.checkpointing and not carried:
+            # a resumed run: the savers it took, again, nothing measured (every block: a checkpoint without the plan)
             if self.savers is not None:
                 apply_savers(pl_module, self.savers.record)
             else:
                 checkpoint_blocks(pl_module)
+            _mark_savers(pl_module, True)
         if not pl_module.automatic_optimization:
             return  # a spill then stops the run, saying why (see `_cannot_split`)
         self._micro = MicroBatches(trainer, self._after_oom, recover=trainer.world_size == 1)
@@ -884,6 +911,7 @@ class RunAdapter:
         if not planned.taken:
             return None
         self.checkpointing = True
+        _mark_savers(pl_module, True)
         self.savers = replace(planned, switch_s=self.clock() - start)
         return self.savers
 
@@ -915,7 +943,7 @@ class RunAdapter:
         savers, no_blocks = None, None
         kept = [] if self.checkpointing else applied_levers(pl_module)  # the user's own: never planned over
         if kept:
-            why = f"{why}; no savers: the model's own levers are kept ({'; '.join(kept)})"
+            why = f"{why}; the model's own levers are kept ({'; '.join(kept)})"
         if not self.checkpointing and not kept and self._savers_first(trainer):
             try:
                 savers = self._take_savers(trainer, pl_module, batch, samples, room)
@@ -967,6 +995,7 @@ class RunAdapter:
             except ValueError as err:  # no blocks found
                 return f"{cannot or 'the batch cannot be split further'}, and activation checkpointing found {err}"
             self.checkpointing = True
+            _mark_savers(pl_module, True)
             why = f"{why}; activation checkpointing: {plan}"
             self._said(
                 Adaptation(trainer.global_step, samples, before, before, True, why, trainer.accumulate_grad_batches)
@@ -1144,6 +1173,7 @@ class RunAdapter:
             return False
         start = self.clock()
         remove_levers(trainer.lightning_module)
+        _mark_savers(trainer.lightning_module, False)
         seconds = self.clock() - start
         self.checkpointing, self.savers = False, None
         self._grew_at = step

@@ -270,7 +270,7 @@ def test_a_model_with_its_own_checkpointing_keeps_it_the_batch_split_and_it_grow
     )  # fmt: skip
     said = [(a.before, a.after, a.checkpointing, a.savers_off) for a in guard.adaptations]
     assert said == [(1, 2, False, False), (2, 1, False, False)]
-    assert "no savers: the model's own levers are kept (checkpointed: blocks.0)" in guard.adaptations[0].line()
+    assert "; the model's own levers are kept (checkpointed: blocks.0); now 32 x 2" in guard.adaptations[0].line()
     assert _checkpointed(model) == ["blocks.0"] and events.samples_per_step == [64] * 16
     assert events.micro_batches[-1] == [64] and trainer.global_step == 16
     assert _close(model, _plain(tmp_path))
@@ -323,6 +323,33 @@ def test_a_resumed_run_restores_the_savers_without_planning_again(tmp_path, monk
     assert guard.adaptations == first.adaptations and _checkpointed(model) == _checkpointed(first_model)
     assert events.micro_batches == [[64]] * 8 and trainer.global_step == 16
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), _plain(tmp_path, ckpt_path=ckpt), strict=True))
+
+
+def test_a_checkpoints_savers_are_not_applied_over_the_users_own_levers_and_a_spill_splits_the_batch(tmp_path):
+    # the resumed adapter holds no claim on the model's levers: a later growth could not take the user's off
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")
+    _, first, _, _ = _run(
+        tmp_path, others={4: HELD}, model=Blocks, capacity=CAPACITY, guard_kwargs=GUARD, callbacks=[saver],
+        enable_checkpointing=True,
+    )  # fmt: skip
+    assert first.adaptations[0].checkpointing  # the checkpoint holds savers
+    with pytest.warns(RuntimeWarning, match=r"the checkpoint's savers are not applied: the model carries levers of"
+                                            r" its own \(checkpointed: blocks\.0\)"):  # fmt: skip
+        _, guard, events, model = _run(
+            tmp_path / "resumed", ckpt_path=tmp_path / "ckpt" / "epoch=0.ckpt", others={9: HELD},
+            model=_own_checkpointing, capacity=CAPACITY, guard_kwargs=GUARD,
+        )  # fmt: skip
+    later = guard.adaptations[len(first.adaptations) :]
+    assert [(a.after, a.checkpointing) for a in later] == [(2, False)] and not guard._policy.adapter.checkpointing
+    assert "the model's own levers are kept" in later[0].line() and _checkpointed(model) == ["blocks.0"]
+    assert events.samples_per_step == [64] * 8
+
+
+def test_a_later_fit_of_the_same_model_starts_without_an_earlier_fits_savers(tmp_path):
+    _, _, _, model = _run(tmp_path, others={4: HELD}, model=Blocks, capacity=CAPACITY, guard_kwargs=GUARD)
+    assert _checkpointed(model)  # the savers the first fit took stay on the model it returns
+    _, guard, _, again = _run(tmp_path / "again", model=lambda: model, capacity=CAPACITY, guard_kwargs=GUARD)
+    assert again is model and not guard.adaptations and not _checkpointed(model)  # as it was built, nothing kept
 
 
 def test_a_checkpoint_from_before_the_savers_were_kept_still_loads_with_every_block():

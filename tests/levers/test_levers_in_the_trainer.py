@@ -114,6 +114,16 @@ def test_the_same_callback_in_a_second_fit_re_applies_its_levers(fitted, tmp_pat
     assert _levers_on(second) == _levers_on(module)
 
 
+def test_the_same_model_fitted_again_by_the_same_callback_keeps_its_levers_once(tmp_path, monkeypatch):
+    # the model carries the first fit's levers: they are taken off and applied again, never refused or stacked
+    cb, module = ActivationCheckpointing(memory_budget=BUDGET, levers=True), LanguageModel()
+    _fit(module, tmp_path / "first", [cb])
+    first = _levers_on(module)
+    _no_planning(monkeypatch)
+    trainer = _fit(module, tmp_path / "second", [cb])
+    assert trainer.global_step >= 1 and _levers_on(module) == first and first["fused"] == ["model"]
+
+
 @pytest.mark.parametrize("run", ["fast_dev_run", "loader passed to fit"])
 def test_the_levers_in_the_runs_users_make(tmp_path, run):
     cb = ActivationCheckpointing(memory_budget=BUDGET, levers=True)
