@@ -29,9 +29,15 @@ class _Failed:
     said: str
 
 
-def planned_on_rank_zero(plan: Callable[[], Any], is_rank_zero: bool, broadcast: Callable[[Any], Any]) -> Any:
+def planned_on_rank_zero(
+    plan: Callable[[], Any],
+    is_rank_zero: bool,
+    broadcast: Callable[[Any], Any],
+    failure: Callable[[str], Exception] | None = None,
+) -> Any:
     """What ``plan()`` returned on rank zero, on every rank (``broadcast``): rank zero plans; where that raises,
-    rank zero raises its error and every other rank :class:`PlanningFailed`, after the broadcast they all wait in.
+    rank zero raises its error and every other rank ``failure(said)`` (default :class:`PlanningFailed`; ``said``:
+    the error's type and message), after the broadcast they all wait in.
 
     Example:
         >>> planned_on_rank_zero(lambda: ["h.0"], True, lambda obj: obj)
@@ -47,6 +53,8 @@ def planned_on_rank_zero(plan: Callable[[], Any], is_rank_zero: bool, broadcast:
     if failed is not None:
         raise failed
     if isinstance(planned, _Failed):
+        if failure is not None:
+            raise failure(planned.said)
         raise PlanningFailed(f"rank zero failed planning what to checkpoint: {planned.said}")
     return planned
 

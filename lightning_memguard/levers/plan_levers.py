@@ -307,11 +307,19 @@ def applied_levers(model: nn.Module) -> list[str]:
         >>> applied_levers(model)
         ['checkpointed: 0, 1']
     """
-    checkpointed = [name or "(the model)" for name, m in model.named_modules() if is_checkpointed(m)]
-    pointwise = [name or "(the model)" for name, m in model.named_modules() if isinstance(m, PointwiseRecomputed)]
-    fused = [name or "(the model)" for name, m in model.named_modules() if is_fused(m)]
-    said = [("checkpointed", checkpointed), ("pointwise chains recomputed", pointwise), ("fused loss", fused)]
-    return [f"{what}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}" for what, names in said if names]
+    kinds = {"checkpointed": is_checkpointed, "pointwise chains recomputed": _pointwise, "fused loss": is_fused}
+    found: dict[str, list[str]] = {what: [] for what in kinds}
+    for name, module in model.named_modules():
+        for what, carries in kinds.items():
+            if carries(module):
+                found[what].append(name or "(the model)")
+    return [
+        f"{what}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}" for what, names in found.items() if names
+    ]
+
+
+def _pointwise(module: nn.Module) -> bool:
+    return isinstance(module, PointwiseRecomputed)
 
 
 def _refuse_applied(model: nn.Module, what: str) -> None:

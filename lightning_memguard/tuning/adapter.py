@@ -52,6 +52,7 @@ from lightning_memguard._lightning.privates import (
     strategy_methods_replaced,
 )
 from lightning_memguard.checkpointing import CheckpointPlan, apply_plan, checkpoint_blocks
+from lightning_memguard.checkpointing.policy import planned_on_rank_zero
 from lightning_memguard.core.advice import FitAdvice
 from lightning_memguard.core.units import size_formatter
 from lightning_memguard.levers.plan_levers import (
@@ -884,30 +885,27 @@ class RunAdapter:
                 that error itself): no rank is left waiting for a plan that never comes.
         """
         start = self.clock()
-        planned: Savers | str | SaversNotPlanned | None = None
-        failed: Exception | None = None
-        if trainer.is_global_zero:
+
+        def plan() -> Savers | str:
             try:
                 with trainer.precision_plugin.train_step_context():  # measured as the step runs (autocast)
-                    planned = self._plan_savers(pl_module, batch, samples, room)
-            except ValueError as err:  # no blocks
-                planned = str(err)
-            except Exception as err:  # the other ranks learn it below instead of waiting in the broadcast
-                if trainer.world_size == 1:
-                    raise
-                failed = err
-                planned = SaversNotPlanned(f"rank zero failed planning the savers: {type(err).__name__}: {err}")
-        if trainer.world_size > 1:
-            planned = trainer.strategy.broadcast(planned, src=0)
-            if failed is not None:
-                raise failed
-            if isinstance(planned, Savers) and planned.taken and not trainer.is_global_zero:
-                apply_savers(pl_module, planned.record)
-        if isinstance(planned, SaversNotPlanned):
-            raise planned
+                    return self._plan_savers(pl_module, batch, samples, room)
+            except ValueError as err:  # no blocks: every rank raises it
+                return str(err)
+
+        def broadcast(obj: Any) -> Any:
+            return trainer.strategy.broadcast(obj, src=0) if trainer.world_size > 1 else obj
+
+        planned: Savers | str = planned_on_rank_zero(
+            plan,
+            trainer.is_global_zero,
+            broadcast,
+            lambda said: SaversNotPlanned(f"rank zero failed planning the savers: {said}"),
+        )
+        if isinstance(planned, Savers) and planned.taken and not trainer.is_global_zero:
+            apply_savers(pl_module, planned.record)
         if isinstance(planned, str):
             raise ValueError(planned)
-        assert planned is not None
         if not planned.taken:
             return None
         self.checkpointing = True
