@@ -6,12 +6,13 @@
 timm resnet50, convnext_tiny, vit_small_patch16_224, efficientnet_b0, swin_tiny_patch4_window7_224, regnety_032 and
 densenet121 (the last two have no adapter: their blocks are timm's declared ones) at batch 128, 224 px, channels_last
 for the CNNs; Hugging Face GPT-2 small (``GPT2Config()``), a Llama-style decoder of about its size (hidden 768, 12
-layers, 12 heads, intermediate 2048, vocabulary 32000), BERT-base (``BertConfig()``, masked-LM loss, 512 tokens) and
-T5-small's shape (6 + 6 layers, both stacks), 16 x 1024 tokens, and Whisper-base's shape (an audio encoder and a text
-decoder, 16 x 30 s of 80 mel bins, a 64-token transcript), all built from their configs (no downloads). One
-process, a plain PyTorch loop: AdamW, bf16 autocast, random data on the device, 5 warm-up and 15 timed steps, median
-step time by CUDA events. Memory is the activation peak: ``torch.cuda.max_memory_allocated()`` over the timed steps
-minus what was allocated just before the first timed forward (the resting model, AdamW's state and the batches). Rows,
+layers, 12 heads, intermediate 2048, vocabulary 32000), BERT-base (``BertConfig()``, 16 x 512 tokens, masked-LM loss on
+15 % of them) and T5-small's shape (6 + 6 layers, both stacks), 16 x 1024 tokens, and Whisper-base's shape (an audio
+encoder and a text decoder, 16 x 30 s of 80 mel bins, a 64-token transcript), all built from their configs (no
+downloads). One process, a plain PyTorch loop: AdamW, bf16 autocast, random data on the device, 5 warm-up and 15 timed
+steps, median step time by CUDA events. Memory is the activation peak: ``torch.cuda.max_memory_allocated()`` over the
+timed steps minus what was allocated just before the first timed forward (the resting model, AdamW's state and the
+batches). Rows,
 each on a fresh model from the same seed: ``plain``; ``family_switch`` (timm's ``set_grad_checkpointing(True)``; Hugging
 Face's ``gradient_checkpointing_enable`` with ``use_reentrant=False`` and ``config.use_cache = False``);
 ``ours_every_block`` (``checkpoint_blocks(model)``); ``fused_loss_every_block`` for the language and speech models
@@ -139,15 +140,25 @@ class Setting(NamedTuple):
 
 
 class CausalLM(nn.Module):
-    """A Hugging Face causal language model called as ``wrapper(input_ids)``, returning its loss on those tokens:
-    the same call for every row, and a scalar for the planner's backward."""
+    """A Hugging Face language model called as ``wrapper(input_ids)``, returning its loss on those tokens: the same
+    call for every row, and a scalar for the planner's backward. ``masked``: a masked language model's objective,
+    3 of every 20 positions counted (the 15 % of Hugging Face's ``DataCollatorForLanguageModeling``), the others
+    labelled -100; else every token counted."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, masked: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.masked = masked
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=input_ids).loss  # type: ignore[no-any-return]
+        return self.model(**self.inputs(input_ids)).loss  # type: ignore[no-any-return]
+
+    def inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The Hugging Face model's keywords: the tokens and their labels."""
+        if not self.masked:
+            return {"input_ids": input_ids, "labels": input_ids}
+        counted = torch.arange(input_ids.shape[-1], device=input_ids.device) % 20 < 3
+        return {"input_ids": input_ids, "labels": torch.where(counted, input_ids, -100)}
 
 
 class SpeechSeq2Seq(nn.Module):
@@ -192,7 +203,7 @@ def make_model(name: str, setting: Setting) -> nn.Module:
     if name == "gpt2":
         config: Any = transformers.GPT2Config(**tiny) if setting.smoke else transformers.GPT2Config()
         lm: nn.Module = transformers.GPT2LMHeadModel(config)
-    elif name == "bert":  # BERT-base, masked-language-model loss on every token
+    elif name == "bert":  # BERT-base, masked-language-model loss on 15 % of the tokens
         size = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
         config = (
             transformers.BertConfig(vocab_size=1000, max_position_embeddings=max(setting.tokens, 512), **size)
@@ -224,7 +235,7 @@ def make_model(name: str, setting: Setting) -> nn.Module:
         vocab = 1000 if setting.smoke else 32000
         config = transformers.LlamaConfig(vocab_size=vocab, max_position_embeddings=max(setting.tokens, 2048), **size)
         lm = transformers.LlamaForCausalLM(config)
-    return CausalLM(lm).to(setting.device)
+    return CausalLM(lm, masked=name == "bert").to(setting.device)
 
 
 def make_batches(name: str, setting: Setting, count: int = 4) -> list[tuple[torch.Tensor, ...]]:
@@ -312,9 +323,7 @@ def apply_levers(model: nn.Module, example: torch.Tensor, setting: Setting, budg
     offload not offered (this loop does not enter its context)."""
     if isinstance(model, (CausalLM, SpeechSeq2Seq)):
         lm: nn.Module = model.model  # type: ignore[assignment]
-        inputs = (
-            model.inputs(example) if isinstance(model, SpeechSeq2Seq) else {"input_ids": example, "labels": example}
-        )
+        inputs = model.inputs(example)
     else:  # a vision model: no vocabulary head, so no fused loss; its images, the sum of its logits as the loss
         lm, inputs = model, example
     with setting.autocast():

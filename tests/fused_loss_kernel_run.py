@@ -38,17 +38,19 @@ def run(case, kernel_on):
     weight = torch.randn(300, 16, generator=generator, requires_grad=True)
     bias = torch.randn(300, generator=generator, requires_grad=True) if case.get("bias") else None
     labels = torch.randint(0, 300, (3, 40), generator=generator)
-    labels[0, :] = -100  # the first chunk (of 32 tokens) holds ignored tokens only
-    labels[1, :5] = -100
+    labels[0, :] = -100  # left out before chunking: 73 of 120 tokens count (3 chunks of 32); else the first chunk
+    labels[1, :5] = -100  # holds ignored tokens only
     kwargs = {"label_smoothing": case.get("smoothing", 0.0), "reduction": case.get("reduction", "mean")}
-    runs = fused_loss._kernel_runs
+    runs, counted_only = fused_loss._kernel_runs, fused_loss._counted_only
     if not kernel_on:
         fused_loss._kernel_runs = lambda *args: False
+    if case.get("masked"):  # the ignored tokens kept in the chunks, as under a CUDA graph's capture: masked there
+        fused_loss._counted_only = lambda hidden, labels, ignore_index: (hidden, labels)
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.get("bf16", False)):
             loss = fused_linear_cross_entropy(hidden, weight, labels, bias=bias, shift=True, chunk_tokens=32, **kwargs)
     finally:
-        fused_loss._kernel_runs = runs
+        fused_loss._kernel_runs, fused_loss._counted_only = runs, counted_only
     tensors = [t for t in (hidden, weight, bias) if t is not None]
     grads = torch.autograd.grad(loss * 1.7, tensors)
     logits = F.linear(hidden, weight, bias).float()[:, :-1].flatten(0, 1)
@@ -66,6 +68,7 @@ cases = {
     "smoothing_sum": {"smoothing": 0.1, "reduction": "sum"},
     "bf16": {"bf16": True, "bias": True},
     "bf16_smoothing": {"bf16": True, "smoothing": 0.2},
+    "bf16_masked": {"bf16": True, "smoothing": 0.1, "masked": True},
 }
 result = {}
 for name, case in cases.items():

@@ -94,6 +94,7 @@ class StepMeter:
         # forward saves counts (the ledger's rules), also tensors that need no gradient (max-pooling indices)
         self.existing = [*model.parameters(), *model.buffers(), *tensors(example)]
         self.agree = _agreed.get()  # every rank's figures, where every rank measures (:func:`measured_alike`)
+        self.warm = False  # CUDA: a step has run, so that what the first step allocates once is not its peak
 
     def _run(self, between: Callable[[], None] = lambda: None) -> None:
         if self.runner is not None:
@@ -133,6 +134,12 @@ class StepMeter:
         return statistics.median(times)
 
     def _peak(self) -> int:
+        if self.cuda and not self.warm:
+            # a process's first steps allocate what later steps reuse (cuBLAS's and cuDNN's workspaces, a compile):
+            # measured cold, a ViT's baseline was twice its steps' peak. One step first, its own state restored
+            with preserved_state(self.model):
+                self._run()
+            self.warm = True
         with preserved_state(self.model):
             if self.cuda:
                 torch.cuda.synchronize()

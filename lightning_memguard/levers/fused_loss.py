@@ -18,6 +18,9 @@ Two implementations, one semantics (``torch.nn.functional.cross_entropy``'s):
   (2.13 and later). It computes the gradients in the forward as well, but it has no label smoothing, soft cap or
   logit scale, and under autocast it returns the loss and the head's gradient in the autocast dtype.
 
+``"chunked"`` takes the counted tokens' rows only through the head (:func:`_counted_only`): the ignored ones (a
+masked language model's 85 %, a prompt's tokens) cost nothing but a gather.
+
 ``"auto"`` picks ``"chunked"``: measured on the CPU with torch 2.14 (``tests/levers/test_levers_fused_loss.py`` holds
 the probe), torch's keeps exactly as many bytes after the forward (the two gradients, in float32, or in bf16 under
 bf16 autocast), but under autocast it rounds the loss to bf16 and, on CUDA, sums the head's gradient across chunks
@@ -131,6 +134,7 @@ def fused_linear_cross_entropy(
         return _torch_loss(
             flat_hidden, weight, flat_labels, bias, ignore_index, reduction, chunk_tokens, autocast_dtype
         )
+    flat_hidden, flat_labels = _counted_only(flat_hidden, flat_labels, ignore_index)
     compute_dtype = autocast_dtype or torch.promote_types(hidden.dtype, weight.dtype)
     settings = _Settings(ignore_index, label_smoothing, reduction, logit_scale, softcap, chunk_tokens, compute_dtype)
     settings.kernel = _kernel_runs(hidden, settings)
@@ -139,6 +143,21 @@ def fused_linear_cross_entropy(
             return _chunks(flat_hidden, weight, bias, flat_labels, settings, (False, False, False))[0]
     loss: Tensor = _ChunkedLoss.apply(flat_hidden, weight, bias, flat_labels, settings)
     return loss
+
+
+def _counted_only(hidden: Tensor, labels: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """The rows of the counted tokens alone, where some are ignored: the head's matmuls and softmax are then done for
+    those only (a masked language model counts about 15 % of its tokens, instruction tuning its answers only).
+    Autograd scatters their gradient back into ``hidden``'s shape, zero on the ignored rows, as the plain loss gives.
+
+    It costs one device sync (to know how many tokens count); not done while ``torch.compile`` traces or a CUDA
+    graph is captured, where no shape may depend on the data: the chunks then mask the ignored tokens instead."""
+    if _compiler.compiling() or (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return hidden, labels
+    rows = (labels != ignore_index).nonzero().squeeze(1)
+    if len(rows) == len(labels):
+        return hidden, labels
+    return hidden.index_select(0, rows), labels.index_select(0, rows)
 
 
 def _refuse_sharded(**tensors: Tensor | None) -> None:

@@ -320,9 +320,10 @@ def test_a_sharded_head_or_a_tensor_parallel_input_is_refused_saying_what_to_do(
 
 def test_the_triton_kernel_computes_the_chunks_as_pytorchs_operations_do():
     """CPU twin of test_the_fused_losss_kernel_on_cuda (tests/gpu/test_gpu.py), in Triton's interpreter (in a process
-    of its own: the interpreter must be chosen before Triton is imported): every chunk by the kernel, one that holds
-    ignored tokens only included; float32 to rounding, bf16 autocast within one bf16 step of PyTorch's operations and
-    no further from the float32 reference."""
+    of its own: the interpreter must be chosen before Triton is imported): every chunk by the kernel, the ignored
+    tokens left out before chunking, or masked in the chunks (one of which then holds ignored tokens only); float32
+    to rounding, bf16 autocast within one bf16 step of PyTorch's operations and no further from the float32
+    reference."""
     pytest.importorskip("triton")
     script = Path(__file__).resolve().parents[1] / "fused_loss_kernel_run.py"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -330,7 +331,8 @@ def test_the_triton_kernel_computes_the_chunks_as_pytorchs_operations_do():
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     for name, case in result.items():
-        assert case["kernel_chunks"] == [True] * 4, name  # 120 tokens in chunks of 32
+        # the 73 counted of 120 tokens in chunks of 32; masked: all 120 of them, the first chunk ignored tokens only
+        assert case["kernel_chunks"] == [True] * (4 if name.endswith("masked") else 3), name
         if name.startswith("bf16"):
             assert max(case["vs_torch_ops"]) <= 2**-7, name  # one bf16 step at most
             for ours, theirs in zip(case["vs_plain_float32"], case["torch_ops_vs_plain_float32"], strict=True):
@@ -356,3 +358,25 @@ def test_a_kernel_that_cannot_build_leaves_pytorchs_operations_and_says_so_once(
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once: the next call goes to PyTorch's operations without a word
         fused_linear_cross_entropy(hidden, weight, labels, bias=bias)
+
+
+def test_only_the_counted_tokens_go_through_the_head():
+    """A masked language model counts about 15 % of its tokens: the head's matmuls (forward and the gradients) are
+    done for those alone, and the loss and gradients are still the plain loss's (zero on the ignored rows)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden, weight, bias, labels = _inputs(tokens=(4, 64), features=32, vocabulary=500)
+    masked = torch.where(torch.arange(labels.numel()).view(labels.shape) % 7 == 0, labels, -100)  # 37 of 256
+
+    def flops(y):
+        with FlopCounterMode(display=False) as counter:
+            loss = fused_linear_cross_entropy(hidden, weight, y, bias=bias, chunk_tokens=16)
+            torch.autograd.grad(loss, (hidden, weight, bias))
+        return counter.get_total_flops()
+
+    assert flops(masked) <= 0.16 * flops(labels)  # 37 / 256 of the rows, and nothing else of the head's size
+    fused = _loss_and_grads(
+        lambda: fused_linear_cross_entropy(hidden, weight, masked, bias=bias, chunk_tokens=16), hidden, weight, bias
+    )
+    _assert_same(fused, _loss_and_grads(lambda: _plain(hidden, weight, masked, bias), hidden, weight, bias))
+    assert fused[1][0].flatten(0, 1)[masked.flatten() == -100].abs().max() == 0
