@@ -1227,6 +1227,7 @@ class RunAdapter:
             "savers": self.savers.to_dict() if self.savers is not None else None,  # re-applied, nothing measured
             "weighting": self.weighting,
             "grow_interval": self.grow.interval,  # doubled by growths that spilled again: the card stayed full
+            "grow_every": self.grow.every,  # the setting it was doubled from
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1241,7 +1242,10 @@ class RunAdapter:
         self.weighting = state.get("weighting", "samples" if self.chunks > 1 else None)
         if self._micro is not None and self.weighting not in (None, "coupled"):
             self._micro.weighting = self.weighting
-        self.grow.interval = int(state.get("grow_interval", self.grow.every))
+        # the interval doubled by growths undone, where the run keeps the setting it was doubled from; a `grow_every`
+        # given anew is the user's (a checkpoint from before the setting was kept: its interval kept)
+        if int(state.get("grow_every", self.grow.every)) == self.grow.every:
+            self.grow.interval = int(state.get("grow_interval", self.grow.every))
         self._resumed = self.chunks > 1
 
 

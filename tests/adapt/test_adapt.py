@@ -645,3 +645,22 @@ def test_a_changed_accumulation_leaves_the_split_training_the_same_and_each_line
     plain = Wide()
     Trainer(**trainer_kwargs(tmp_path / "plain", max_epochs=2, callbacks=[schedule()])).fit(plain)
     assert _close(model, [p.detach() for p in plain.parameters()])  # weighted by the accumulation of each step
+
+
+def test_a_resumed_run_keeps_its_doubled_grow_interval_unless_grow_every_was_changed():
+    from lightning_memguard.tuning.adapter import RunAdapter
+
+    first = RunAdapter(allow_batchnorm=False, grow_every=10, headroom=0.05)
+    first.grow.tried(10, undone=True)  # a growth that spilled again: the next waits twice as long
+    first.grow.tried(30, undone=True)
+    state = first.state_dict()
+    assert state["grow_interval"] == 40
+    same = RunAdapter(allow_batchnorm=False, grow_every=10, headroom=0.05)
+    same.load_state_dict(state)
+    assert same.grow.interval == 40  # the card stayed full: resuming does not start the attempts over
+    changed = RunAdapter(allow_batchnorm=False, grow_every=5, headroom=0.05)
+    changed.load_state_dict(state)
+    assert changed.grow.interval == 5  # the user's new setting
+    older = RunAdapter(allow_batchnorm=False, grow_every=5, headroom=0.05)
+    older.load_state_dict({k: v for k, v in state.items() if k != "grow_every"})  # written before it was kept
+    assert older.grow.interval == 40
