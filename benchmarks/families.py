@@ -12,27 +12,25 @@ encoder and a text decoder, 16 x 30 s of 80 mel bins, a 64-token transcript), al
 downloads). One process, a plain PyTorch loop: AdamW, bf16 autocast, random data on the device, 5 warm-up and 15 timed
 steps, median step time by CUDA events. Memory is the activation peak: ``torch.cuda.max_memory_allocated()`` over the
 timed steps minus what was allocated just before the first timed forward (the resting model, AdamW's state and the
-batches). Rows,
-each on a fresh model from the same seed: ``plain``; ``family_switch`` (timm's ``set_grad_checkpointing(True)``; Hugging
-Face's ``gradient_checkpointing_enable`` with ``use_reentrant=False`` and ``config.use_cache = False``);
-``ours_every_block`` (``checkpoint_blocks(model)``); ``fused_loss_every_block`` for the language and speech models
-(``apply_fused_loss`` on the Hugging Face model, then every block checkpointed: the loss without the logits, see
-docs/levers.md; not one of the ``ours_`` rows the goals below weigh against the switch); ``ours_at_switch_memory``
-(a budget of the switch's measured activation peak, as a fraction of the plain row's: the issue's goal there is at
-most 0.85x the switch's step time on CNNs and 0.95x on transformers, within 2 % of its memory);
-``ours_below_switch`` (a budget of 0.8x the switch's peak: below what whole blocks reach where a block's
-recomputation sets the peak); each of the two also as
-``..._blocks``, the planner with whole blocks only (no finer links: :func:`whole_blocks_only`), in the same run;
-``ours_budget_0.6`` and ``ours_budget_0.4`` (``checkpoint_blocks(model, memory_budget=..., example_input=<a
-batch>)``); ``levers_at_switch_memory`` and ``levers_half_switch``: ``plan_levers`` on the Hugging Face model (the
-fused loss, then per block the cheapest of checkpointing it whole, its parts or recomputing its pointwise chains) or on
-the vision model (no fused loss: no vocabulary), offload not offered since this loop does not enter its context, for
-a budget of the switch's measured activation peak and of half of it, in bytes (goals, :data:`LEVERS_GOAL`: at the
-switch's memory at most 0.90x its step time on vision models, 0.85x on language and speech models, 0.80x on GPT-2;
-every block + the fused loss at most 0.30x the switch's
-memory at 1.05x its time, :data:`FUSED_GOAL`); and ``ours_rebuild`` (``rebuild_bn_relu(model)``) for timm
-resnet50; torchvision resnet50 (``tv_resnet50``: no switch of its own) runs plain, ours and the rebuild, so that
-the two rebuilds are compared on the same basis (``rebuild_goal``).
+batches). Rows, each on a fresh model from the same seed: ``plain``; ``family_switch`` (timm's
+``set_grad_checkpointing(True)``; Hugging Face's ``gradient_checkpointing_enable`` with ``use_reentrant=False`` and
+``config.use_cache = False``); ``ours_every_block`` (``checkpoint_blocks(model)``); ``fused_loss_every_block`` for the
+language and speech models (``apply_fused_loss`` on the Hugging Face model, then every block checkpointed: the loss
+without the logits, see docs/levers.md; not one of the ``ours_`` rows the goals below weigh against the switch);
+``ours_at_switch_memory`` (a budget of the switch's measured activation peak, as a fraction of the plain row's: the
+issue's goal there is at most 0.85x the switch's step time on CNNs and 0.95x on transformers, within 2 % of its memory);
+``ours_below_switch`` (a budget of 0.8x the switch's peak: below what whole blocks reach where a block's recomputation
+sets the peak); each of the two also as ``..._blocks``, the planner with whole blocks only (no finer links:
+:func:`whole_blocks_only`), in the same run; ``ours_budget_0.6`` and ``ours_budget_0.4`` (``checkpoint_blocks(model,
+memory_budget=..., example_input=<a batch>)``); ``levers_at_switch_memory`` and ``levers_half_switch``: ``plan_levers``
+on the Hugging Face model (the fused loss, then per block the cheapest of checkpointing it whole, its parts or
+recomputing its pointwise chains) or on the vision model (no fused loss: no vocabulary), offload not offered since this
+loop does not enter its context, for a budget of the switch's measured activation peak and of half of it, in bytes
+(goals, :data:`LEVERS_GOAL`: at the switch's memory at most 0.90x its step time on vision models, 0.85x on language and
+speech models, 0.80x on GPT-2; every block + the fused loss at most 0.30x the switch's memory at 1.05x its time,
+:data:`FUSED_GOAL`); and ``ours_rebuild`` (``rebuild_bn_relu(model)``) for timm resnet50; torchvision resnet50
+(``tv_resnet50``: no switch of its own) runs plain, ours and the rebuild, so that the two rebuilds are compared on the
+same basis (``rebuild_goal``).
 A language model is wrapped (:class:`CausalLM`) so that every row calls ``wrapper(input_ids)`` and gets the loss.
 Per model the issue's goals are checked (``goals``): at the family's own
 switch point, ours saves at least as much for at most 2 % more step time: every block, and the fastest of our rows
