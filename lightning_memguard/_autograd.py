@@ -30,10 +30,14 @@ tensors, and the saved-tensor hooks in force, which torch offers no public way t
 - :func:`record_memory_history`, :func:`dump_memory_snapshot`: the CUDA allocator's history, recorded and written
   for PyTorch's memory viewer (``torch.cuda.memory._record_memory_history``, ``_dump_snapshot``): MemGuard's
   ``record_memory=True`` and its reports' snapshot.
+- :func:`kept`: what a saved-tensor pack hook returns to keep a tensor as autograd would, without the cycle that
+  returning the tensor itself makes (a failed step's graph would stay alive).
 - :func:`selectively_saved`: the tensors a selective activation checkpoint's forward mode cached for backward (its
   ``storage``, each entry a ``_VersionWrapper`` holding ``val``): what pointwise recomputation keeps of a block,
   which no saved-tensor hook sees (torch 2.14 routes them through the hooks only when asked,
-  ``respect_saved_tensors_hooks=True``, which the lever does not ask), handed to the ledger of saved tensors.
+  ``respect_saved_tensors_hooks=True``, which the lever does not ask), handed to the ledger of saved tensors;
+  :func:`selectively_saved_changed`: whether one of them was changed in place since it was cached
+  (``_VersionWrapper.version``), which torch's selective checkpoint refuses in backward.
 
 A torch release that renames one of them breaks here and nowhere else; where a node's attribute or the hooks'
 reader is missing, the functions answer None (nothing saved, no hooks), so the rebuild keeps the tensor as autograd
@@ -176,18 +180,41 @@ def unflatten(leaves: list[Any], description: Any) -> Any:
     return _pytree.tree_unflatten(leaves, description)
 
 
-def selectively_saved(caching_mode: Any) -> list[torch.Tensor]:
-    """The tensors ``caching_mode`` (the first of ``create_selective_checkpoint_contexts``'s pair) holds for
-    backward: its ``storage`` maps each op to its calls' entries (a list before torch 2.12, a dict by call after),
-    each output wrapped with its version (``_VersionWrapper.val``), or a marker for a call recomputed. Empty where
-    the mode has no storage."""
+def kept(tensor: torch.Tensor) -> torch.Tensor:
+    """What a saved-tensor pack hook returns to keep ``tensor`` as autograd would: an alias of it with no autograd
+    history (``detach()``: the same storage and version counter). Returned as it is, an op's output saved for the
+    op's own backward closes a cycle (the tensor, its node, the node's saved copy: the tensor) that Python's collector
+    does not see and only backward breaks: a step that raised before its backward (an out-of-memory error, a block
+    refused) kept its whole graph alive, one step's activations lost per failure."""
+    return tensor.detach()
+
+
+def _cached_entries(caching_mode: Any) -> list[Any]:
+    """The entries ``caching_mode`` (the first of ``create_selective_checkpoint_contexts``'s pair) holds: its
+    ``storage`` maps each op to its calls' entries (a list before torch 2.12, a dict by call after), each output
+    wrapped with its version at caching (``_VersionWrapper``: ``val``, ``version``), or a marker for a call
+    recomputed. Empty where the mode has no storage."""
     storage = getattr(caching_mode, "storage", None) or {}
-    found: list[torch.Tensor] = []
+    found: list[Any] = []
     for calls in storage.values():
         entries = calls.values() if isinstance(calls, dict) else calls
         for entry in entries:
-            for leaf in _pytree.tree_leaves(entry):
-                value = getattr(leaf, "val", None)
-                if isinstance(value, torch.Tensor):
-                    found.append(value)
+            found += [
+                leaf for leaf in _pytree.tree_leaves(entry) if isinstance(getattr(leaf, "val", None), torch.Tensor)
+            ]
     return found
+
+
+def selectively_saved(caching_mode: Any) -> list[torch.Tensor]:
+    """The tensors ``caching_mode`` cached for backward (:func:`_cached_entries`)."""
+    return [entry.val for entry in _cached_entries(caching_mode)]
+
+
+def selectively_saved_changed(caching_mode: Any) -> bool:
+    """Whether a tensor ``caching_mode`` cached has been changed in place since (its version moved): torch's
+    selective checkpoint refuses it when backward recomputes, and a backward that raises there with saved-tensor hooks
+    in force leaves its graph alive (torch 2.11 to 2.14), so the lever asks at the end of the block's forward."""
+    return any(
+        getattr(entry, "version", None) is not None and entry.val._version != entry.version
+        for entry in _cached_entries(caching_mode)
+    )

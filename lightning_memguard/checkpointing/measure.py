@@ -155,7 +155,7 @@ class StepMeter:
 
             def pack(t: torch.Tensor) -> torch.Tensor:
                 count(t)
-                return t
+                return _autograd.kept(t)
 
             inside = [0]  # checkpoints running: one inside another keeps nothing (the outer one saves nothing)
             forward = [True]  # recomputation in backward calls checkpoints again, on tensors it makes anew
@@ -207,7 +207,7 @@ class StepMeter:
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             count(t)
-            return t
+            return _autograd.kept(t)
 
         def clock() -> Any:
             if self.cuda:

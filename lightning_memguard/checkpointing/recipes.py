@@ -268,7 +268,7 @@ def recipe_hooks(outer: _Outer) -> _Hooks:
         if recipe is not None:
             recipe.packed += 1
             return recipe
-        return t if outer is None else _Passed(outer[0](t))
+        return _autograd.kept(t) if outer is None else _Passed(outer[0](t))
 
     def unpack(saved: Any) -> torch.Tensor:
         if isinstance(saved, Recipe | Activated):

@@ -313,7 +313,7 @@ class SysmemSpillEmulator(Callback):
     def _pack(self, tensor: torch.Tensor) -> Any:
         step = self._step
         if step is None:
-            return tensor
+            return _autograd.kept(tensor)
         root = _autograd.view_root(tensor)
         # a compiled graph saves leaves only (its activations, parameters, inputs): the frame walk is for those
         compiled = root.is_leaf and _compiler.saved_by_compiled_graph()
@@ -324,7 +324,7 @@ class SysmemSpillEmulator(Callback):
         # base, as the ledger knows them. As a context manager the emulator knows no model nor batch: then every leaf
         # eager ops save is taken to exist before the step.
         if (not step.knows_model and root.is_leaf and not produced_by_graph) or step.ledger.exists(tensor):
-            return tensor
+            return _autograd.kept(tensor)
         entry = step.ledger.entry(tensor)  # the same memory saved twice (e.g. by two ops) is counted once
         new = entry is None
         if entry is None:
@@ -335,7 +335,7 @@ class SysmemSpillEmulator(Callback):
                 self.spilled_bytes += nbytes
                 self.total_spilled_bytes += nbytes
         if entry is None or entry.where == DEVICE:
-            return tensor
+            return _autograd.kept(tensor)
         return self._to_host(step, tensor, entry.nbytes if new else 0, keep=produced_by_graph)
 
     def _kept_unseen(self, tensor: torch.Tensor) -> None:
@@ -356,10 +356,10 @@ class SysmemSpillEmulator(Callback):
             # they stay where the allocator has them (the real peak counts them, as the card's would), and the
             # round trip writes them back in place for the backward pass.
             step.spilled_kept += nbytes
-            return ("spilled", host, tensor)
+            return ("spilled", host, _autograd.kept(tensor))
         if nbytes and self.spill_cost is None:
             self._sleep(nbytes / self.bandwidth)
-        return ("spilled", tensor, tensor.untyped_storage().nbytes())
+        return ("spilled", _autograd.kept(tensor), tensor.untyped_storage().nbytes())
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not (isinstance(packed, tuple) and len(packed) == 3 and packed[0] == "spilled"):

@@ -154,7 +154,7 @@ class SavedTensorRecorder:
 
         def pack(tensor: torch.Tensor) -> Any:
             self._count(tensor)
-            return outer_pack(tensor) if outer_pack is not None else tensor
+            return outer_pack(tensor) if outer_pack is not None else _autograd.kept(tensor)
 
         def unpack(packed: Any) -> torch.Tensor:
             return outer_unpack(packed) if outer_unpack is not None else packed

@@ -24,7 +24,7 @@ import psutil
 import torch
 from torch import nn
 
-from lightning_memguard._autograd import version, view_root
+from lightning_memguard._autograd import kept, version, view_root
 from lightning_memguard.core.checks import check_callable, check_fraction, check_size
 from lightning_memguard.core.units import format_size
 
@@ -405,7 +405,7 @@ class ActivationOffload:
 
     def _pack(self, call: _BlockCall, t: torch.Tensor) -> Any:
         if call.index in self.dropped or not self._offloadable(t):
-            return t
+            return kept(t)
         key = _key(t)
         if key in self._held:
             handle = self._held[key][1]()
@@ -414,7 +414,7 @@ class ActivationOffload:
         nbytes = t.numel() * t.element_size()
         bucket = self._take(bucket_size(nbytes), call.index, nbytes)
         if bucket is None:
-            return t
+            return kept(t)
         stride = torch.empty_like(t, device="meta").stride()  # the device tensor's layout, where it is dense
         host = bucket[:nbytes].view(t.dtype).as_strided(t.shape, stride)
         self._streams.to_host(t, host)  # type: ignore[union-attr]

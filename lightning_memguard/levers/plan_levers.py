@@ -54,6 +54,7 @@ from lightning_memguard.levers.huggingface_loss import (
 )
 from lightning_memguard.levers.offload import ActivationOffload, bucket_size, exposed_transfer_ms
 from lightning_memguard.levers.pointwise import (
+    KEPT_CHANGED,
     PointwiseCost,
     PointwiseRecomputed,
     default_clock,
@@ -70,8 +71,13 @@ IN_PLACE = "changes its input in place"
 option, the others do."""
 
 MUTATED = "cached during selective activation checkpoint has been mutated"
-"""What torch's selective checkpoint says in backward where a block changes in place a product it keeps (timm's
-squeeze-excite: a convolution's output through ``ReLU(inplace=True)``): that block gets no pointwise option."""
+"""What torch's selective checkpoint says in backward where a product a block keeps is changed in place after the
+block's forward (by what follows it); changed inside the block (timm's squeeze-excite: a convolution's output through
+``ReLU(inplace=True)``), :data:`~.pointwise.KEPT_CHANGED` says it in the forward. Either way that block gets no
+pointwise option."""
+
+REFUSALS = (IN_PLACE, KEPT_CHANGED, MUTATED)
+"""What a block that cannot recompute its pointwise work says: it gets no pointwise option, the others do."""
 
 
 BACKWARD_PER_FORWARD = 2.0
@@ -457,14 +463,14 @@ class _Levers:
         try:
             return measure_pointwise(self.model, self.example, self.links, self.loss_fn, self.clock)
         except RuntimeError as err:
-            if IN_PLACE not in str(err) and MUTATED not in str(err):
+            if not any(said in str(err) for said in REFUSALS):
                 raise
         costs = []
         for link in self.links:
             try:
                 costs += measure_pointwise(self.model, self.example, [link], self.loss_fn, self.clock)
             except RuntimeError as err:
-                if IN_PLACE not in str(err) and MUTATED not in str(err):
+                if not any(said in str(err) for said in REFUSALS):
                     raise
         return costs
 

@@ -109,6 +109,10 @@ SAVED_OPS: tuple[str, ...] = (
 attention of a block, and the few other ops that cost like them; every other op is recomputed. Names this torch
 does not have are skipped."""
 
+KEPT_CHANGED = "changes in place a product it keeps"
+"""What :class:`PointwiseRecomputed` says, at the end of its forward, of a block that changed in place an output its
+selective checkpoint keeps (which backward would refuse)."""
+
 _HOOKS_CHOICE: dict[str, Any] = (
     {"respect_saved_tensors_hooks": False}
     if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
@@ -272,6 +276,15 @@ class PointwiseRecomputed(SwappedModule):
         if _ledger.counting():  # what the selective checkpoint keeps, out of the saved-tensor hooks' sight
             for caching in made:
                 _ledger.kept_unseen(_autograd.selectively_saved(caching))
+        if any(_autograd.selectively_saved_changed(caching) for caching in made):
+            # said now, not by torch in backward: a backward raising there with saved-tensor hooks in force (a
+            # measurement's) leaves the step's graph alive, one step's activations lost per block tried
+            raise RuntimeError(
+                f"{type(self).__name__} {KEPT_CHANGED} (an nn.ReLU(inplace=True) or `y *= ...` on a convolution's or"
+                " matrix product's output, as timm's squeeze-excite does): the selective checkpoint would refuse it"
+                " in backward. Leave the block out of recompute_pointwise's `units`, or make that operation out of"
+                " place"
+            )
         if any(_autograd.version(t) != v for t, v in given):
             raise RuntimeError(
                 f"{type(self).__name__} changes its input in place in its forward (nn.ReLU(inplace=True) first,"
@@ -446,7 +459,7 @@ def measure_pointwise(
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             count(t)
-            return t
+            return _autograd.kept(t)
 
         with (
             preserved_state(model),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -292,3 +293,29 @@ def test_inside_a_block_checkpointed_whole_the_cache_is_still_held_and_counted_a
     held = {"1": ROWS * 16 * 4, "1.0": cached, "2": ROWS * 16 * 4}
     assert planner == redone.activations == emulator.resident_bytes == sum(held.values())
     assert redone.forward.saved == held
+
+
+class OutOfMemory(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("CUDA out of memory (a test's)")
+
+
+@pytest.mark.parametrize("hooks", ["emulator", "recorder", "emulator_spilling"])
+def test_a_step_that_raises_under_the_saved_tensor_hooks_leaves_nothing_alive(hooks):
+    """A step that fails before its backward (an out-of-memory error, which MemGuard adapts through) must free what it
+    saved. Its hooks once returned each tensor as it was: a saved output then kept its own node alive in a cycle only
+    backward breaks, and each failed step's activations stayed on the card for good."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 64), nn.Tanh(), OutOfMemory())
+    made: list[Any] = []
+    for module in net[:4]:
+        module.register_forward_hook(lambda module, args, out: made.append(weakref.ref(out)))
+    contexts = {
+        "emulator": lambda: SysmemSpillEmulator(capacity="1TB"),
+        "emulator_spilling": lambda: SysmemSpillEmulator(capacity=1, sleep=lambda seconds: None),
+        "recorder": lambda: SavedTensorRecorder(net),
+    }
+    with pytest.raises(RuntimeError, match="out of memory"), contexts[hooks]():
+        net(torch.randn(32, 8))
+    gc.collect()
+    assert len(made) == 4 and [ref() for ref in made] == [None] * 4

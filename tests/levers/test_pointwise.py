@@ -264,6 +264,18 @@ def test_a_block_that_changes_its_input_in_place_is_refused_plainly():
         module(torch.randn(2, 8, requires_grad=True) * 1)
 
 
+def test_a_block_that_changes_a_kept_product_in_place_is_refused_in_its_forward():
+    # timm's squeeze-excite: a convolution's output through ReLU(inplace=True). Torch's selective checkpoint refuses
+    # it only in backward; the block says so at the end of its forward, by its class, and with the fix
+    se = timm.create_model("regnety_002", num_classes=10).s1.b1
+    module = recompute_pointwise(se)
+    with pytest.raises(RuntimeError, match=r"^PointwiseRecomputedBottleneck changes in place a product it keeps.*out"):
+        module(torch.randn(2, 32, 16, 16, requires_grad=True))
+    module.eval()  # without gradients it runs as its class does
+    with torch.no_grad():
+        assert module(torch.randn(2, 32, 16, 16)).shape == (2, 24, 8, 8)
+
+
 def test_a_compiled_block_is_changed_in_the_module_it_wraps():
     module, _ = block("vit")
     compiled = torch.compile(module, backend="aot_eager")
