@@ -93,6 +93,9 @@ class ActivationCheckpointing(Callback):
             ``lightning_memguard.checkpointing``); None: the defaults.
         levers: choose among every lever for ``memory_budget`` (see above) instead of checkpointing alone; needs a
             budget; BatchNorm-correct always and without the rebuild.
+        fused_loss: with ``levers=True``, offer the fused loss. Where it is applied the Hugging Face model's output
+            has ``logits`` None (its loss is the same), in validation too: pass False where a step reads the logits
+            (a metric, a distillation loss), and the other levers are planned without it.
 
     Raises:
         TypeError: ``memory_budget`` of another type, or flags that are not bools.
@@ -155,8 +158,11 @@ class ActivationCheckpointing(Callback):
         rebuild_bn_relu: bool = False,
         rebuild_config: RebuildConfig | None = None,
         levers: bool = False,
+        fused_loss: bool = True,
     ):
-        settings = CheckpointingSettings(units, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config, levers)
+        settings = CheckpointingSettings(
+            units, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config, levers, fused_loss
+        )
         self.policy: CheckpointingPolicy = make_policy(settings)
         self._planned = False  # in this fit, by on_fit_start or by a tuner listed before it
 
@@ -172,6 +178,7 @@ class ActivationCheckpointing(Callback):
     rebuild_bn_relu = property(lambda self: self.settings.rebuild_bn_relu)
     rebuild_config = property(lambda self: self.settings.rebuild_config)
     levers = property(lambda self: self.settings.levers)
+    fused_loss = property(lambda self: self.settings.fused_loss)
 
     @property
     def plan(self) -> CheckpointPlan | None:

@@ -29,6 +29,8 @@ class CheckpointingSettings:
             (a Hugging Face model's fused loss, blocks or their parts checkpointed, pointwise recomputation) instead
             of checkpointing alone; needs a ``memory_budget``. The planner checkpoints BatchNorm-correct and offers no
             rebuild, so ``rebuild_bn_relu=True`` and ``bn_correct=False`` are refused beside it.
+        fused_loss: with ``levers``, offer the fused loss (a Hugging Face model's output then has ``logits`` None);
+            False for a step that reads the logits (a metric, a distillation loss). Checkpointing alone never fuses.
 
     Raises:
         TypeError, ValueError: a setting of the wrong kind or out of range, quoting it; ``levers=True`` without a
@@ -49,6 +51,7 @@ class CheckpointingSettings:
     rebuild_bn_relu: bool = False
     rebuild_config: RebuildConfig | None = None
     levers: bool = False
+    fused_loss: bool = True
 
     def __post_init__(self) -> None:
         memory_budget: Any = self.memory_budget
@@ -61,6 +64,7 @@ class CheckpointingSettings:
         check_bool("rebuild_bn_relu", self.rebuild_bn_relu)
         check_config(self.rebuild_config)
         check_bool("levers", self.levers)
+        check_bool("fused_loss", self.fused_loss)
         if self.levers and checked is None:
             raise ValueError(
                 "`levers=True` chooses among the levers for a budget, and `memory_budget` is None: give one"

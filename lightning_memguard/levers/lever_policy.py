@@ -92,7 +92,10 @@ class LeverPolicy(CheckpointingPolicy):
 
         def plan() -> dict[str, Any]:
             with measuring():
-                self.lever_plan = plan_levers(model, example_input, budget, units=units, offload=False)
+                fused = self.settings.fused_loss
+                self.lever_plan = plan_levers(
+                    model, example_input, budget, units=units, offload=False, fused_loss=fused
+                )
             return self.lever_plan.record()
 
         record = planned_on_rank_zero(plan, is_rank_zero, broadcast)  # rank zero's, on every rank

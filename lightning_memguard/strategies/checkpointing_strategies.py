@@ -81,6 +81,8 @@ class CheckpointingDDPStrategy(_ChecksBeforeWrapping, DDPStrategy):
             alone, as ``ActivationCheckpointing(levers=True)`` does: rank zero measures, every rank applies its
             ``LeverPlan.record()``; needs a budget. Refused in ``setup`` on a compiled module (the planner measures
             eagerly). Offload is not offered (a context around each step, not a change to the model).
+        fused_loss: with ``levers``, offer the fused loss; False where the step reads the model's logits (see
+            :class:`~lightning_memguard.checkpointing.checkpointing_settings.CheckpointingSettings`).
         *args, **kwargs: ``DDPStrategy``'s own.
 
     Raises:
@@ -102,11 +104,18 @@ class CheckpointingDDPStrategy(_ChecksBeforeWrapping, DDPStrategy):
         bn_correct: bool = True,
         rebuild_config: RebuildConfig | None = None,
         levers: bool = False,
+        fused_loss: bool = True,
         **kwargs: Any,
     ) -> None:
         self.checkpointing = make_policy(
             CheckpointingSettings(
-                activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config, levers
+                activation_checkpointing_policy,
+                memory_budget,
+                bn_correct,
+                rebuild_bn_relu,
+                rebuild_config,
+                levers,
+                fused_loss,
             )
         )
         super().__init__(*args, **kwargs)
@@ -117,8 +126,8 @@ class CheckpointingSingleDeviceStrategy(_ChecksBeforeWrapping, SingleDeviceStrat
 
     Args:
         device: the device to train on (``"cuda:0"``, ``"cpu"``).
-        activation_checkpointing_policy, memory_budget, rebuild_bn_relu, bn_correct, rebuild_config, levers: as
-            for :class:`CheckpointingDDPStrategy`.
+        activation_checkpointing_policy, memory_budget, rebuild_bn_relu, bn_correct, rebuild_config, levers,
+            fused_loss: as for :class:`CheckpointingDDPStrategy`.
         **kwargs: ``SingleDeviceStrategy``'s own.
 
     Example:
@@ -138,11 +147,18 @@ class CheckpointingSingleDeviceStrategy(_ChecksBeforeWrapping, SingleDeviceStrat
         bn_correct: bool = True,
         rebuild_config: RebuildConfig | None = None,
         levers: bool = False,
+        fused_loss: bool = True,
         **kwargs: Any,
     ) -> None:
         self.checkpointing = make_policy(
             CheckpointingSettings(
-                activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config, levers
+                activation_checkpointing_policy,
+                memory_budget,
+                bn_correct,
+                rebuild_bn_relu,
+                rebuild_config,
+                levers,
+                fused_loss,
             )
         )
         super().__init__(device, **kwargs)

@@ -87,6 +87,7 @@ def cache_key(
         "checkpointing": [
             [type(c).__name__, repr(c.units), repr(c.memory_budget), c.bn_correct, c.rebuild_bn_relu]
             + (["levers"] if c.settings.levers else [])  # keys made before levers existed stay the same
+            + (["no fused loss"] if c.settings.levers and not c.settings.fused_loss else [])
             for c in trainer.callbacks  # type: ignore[attr-defined]
             if isinstance(getattr(c, "policy", None), CheckpointingPolicy)  # ActivationCheckpointing's
         ],

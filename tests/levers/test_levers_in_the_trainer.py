@@ -161,6 +161,34 @@ def test_the_single_device_strategy_takes_the_levers(tmp_path):
     assert "levers: the fused loss" in strategy.checkpointing.summary()
 
 
+class ReadsItsLogits(LanguageModel):
+    """A step that reads the logits (an accuracy), as many users' do."""
+
+    def training_step(self, batch, batch_idx):
+        output = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        self.accuracy = (output.logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]).float().mean()
+        return output.loss
+
+
+@pytest.mark.parametrize("where", ["callback", "strategy"])
+def test_fused_loss_false_plans_the_other_levers_and_keeps_the_logits(tmp_path, where):
+    module = ReadsItsLogits()
+    if where == "callback":
+        cb = ActivationCheckpointing(memory_budget=BUDGET, levers=True, fused_loss=False)
+        _fit(module, tmp_path, [cb])
+        record, summary = cb.lever_record, cb.lever_plan.summary()
+    else:
+        strategy = CheckpointingSingleDeviceStrategy("cpu", memory_budget=BUDGET, levers=True, fused_loss=False)
+        _fit(module, tmp_path, strategy=strategy)
+        record, summary = strategy.checkpointing.lever_record, strategy.checkpointing.summary()
+    assert record is not None and not record["fused_loss"] and "not offered (fused_loss=False)" in summary
+    applied = _levers_on(module)
+    assert applied["fused"] == [] and (applied["checkpointed"] or applied["pointwise"])
+    assert 0.0 <= float(module.accuracy) <= 1.0  # the logits were there at every step
+    with pytest.raises(TypeError, match="`fused_loss` must be a bool"):
+        ActivationCheckpointing(memory_budget=BUDGET, levers=True, fused_loss="no")
+
+
 class Block(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
