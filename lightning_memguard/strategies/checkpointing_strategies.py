@@ -107,17 +107,8 @@ class CheckpointingDDPStrategy(_ChecksBeforeWrapping, DDPStrategy):
         fused_loss: bool = True,
         **kwargs: Any,
     ) -> None:
-        self.checkpointing = make_policy(
-            CheckpointingSettings(
-                activation_checkpointing_policy,
-                memory_budget,
-                bn_correct,
-                rebuild_bn_relu,
-                rebuild_config,
-                levers,
-                fused_loss,
-            )
-        )
+        checkpointing = (activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config)
+        self.checkpointing = make_policy(CheckpointingSettings(*checkpointing, levers, fused_loss))
         super().__init__(*args, **kwargs)
 
 
@@ -150,15 +141,6 @@ class CheckpointingSingleDeviceStrategy(_ChecksBeforeWrapping, SingleDeviceStrat
         fused_loss: bool = True,
         **kwargs: Any,
     ) -> None:
-        self.checkpointing = make_policy(
-            CheckpointingSettings(
-                activation_checkpointing_policy,
-                memory_budget,
-                bn_correct,
-                rebuild_bn_relu,
-                rebuild_config,
-                levers,
-                fused_loss,
-            )
-        )
+        checkpointing = (activation_checkpointing_policy, memory_budget, bn_correct, rebuild_bn_relu, rebuild_config)
+        self.checkpointing = make_policy(CheckpointingSettings(*checkpointing, levers, fused_loss))
         super().__init__(device, **kwargs)
