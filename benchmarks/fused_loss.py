@@ -8,7 +8,9 @@ model keeps it. Rows, in turns of a few steps each for ``--rounds`` rounds, medi
 peak memory above what was allocated before the step: ``plain`` (``F.linear``, the logits in float32 as Hugging
 Face's loss makes them, ``F.cross_entropy``); ``fused_torch_ops`` (``fused_linear_cross_entropy`` with its chunks
 computed by PyTorch's operations, as where Triton is missing); ``fused`` (with the Triton kernel, as on CUDA by
-default); ``torch`` (``implementation="torch"``, ``F.linear_cross_entropy``, where the installed torch has it).
+default); ``fused_no_sync`` (the same with ``counted_only=False``: every row through the head, the shift's last
+tokens masked, no device sync); ``torch`` (``implementation="torch"``, ``F.linear_cross_entropy``, where the
+installed torch has it).
 ``--smoke`` runs a tiny version on the CPU: every row's code path, not a measurement.
 """
 
@@ -41,9 +43,16 @@ def _plain(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> 
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
 
 
-def _fused(implementation: str) -> Callable[..., torch.Tensor]:
+def _fused(implementation: str, counted_only: bool = True) -> Callable[..., torch.Tensor]:
     def loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return fused_linear_cross_entropy(hidden, weight, labels, shift=True, implementation=implementation)  # type: ignore[arg-type]
+        return fused_linear_cross_entropy(
+            hidden,
+            weight,
+            labels,
+            shift=True,
+            implementation=implementation,
+            counted_only=counted_only,  # type: ignore[arg-type]
+        )
 
     return loss
 
@@ -61,6 +70,7 @@ ROWS: dict[str, Callable[..., torch.Tensor]] = {
     "plain": _plain,
     "fused_torch_ops": _torch_ops,
     "fused": _fused("chunked"),
+    "fused_no_sync": _fused("chunked", counted_only=False),
 }
 if fused_loss.has_torch_linear_cross_entropy():
     ROWS["torch"] = _fused("torch")

@@ -41,16 +41,17 @@ def run(case, kernel_on):
     labels[0, :] = -100  # left out before chunking: 73 of 120 tokens count (3 chunks of 32); else the first chunk
     labels[1, :5] = -100  # holds ignored tokens only
     kwargs = {"label_smoothing": case.get("smoothing", 0.0), "reduction": case.get("reduction", "mean")}
-    runs, counted_only = fused_loss._kernel_runs, fused_loss._counted_only
+    counted_only = not case.get("masked")  # else the ignored tokens kept in the chunks, masked there
+    runs = fused_loss._kernel_runs
     if not kernel_on:
         fused_loss._kernel_runs = lambda *args: False
-    if case.get("masked"):  # the ignored tokens kept in the chunks, as under a CUDA graph's capture: masked there
-        fused_loss._counted_only = lambda hidden, labels, ignore_index: (hidden, labels)
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.get("bf16", False)):
-            loss = fused_linear_cross_entropy(hidden, weight, labels, bias=bias, shift=True, chunk_tokens=32, **kwargs)
+            loss = fused_linear_cross_entropy(
+                hidden, weight, labels, bias=bias, shift=True, chunk_tokens=32, counted_only=counted_only, **kwargs
+            )
     finally:
-        fused_loss._kernel_runs, fused_loss._counted_only = runs, counted_only
+        fused_loss._kernel_runs = runs
     tensors = [t for t in (hidden, weight, bias) if t is not None]
     grads = torch.autograd.grad(loss * 1.7, tensors)
     logits = F.linear(hidden, weight, bias).float()[:, :-1].flatten(0, 1)

@@ -18,8 +18,9 @@ Two implementations, one semantics (``torch.nn.functional.cross_entropy``'s):
   (2.13 and later). It computes the gradients in the forward as well, but it has no label smoothing, soft cap or
   logit scale, and under autocast it returns the loss and the head's gradient in the autocast dtype.
 
-``"chunked"`` takes the counted tokens' rows only through the head (:func:`_counted_only`): the ignored ones (a
-masked language model's 85 %, a prompt's tokens) cost nothing but a gather.
+``"chunked"`` takes the counted tokens' rows only through the head (:func:`counted_rows`): the ignored ones (a
+masked language model's 85 %, a prompt's tokens) cost nothing but a gather. Knowing how many count costs one device
+sync per call; ``counted_only=False`` skips it (every row goes through the head, the ignored ones masked).
 
 ``"auto"`` picks ``"chunked"``: measured on the CPU with torch 2.14 (``tests/levers/test_levers_fused_loss.py`` holds
 the probe), torch's keeps exactly as many bytes after the forward (the two gradients, in float32, or in bf16 under
@@ -66,6 +67,7 @@ def fused_linear_cross_entropy(
     softcap: float | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     implementation: Implementation = "auto",
+    counted_only: bool = True,
 ) -> Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), labels)`` without building the logits whole.
 
@@ -91,6 +93,9 @@ def fused_linear_cross_entropy(
         chunk_tokens: tokens per chunk; the transient memory is about four chunks of float32 logits.
         implementation: ``"chunked"`` (this library's), ``"torch"`` (``F.linear_cross_entropy``, torch 2.13 and
             later, without smoothing, scale or cap), or ``"auto"`` (``"chunked"``: see the module's notes).
+        counted_only: ``"chunked"`` takes only the counted tokens' rows through the head, which costs one device
+            sync to count them; False takes every row (the ignored ones masked in the chunks), with no sync: for a
+            step that must not wait on the device, or rows the caller has already left out (:func:`counted_rows`).
 
     Returns:
         The loss, a float32 scalar.
@@ -115,6 +120,8 @@ def fused_linear_cross_entropy(
     _check(hidden, weight, labels, bias, label_smoothing, reduction, shift, logit_scale, softcap, chunk_tokens)
     if implementation not in ("auto", "chunked", "torch"):
         raise ValueError(f"`implementation` must be 'auto', 'chunked' or 'torch', got {implementation!r}")
+    if not isinstance(counted_only, bool):
+        raise ValueError(f"`counted_only` must be a bool, got {counted_only!r}")
     if shift:  # as Hugging Face's causal losses: pad the labels with ignore_index and move them one to the left
         labels = torch.cat([labels[..., 1:], labels.new_full((*labels.shape[:-1], 1), ignore_index)], dim=-1)
     features = hidden.shape[-1]
@@ -134,7 +141,8 @@ def fused_linear_cross_entropy(
         return _torch_loss(
             flat_hidden, weight, flat_labels, bias, ignore_index, reduction, chunk_tokens, autocast_dtype
         )
-    flat_hidden, flat_labels = _counted_only(flat_hidden, flat_labels, ignore_index)
+    if counted_only:
+        flat_hidden, flat_labels = counted_rows(flat_hidden, flat_labels, ignore_index)
     compute_dtype = autocast_dtype or torch.promote_types(hidden.dtype, weight.dtype)
     settings = _Settings(ignore_index, label_smoothing, reduction, logit_scale, softcap, chunk_tokens, compute_dtype)
     settings.kernel = _kernel_runs(hidden, settings)
@@ -145,13 +153,17 @@ def fused_linear_cross_entropy(
     return loss
 
 
-def _counted_only(hidden: Tensor, labels: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
-    """The rows of the counted tokens alone, where some are ignored: the head's matmuls and softmax are then done for
-    those only (a masked language model counts about 15 % of its tokens, instruction tuning its answers only).
-    Autograd scatters their gradient back into ``hidden``'s shape, zero on the ignored rows, as the plain loss gives.
+def counted_rows(hidden: Tensor, labels: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+    """The rows of the counted tokens alone, ``(counted, features)`` and ``(counted,)``, where some are ignored: the
+    head's matmuls and softmax are then done for those only (a masked language model counts about 15 % of its
+    tokens, instruction tuning its answers only). ``hidden`` is ``(..., features)``, ``labels`` its shape without the
+    last dimension; they come back flattened. Autograd scatters the rows' gradient back into ``hidden``'s shape, zero
+    on the ignored rows, as the plain loss gives.
 
     It costs one device sync (to know how many tokens count); not done while ``torch.compile`` traces or a CUDA
-    graph is captured, where no shape may depend on the data: the chunks then mask the ignored tokens instead."""
+    graph is captured, where no shape may depend on the data: the rows then come back all, flattened, and the chunks
+    mask the ignored tokens instead."""
+    hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if _compiler.compiling() or (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
         return hidden, labels
     rows = (labels != ignore_index).nonzero().squeeze(1)

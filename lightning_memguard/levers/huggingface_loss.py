@@ -1,11 +1,14 @@
 """A Hugging Face model's own ``forward(..., labels=...)``, with its loss fused: the logits are never built.
 
-:func:`apply_fused_loss` changes two classes, and nothing else: the model's (a forward that hands the labels to its
-head) and its output embedding's (``get_output_embeddings()``, an ``nn.Linear``: when it gets labels it returns
-:func:`.fused_loss.fused_linear_cross_entropy` of its input, the hidden states after everything the family does
-before its head, instead of the logits). The model's own forward runs unchanged around them, so BERT's transform
-before its decoder and T5's scaling of the decoder's output stay the family's own; BART's ``final_logits_bias`` is
-added to the head's bias. The loss is computed inside the head's call, so a strategy that gathers the head's weight
+:func:`apply_fused_loss` changes two classes (three for a masked model), and nothing else: the model's (a forward
+that hands the labels to its head) and its output embedding's (``get_output_embeddings()``, an ``nn.Linear``: when
+it gets labels it returns :func:`.fused_loss.fused_linear_cross_entropy` of its input, the hidden states after
+everything the family does before its head, instead of the logits). The model's own forward runs unchanged around
+them, so BERT's transform before its decoder and T5's scaling of the decoder's output stay the family's own; BART's
+``final_logits_bias`` is added to the head's bias. A masked language model's head module (:func:`token_head`: the
+model's child that holds the output embedding, BERT's ``cls``, RoBERTa's ``lm_head``, whose layers before the output
+embedding act on each token alone) takes only the counted tokens' rows (about 15 %) through its transform and the
+loss. The loss is computed inside the head's call, so a strategy that gathers the head's weight
 for that call (FSDP2's ``fully_shard``) gathers it for the loss too.
 
 The public hooks of transformers it uses: ``get_output_embeddings()``, ``config.model_type`` and
@@ -28,7 +31,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_memguard.checkpointing.wrap import SwappedModule, swap_chain, swap_in, swapped_class
-from lightning_memguard.levers.fused_loss import DEFAULT_CHUNK_TOKENS, fused_linear_cross_entropy
+from lightning_memguard.levers.fused_loss import DEFAULT_CHUNK_TOKENS, counted_rows, fused_linear_cross_entropy
 
 FAMILIES: dict[str, str] = {
     "gpt2": "causal",
@@ -92,18 +95,20 @@ class _HeadState:
     """What a fused head knows: its settings, and for one call of its model the labels and the loss. Copies and
     pickles keep the settings and start with no call."""
 
-    def __init__(self, kind: str, label_smoothing: float, chunk_tokens: int, logits: bool) -> None:
+    def __init__(self, kind: str, label_smoothing: float, chunk_tokens: int, logits: bool, counted_only: bool) -> None:
         self.kind = kind
         self.label_smoothing = label_smoothing
         self.chunk_tokens = chunk_tokens
         self.logits = logits
+        self.counted_only = counted_only
         self.labels: Tensor | None = None
+        self.rows_taken = False  # this call's labels and the head's input are the counted rows already
         self.extra_bias: Tensor | None = None
         self.reduction = "mean"
         self.loss: Tensor | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "labels": None, "extra_bias": None, "loss": None}
+        return {**self.__dict__, "labels": None, "extra_bias": None, "loss": None, "rows_taken": False}
 
 
 class FusedLossHead(SwappedModule):
@@ -131,10 +136,28 @@ class FusedLossHead(SwappedModule):
             reduction=state.reduction,  # type: ignore[arg-type]
             shift=state.kind == "causal",
             chunk_tokens=state.chunk_tokens,
+            counted_only=state.counted_only and not state.rows_taken,
         )
         if state.logits:
             return super().forward(hidden)  # type: ignore[no-any-return]
         return state.loss
+
+
+class FusedLossRows(SwappedModule):
+    """Put in front of a masked language model's head module (:func:`token_head`): given labels by its model, it
+    takes the counted tokens' rows of its input alone (:func:`.fused_loss.counted_rows`) through its layers, which
+    act on each token alone, to the fused head. Without labels, or with the logits asked for, it is its own."""
+
+    memguard_prefix = "FusedLoss"
+    memguard_unit = False
+    memguard_fused: _HeadState
+
+    def forward(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Any:
+        state = self.memguard_fused
+        if state.labels is not None and state.counted_only and not state.logits:
+            hidden, state.labels = counted_rows(hidden, state.labels.to(hidden.device))
+            state.rows_taken = True
+        return super().forward(hidden, *args, **kwargs)
 
 
 class FusedLossModel(SwappedModule):
@@ -162,6 +185,7 @@ class FusedLossModel(SwappedModule):
             loss = state.loss
         finally:
             state.labels = state.extra_bias = state.loss = None
+            state.rows_taken = False
         if loss is None:
             raise RuntimeError(f"{type(self).__name__}: its head was not called with the labels; no loss was made")
         if items is not None:
@@ -192,6 +216,19 @@ def decoder_inputs(model: nn.Module, labels: Tensor) -> Tensor:
     return shifted.masked_fill(shifted == -100, pad)
 
 
+def token_head(model: nn.Module) -> nn.Module | None:
+    """A masked language model's head module: the model's child that holds its output embedding (BERT's ``cls``,
+    RoBERTa's ``lm_head``), or None for another kind, or where the output embedding is a child of the model itself."""
+    config: Any = getattr(model, "config", None)
+    if FAMILIES.get(getattr(config, "model_type", None) or "") != "masked":
+        return None
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    for child in model.children():
+        if child is not head and any(module is head for module in child.modules()):
+            return child
+    return None
+
+
 def _final_logits_bias(model: nn.Module) -> Tensor | None:
     bias = getattr(model, "final_logits_bias", None)  # BART's buffer, (1, vocabulary), added to the logits
     return bias.reshape(-1) if isinstance(bias, Tensor) else None
@@ -203,6 +240,7 @@ def apply_fused_loss(
     label_smoothing: float = 0.0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     logits: bool = False,
+    counted_only: bool = True,
 ) -> nn.Module:
     """Make a Hugging Face model's ``forward(..., labels=...)`` compute its loss without building the logits.
 
@@ -219,6 +257,9 @@ def apply_fused_loss(
         label_smoothing: as ``F.cross_entropy``'s (the families' own losses use none: leave it 0 to keep theirs).
         chunk_tokens: tokens per chunk of the fused loss.
         logits: also build and return the logits (a warning says the memory of the logits is then not saved).
+        counted_only: take only the counted tokens' rows through the head (and a masked model's head module), at
+            one device sync per call to count them; False takes every row, the ignored ones masked, with no sync
+            (:func:`.fused_loss.fused_linear_cross_entropy`'s ``counted_only``).
 
     Returns:
         The same model, changed in place.
@@ -247,6 +288,8 @@ def apply_fused_loss(
         raise ValueError(f"`label_smoothing` must be in [0, 1], got {label_smoothing!r}")
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"`chunk_tokens` must be a positive int, got {chunk_tokens!r}")
+    if not isinstance(counted_only, bool):
+        raise ValueError(f"`counted_only` must be a bool, got {counted_only!r}")
     remove_fused_loss(model)
     if logits:
         warnings.warn(
@@ -258,27 +301,32 @@ def apply_fused_loss(
     head = model.get_output_embeddings()  # type: ignore[operator]
     config: Any = model.config
     kind = FAMILIES[config.model_type]
-    state = _HeadState(kind, label_smoothing, chunk_tokens, logits)
-    swap_in([(head, FusedLossHead, {"memguard_fused": state}), (model, FusedLossModel, {})])
+    state = _HeadState(kind, label_smoothing, chunk_tokens, logits, counted_only)
+    swaps: list[tuple[nn.Module, type[nn.Module], dict[str, Any]]] = [(head, FusedLossHead, {"memguard_fused": state})]
+    rows = token_head(model)
+    if rows is not None:
+        swaps.append((rows, FusedLossRows, {"memguard_fused": state}))
+    swap_in([*swaps, (model, FusedLossModel, {})])
     return model
 
 
 def remove_fused_loss(model: nn.Module) -> bool:
-    """Put back what :func:`apply_fused_loss` changed: the model's and its head's classes, and the head's
-    ``memguard_fused`` (its one attribute). Returns whether there was anything to put back."""
+    """Put back what :func:`apply_fused_loss` changed: the classes of the model, its head and a masked model's head
+    module, and their ``memguard_fused`` (their one attribute). Returns whether there was anything to put back."""
     found = False
-    modules = [model]
+    modules: list[nn.Module | None] = [model]
     if hasattr(model, "get_output_embeddings"):
-        modules.append(model.get_output_embeddings())  # type: ignore[operator]
+        modules += [model.get_output_embeddings(), token_head(model)]  # type: ignore[operator]
+    ours = FusedLossModel | FusedLossHead | FusedLossRows
     for module in modules:
         if module is None:
             continue
         mixins, original = swap_chain(type(module))
-        if not any(issubclass(m, FusedLossModel | FusedLossHead) for m in mixins):
+        if not any(issubclass(m, ours) for m in mixins):
             continue
         cls = original
         for mixin in mixins:
-            if not issubclass(mixin, FusedLossModel | FusedLossHead):
+            if not issubclass(mixin, ours):
                 cls = swapped_class(cls, mixin)
         module.__class__ = cls
         module.__dict__.pop("memguard_fused", None)

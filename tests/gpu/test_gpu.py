@@ -632,6 +632,33 @@ def test_the_fused_losss_kernel_on_cuda(monkeypatch):
         assert (got - want).abs().max() <= 2e-2 * want.abs().max()
 
 
+def test_counted_only_false_makes_no_device_sync():
+    """GPU twin of test_counted_only_false_takes_every_row_through_the_head_with_the_same_loss: under CUDA's sync
+    debug mode the loss's forward and backward with ``counted_only=False`` run without a device sync; the default
+    (counting the rows) syncs once, so the mode does see it."""
+    from lightning_memguard import fused_linear_cross_entropy
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(4, 256, 768, device="cuda", generator=generator, requires_grad=True)
+    weight = (torch.randn(50257, 768, device="cuda", generator=generator) * 0.02).requires_grad_()
+    labels = torch.randint(0, 50257, (4, 256), device="cuda", generator=generator)
+
+    def step(counted_only):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fused_linear_cross_entropy(hidden, weight, labels, shift=True, counted_only=counted_only)
+        loss.backward()
+
+    step(False)  # the kernel's build and the allocator's first blocks, outside the mode
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(False)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            step(True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def _counted(kernel, launches, *args):
     terms = kernel(*args)
     launches.append(terms is not None)

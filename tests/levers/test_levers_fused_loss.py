@@ -380,3 +380,26 @@ def test_only_the_counted_tokens_go_through_the_head():
     )
     _assert_same(fused, _loss_and_grads(lambda: _plain(hidden, weight, masked, bias), hidden, weight, bias))
     assert fused[1][0].flatten(0, 1)[masked.flatten() == -100].abs().max() == 0
+
+
+def test_counted_only_false_takes_every_row_through_the_head_with_the_same_loss():
+    """The choice without the device sync (its GPU twin, ``test_counted_only_false_makes_no_device_sync``, runs under
+    CUDA's sync debug mode): every row through the head's matmuls, the ignored ones masked, the same numbers."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden, weight, bias, labels = _inputs(tokens=(4, 64), features=32, vocabulary=500)
+    masked = torch.where(torch.arange(labels.numel()).view(labels.shape) % 7 == 0, labels, -100)
+
+    def loss_of(y, counted_only):
+        return fused_linear_cross_entropy(hidden, weight, y, bias=bias, chunk_tokens=16, counted_only=counted_only)
+
+    def flops(y, counted_only):
+        with FlopCounterMode(display=False) as counter:
+            torch.autograd.grad(loss_of(y, counted_only), (hidden, weight, bias))
+        return counter.get_total_flops()
+
+    assert flops(masked, counted_only=False) == flops(labels, counted_only=True)
+    fused = _loss_and_grads(lambda: loss_of(masked, False), hidden, weight, bias)
+    _assert_same(fused, _loss_and_grads(lambda: _plain(hidden, weight, masked, bias), hidden, weight, bias))
+    with pytest.raises(ValueError, match=r"`counted_only` must be a bool, got 'no'"):
+        loss_of(masked, "no")

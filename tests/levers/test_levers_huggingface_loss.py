@@ -141,6 +141,40 @@ def test_the_change_is_undone_exactly_and_pickles():
     assert model(**batch).logits is not None  # the model's own forward again
 
 
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_a_masked_models_head_module_takes_only_the_counted_tokens(family):
+    """BERT's and RoBERTa's head transform (a dense layer, GELU, a LayerNorm before the output embedding) runs on the
+    counted tokens' rows alone, with the plain loss and gradients (the family test above); with ``counted_only=False``
+    or the logits asked for, on every token; undone exactly, the head module's class included."""
+    from lightning_memguard.levers.huggingface_loss import token_head
+
+    model, batch = _model(family), _batch(family)
+    rows = token_head(model)
+    assert rows is not None and rows is not model.get_output_embeddings()
+    head_class = type(rows)
+    dense = next(m for m in rows.modules() if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings())
+    seen = []
+    hook = dense.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[:-1].numel()))
+    counted = int((batch["labels"] != -100).sum())
+    tokens = batch["labels"].numel()
+    _step(model, batch)
+    apply_fused_loss(model)
+    assert type(rows) is not head_class
+    _step(model, batch)
+    apply_fused_loss(model, counted_only=False)
+    _step(model, batch)
+    with pytest.warns(UserWarning, match="builds its logits"):
+        apply_fused_loss(model, logits=True)
+    _run(model, batch)
+    assert seen == [tokens, counted, tokens, tokens]
+    hook.remove()
+    remove_fused_loss(model)
+    assert type(rows) is head_class and "memguard_fused" not in rows.__dict__
+    copied = pickle.loads(pickle.dumps(apply_fused_loss(model)))  # the head and its module share one state
+    assert copied.get_output_embeddings().memguard_fused is token_head(copied).memguard_fused
+    torch.testing.assert_close(_run(copied, batch).loss, _run(model, batch).loss)
+
+
 def test_without_labels_the_model_is_its_own():
     model = _model("llama")
     batch = _batch("llama")
@@ -176,8 +210,9 @@ def test_num_items_in_batch_divides_a_causal_models_summed_loss_as_its_own_does(
     torch.testing.assert_close(_run(model, batch, num_items_in_batch=torch.tensor(40)).loss, plain)
 
 
-def test_torch_compile_gives_the_same_loss_and_gradients():
-    model, batch = _model("gpt2"), _batch("gpt2")
+@pytest.mark.parametrize("family", ["gpt2", "bert"])  # bert: its head module's rows, all kept while compiling
+def test_torch_compile_gives_the_same_loss_and_gradients(family):
+    model, batch = _model(family), _batch(family)
     _, *plain = _step(model, batch)
     apply_fused_loss(model, chunk_tokens=8)
     compiled = torch.compile(model, backend="aot_eager")

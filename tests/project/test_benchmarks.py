@@ -200,8 +200,9 @@ def test_families_smoke_runs_every_row_of_a_language_model_and_writes_them(tmp_p
     result = json.loads(out.read_text())
     rows = result["models"]["llama"]["rows"]
     assert list(rows) == [
-        "plain", "family_switch", "ours_every_block", "fused_loss_every_block", "ours_at_switch_memory",
-        "ours_at_switch_memory_blocks", "ours_below_switch", "ours_below_switch_blocks", "ours_budget_0.6",
+        "plain", "family_switch", "ours_every_block", "fused_loss_every_block", "fused_loss_every_block_no_sync",
+        "ours_at_switch_memory", "ours_at_switch_memory_blocks", "ours_below_switch", "ours_below_switch_blocks",
+        "ours_budget_0.6",
         "ours_budget_0.6_blocks", "ours_budget_0.4", "levers_at_switch_memory", "levers_half_switch",
     ]  # fmt: skip
     # every lever planned, the fused loss first: what the plan says, measured, and its calls
@@ -210,6 +211,7 @@ def test_families_smoke_runs_every_row_of_a_language_model_and_writes_them(tmp_p
     assert "levers_half_switch" in result["models"]["llama"]["goals"]
     # the fused loss keeps no logits: less than every block alone
     assert rows["fused_loss_every_block"]["saved_pct"] > rows["ours_every_block"]["saved_pct"]
+    assert rows["fused_loss_every_block_no_sync"]["saved_pct"] > rows["ours_every_block"]["saved_pct"]
     assert not [r["error"] for r in rows.values() if "error" in r]
     assert all("tokens_per_sec" in r and "saved_pct" in r for name, r in rows.items() if name != "plain")
     assert "summary" in rows["ours_budget_0.4"] and "met" in result["models"]["llama"]["goals"]
