@@ -92,9 +92,8 @@ class LeverPolicy(CheckpointingPolicy):
 
         def plan() -> dict[str, Any]:
             with measuring():
-                fused = self.settings.fused_loss
                 self.lever_plan = plan_levers(
-                    model, example_input, budget, units=units, offload=False, fused_loss=fused
+                    model, example_input, budget, units=units, offload=False, fused_loss=self.settings.fused_loss
                 )
             return self.lever_plan.record()
 

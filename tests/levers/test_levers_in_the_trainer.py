@@ -189,6 +189,27 @@ def test_fused_loss_false_plans_the_other_levers_and_keeps_the_logits(tmp_path, 
         ActivationCheckpointing(memory_budget=BUDGET, levers=True, fused_loss="no")
 
 
+def test_fused_loss_false_holds_on_resume_and_in_a_second_fit(tmp_path, monkeypatch):
+    """The record says the fused loss was not taken: a resumed run and the same callback's second fit re-apply the
+    other levers without measuring, and the step still reads its logits."""
+    cb, module = ActivationCheckpointing(memory_budget=BUDGET, levers=True, fused_loss=False), ReadsItsLogits()
+    ckpt = _fit(module, tmp_path / "first", [cb], enable_checkpointing=True).checkpoint_callback.best_model_path
+    applied = _levers_on(module)
+    _no_planning(monkeypatch)
+    resumed = ActivationCheckpointing(memory_budget=BUDGET, levers=True, fused_loss=False)
+    again = ReadsItsLogits()
+    trainer = Trainer(**trainer_kwargs(tmp_path / "resumed", max_epochs=2, callbacks=[resumed]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(again, ckpt_path=ckpt)
+    second = ReadsItsLogits(seed=1)
+    _fit(second, tmp_path / "second", [cb])
+    for fitted in (again, second):
+        assert _levers_on(fitted) == applied and applied["fused"] == []
+        assert 0.0 <= float(fitted.accuracy) <= 1.0
+    assert trainer.global_step == 4 and resumed.lever_record == cb.lever_record
+
+
 class Block(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()

@@ -221,6 +221,20 @@ def test_the_cache_key_holds_whether_the_model_is_checkpointed(tmp_path):
         assert tuner.from_cache is expect_cached, checkpointing
 
 
+def test_the_cache_key_holds_whether_the_levers_plan_the_fused_loss(tmp_path):
+    """``ActivationCheckpointing(levers=True, fused_loss=False)`` plans other savers than the default (a step that
+    reads the logits keeps them): a choice measured with one is not the other's."""
+    clock = BatchClock()
+    for fused_loss, expect_cached in ((True, False), (True, True), (False, False), (False, True)):
+        model = small_image_model()
+        model.example_input_array = torch.randn(4, 3, 16, 16)  # the budget is measured on the images, not indices
+        tuner = _cached_tuner(tmp_path, PerSample(model), clock, max_size=8)
+        levers = ActivationCheckpointing(memory_budget=0.8, levers=True, fused_loss=fused_loss)
+        callbacks = [clock, levers, tuner]
+        Trainer(**trainer_kwargs(tmp_path, max_epochs=1, limit_train_batches=1, callbacks=callbacks)).fit(model)
+        assert tuner.from_cache is expect_cached, fused_loss
+
+
 def test_a_cached_choice_that_no_longer_fits_is_measured_again(tmp_path):
     clock = BatchClock()
     model = TinyModel(batch_size=4)
