@@ -337,6 +337,7 @@ def apply_levers(model: nn.Module, example: torch.Tensor, setting: Setting, budg
         "held": plan.held,
         **figures(plan),
         "extra_ms": plan.extra_ms,
+        "tried": [[what, _gb(peak)] for what, peak in plan.tried],  # every set measured, in order, and its peak
     }
 
 
