@@ -938,68 +938,87 @@ class RunAdapter:
         self.grow.restart(trainer.global_step)  # the next try with fewer micro-batches comes an interval later
         if batch is None and self._micro is not None:
             batch = self._micro.batch
-        savers, no_blocks = None, None
         kept = [] if self.checkpointing else applied_levers(pl_module)  # the user's own: never planned over
         if kept:
             why = f"{why}; the model's own levers are kept ({'; '.join(kept)})"
-        if not self.checkpointing and not kept and self._savers_first(trainer):
-            try:
-                savers = self._take_savers(trainer, pl_module, batch, samples, room)
-            except ValueError as err:  # no blocks: split as before
-                no_blocks = str(err)
-            if savers is not None and savers.held:  # the batch stays whole
-                self._said_savers(trainer, samples, before, why, savers)
-                return None
+        plannable = not self.checkpointing and not kept and self._savers_first(trainer)
+        savers, no_blocks = self._try_savers(trainer, pl_module, batch, samples, room) if plannable else (None, None)
+        if savers is not None and savers.held:  # the batch stays whole
+            self._said_savers(trainer, samples, before, why, savers)
+            return None
         if savers is not None and savers.floor is not None and room is not None:  # the split beside the savers
             wanted = chunks_with_savers(samples, self.chunks, savers.floor, savers.samples, room)
         elif savers is not None and redo:  # every block, unplanned: the redone step says whether the batch fits whole
             wanted = self.chunks
         cannot = self._cannot_split(pl_module, samples, batch) or no_split
         if cannot is None and wanted > self.chunks:
-            self._set_chunks(wanted)
-            self._said(
-                Adaptation(
-                    trainer.global_step,
-                    samples,
-                    before,
-                    wanted,
-                    savers is not None,
-                    why,
-                    trainer.accumulate_grad_batches,
-                    weighting=self.weighting or "",
-                    savers=savers.said if savers is not None else "",
-                    switch_s=savers.switch_s if savers is not None else None,
-                )  # fmt: skip
-            )
+            self._split(trainer, samples, before, wanted, why, savers)
             return None
-        if savers is None and not self.checkpointing and not kept and no_blocks is None and self._savers_first(trainer):
+        if savers is None and plannable and no_blocks is None:
             # the plan took nothing (the model's peak met the room as measured) and no split is left: every block
-            try:
-                savers = self._take_savers(trainer, pl_module, None, samples, None)
-            except ValueError as err:
-                no_blocks = str(err)
+            savers, no_blocks = self._try_savers(trainer, pl_module, None, samples, None)
         if savers is not None:  # the savers alone, the batch not split (it cannot be, or no further)
             self._said_savers(trainer, samples, before, why, savers)
             return None
+        split = cannot or "the batch cannot be split further"
         if no_blocks is not None:
-            return f"{cannot or 'the batch cannot be split further'}, and activation checkpointing found {no_blocks}"
+            return f"{split}, and activation checkpointing found {no_blocks}"
         if kept:
-            split = cannot or "the batch cannot be split further"
             return f"{split}, and the model's own levers are kept ({'; '.join(kept)})"
-        if not self.checkpointing:
-            try:
-                with trainer.precision_plugin.train_step_context():  # measured as the step runs
-                    plan = self._checkpoint(pl_module, batch, samples, room)
-            except ValueError as err:  # no blocks found
-                return f"{cannot or 'the batch cannot be split further'}, and activation checkpointing found {err}"
-            self.checkpointing = True
-            _mark_savers(pl_module, True)
-            why = f"{why}; activation checkpointing: {plan}"
-            self._said(
-                Adaptation(trainer.global_step, samples, before, before, True, why, trainer.accumulate_grad_batches)
-            )
-            return None
-        return f"{cannot or 'each micro-batch holds one sample'}, and activation checkpointing is on already"
+        if self.checkpointing:
+            return f"{cannot or 'each micro-batch holds one sample'}, and activation checkpointing is on already"
+        return self._checkpoint_last(trainer, pl_module, samples, before, why, batch, room, split)
+
+    def _try_savers(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, samples: int, room: int | None
+    ) -> tuple[Savers | None, str | None]:
+        """The savers taken (:meth:`_take_savers`), or why the model has no blocks for them."""
+        try:
+            return self._take_savers(trainer, pl_module, batch, samples, room), None
+        except ValueError as err:  # no blocks: split as before
+            return None, str(err)
+
+    def _split(self, trainer: Trainer, samples: int, before: int, wanted: int, why: str, savers: Savers | None) -> None:
+        """The batch split into ``wanted`` micro-batches (beside ``savers``, where taken), said and recorded."""
+        self._set_chunks(wanted)
+        self._said(
+            Adaptation(
+                trainer.global_step,
+                samples,
+                before,
+                wanted,
+                savers is not None,
+                why,
+                trainer.accumulate_grad_batches,
+                weighting=self.weighting or "",
+                savers=savers.said if savers is not None else "",
+                switch_s=savers.switch_s if savers is not None else None,
+            )  # fmt: skip
+        )
+
+    def _checkpoint_last(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        samples: int,
+        before: int,
+        why: str,
+        batch: Any,
+        room: int | None,
+        split: str,
+    ) -> str | None:
+        """Checkpointing, the last lever, where no savers were taken (a sharded strategy, or a plan that took nothing
+        twice), measured as the step runs: said and recorded (None), or why the model has no blocks for it."""
+        try:
+            with trainer.precision_plugin.train_step_context():  # measured as the step runs
+                plan = self._checkpoint(pl_module, batch, samples, room)
+        except ValueError as err:  # no blocks found
+            return f"{split}, and activation checkpointing found {err}"
+        self.checkpointing = True
+        _mark_savers(pl_module, True)
+        why = f"{why}; activation checkpointing: {plan}"
+        self._said(Adaptation(trainer.global_step, samples, before, before, True, why, trainer.accumulate_grad_batches))
+        return None
 
     def _said_savers(self, trainer: Trainer, samples: int, before: int, why: str, savers: Savers) -> None:
         self._said(
