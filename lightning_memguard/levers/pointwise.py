@@ -34,6 +34,7 @@ import contextlib
 import functools
 import inspect
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -112,6 +113,10 @@ does not have are skipped."""
 KEPT_CHANGED = "changes in place a product it keeps"
 """What :class:`PointwiseRecomputed` says, at the end of its forward, of a block that changed in place an output its
 selective checkpoint keeps (which backward would refuse)."""
+
+_KEPT_CHECKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""The blocks whose kept products were found unchanged at the end of a training forward: checked again only while
+measured, not on every step."""
 
 _HOOKS_CHOICE: dict[str, Any] = (
     {"respect_saved_tensors_hooks": False}
@@ -276,15 +281,9 @@ class PointwiseRecomputed(SwappedModule):
         if _ledger.counting():  # what the selective checkpoint keeps, out of the saved-tensor hooks' sight
             for caching in made:
                 _ledger.kept_unseen(_autograd.selectively_saved(caching))
-        if any(_autograd.selectively_saved_changed(caching) for caching in made):
-            # said now, not by torch in backward: a backward raising there with saved-tensor hooks in force (a
-            # measurement's) leaves the step's graph alive, one step's activations lost per block tried
-            raise RuntimeError(
-                f"{type(self).__name__} {KEPT_CHANGED} (an nn.ReLU(inplace=True) or `y *= ...` on a convolution's or"
-                " matrix product's output, as timm's squeeze-excite does): the selective checkpoint would refuse it"
-                " in backward. Leave the block out of recompute_pointwise's `units`, or make that operation out of"
-                " place"
-            )
+        if _ledger.counting() or self not in _KEPT_CHECKED:
+            self._refuse_kept_changed(made)
+            _KEPT_CHECKED.add(self)
         if any(_autograd.version(t) != v for t, v in given):
             raise RuntimeError(
                 f"{type(self).__name__} changes its input in place in its forward (nn.ReLU(inplace=True) first,"
@@ -292,6 +291,18 @@ class PointwiseRecomputed(SwappedModule):
                 " operation on its input out of place, or leave it out of recompute_pointwise's `units`"
             )
         return out
+
+    def _refuse_kept_changed(self, made: list[Any]) -> None:
+        """Said at the end of the forward, not by torch in backward: a backward raising there with saved-tensor hooks
+        in force (a measurement's) leaves the step's graph alive, one step's activations lost per block tried. Asked
+        while measured and at a block's first training forward (:data:`_KEPT_CHECKED`), not on every step."""
+        if any(_autograd.selectively_saved_changed(caching) for caching in made):
+            raise RuntimeError(
+                f"{type(self).__name__} {KEPT_CHANGED} (an nn.ReLU(inplace=True) or `y *= ...` on a convolution's or"
+                " matrix product's output, as timm's squeeze-excite does): the selective checkpoint would refuse it"
+                " in backward. Leave the block out of recompute_pointwise's `units`, or make that operation out of"
+                " place"
+            )
 
 
 def _blocks(model: nn.Module, units: Any) -> list[tuple[str, nn.Module]]:

@@ -276,6 +276,19 @@ def test_a_block_that_changes_a_kept_product_in_place_is_refused_in_its_forward(
         assert module(torch.randn(2, 32, 16, 16)).shape == (2, 24, 8, 8)
 
 
+def test_the_kept_products_are_checked_at_a_blocks_first_training_forward_not_on_every_step(monkeypatch):
+    from lightning_memguard import _autograd
+
+    calls = []
+    changed = _autograd.selectively_saved_changed
+    monkeypatch.setattr(_autograd, "selectively_saved_changed", lambda mode: calls.append(1) or changed(mode))
+    module, x = block("vit")
+    recompute_pointwise(module)
+    for _ in range(3):
+        step(module, x)
+    assert len(calls) == 1  # one selective checkpoint, asked at its first forward only (measured: at every one)
+
+
 def test_a_compiled_block_is_changed_in_the_module_it_wraps():
     module, _ = block("vit")
     compiled = torch.compile(module, backend="aot_eager")
