@@ -175,6 +175,19 @@ def test_a_masked_models_head_module_takes_only_the_counted_tokens(family):
     torch.testing.assert_close(_run(copied, batch).loss, _run(model, batch).loss)
 
 
+def test_a_masked_batch_with_no_counted_token_gives_the_plain_nan_loss_and_gradients():
+    """A small last batch where the collator masked nothing: no row goes through the head module, and the loss is
+    nan with the plain model's gradients, as ``F.cross_entropy`` gives."""
+    model, batch = _model("bert"), _batch("bert")
+    batch["labels"][:] = -100
+    _, plain_loss, plain = _step(model, batch)
+    apply_fused_loss(model)
+    _, loss, fused = _step(model, batch)
+    assert plain_loss.isnan() and loss.isnan() and fused.keys() == plain.keys()
+    for name, grad in fused.items():
+        torch.testing.assert_close(grad, plain[name], equal_nan=True, msg=name)
+
+
 def test_without_labels_the_model_is_its_own():
     model = _model("llama")
     batch = _batch("llama")
