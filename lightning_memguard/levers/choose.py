@@ -34,7 +34,7 @@ from lightning_memguard.core.units import size_formatter
 KINDS = ("block", "parts", "pointwise", "offload")
 """The kinds of a link's option, in the order that breaks a tie (recomputation, finest last, before offload)."""
 
-ROUNDS = 3
+ROUNDS = 4
 """Sets of the links' options a :class:`LeverSearch` measures at most; the last of them frees the most it can."""
 
 RECORD_VERSION = 1
@@ -363,9 +363,12 @@ class LeverSearch:
        (the logits no longer hold the peak: a block may, and what each link frees is read again). A fused loss that
        did not lower the peak as measured is left out.
     3. The links' options: :func:`choose_levers` for the gap left, applied and measured. Over the budget as measured,
-       the gap is widened by the most a prediction missed and the set chosen again; the :data:`ROUNDS`-th set is the
-       one that frees the most (the floor). The result is the first set measured within the budget, else the one of
-       the lowest peak; the last proposal is always the result's own set, measured.
+       the need is read again from the sets measured (:meth:`_need`): after one, the gap widened by the most a
+       prediction missed; after two, also the bytes the line through their last two points (freed as measured
+       against freed as predicted) says would close it, so that a miss that grows with the set (a share of each
+       link's bytes) is caught as well as one that does not (the one block recomputed in backward). The
+       :data:`ROUNDS`-th set is the one that frees the most (the floor). The result is the first set measured within
+       the budget, else the one of the lowest peak; the last proposal is always the result's own set, measured.
 
     Args:
         budget: the peak to stay under, bytes, or a fraction of the first measured peak (a float).
@@ -473,14 +476,11 @@ class LeverSearch:
         )
 
     def _choose(self) -> None:
-        """Choose the links' options for the gap, widened by the most a measured set's prediction missed (the last
-        round: the set that frees the most); settle where that changes nothing."""
-        assert self._start is not None and self.budget is not None
+        """Choose the links' options for the need :meth:`_need` reads (the last round: the set that frees the most);
+        settle where that changes nothing."""
+        assert self._start is not None
         start = self._start
-        missed = max((peak - predicted for _, predicted, peak in self._choices), default=0)
-        need: float = start.peak - self.budget + max(0, missed)
-        if len(self._choices) == ROUNDS - 1:
-            need = float("inf")  # the floor: every lever that frees memory, within the host bound
+        need = float("inf") if len(self._choices) == ROUNDS - 1 else self._need()  # the floor: all that frees memory
         choice = choose_levers(start.links, need, self.host_limit)
         if self._choices and choice.links == self._choices[-1][0].links:  # nothing more to take: the floor
             self._finish()
@@ -489,6 +489,23 @@ class LeverSearch:
         else:
             self._choices.append((choice, start.peak - choice.freed_bytes, start.peak))
             self._phase, self._pending = "links", Proposal(self._loss, choice.links)
+
+    def _need(self) -> float:
+        """The bytes the links must free, as predicted, for the measured peak to meet the budget: the gap; widened by
+        the most a measured set's prediction missed; and after two sets, at least what the line through the last two
+        (freed as measured against freed as predicted) says closes the gap. Where the second freed no more than the
+        first as measured, more of the same will not do: every lever (the floor)."""
+        assert self._start is not None and self.budget is not None
+        gap = self._start.peak - self.budget
+        sets = [(choice.freed_bytes, self._start.peak - peak) for choice, _, peak in self._choices]  # freed: said, seen
+        need: float = gap + max((predicted - measured for predicted, measured in sets), default=0)
+        if len(sets) >= 2:
+            (predicted_1, measured_1), (predicted_2, measured_2) = sets[-2:]
+            if measured_2 <= measured_1 or predicted_2 <= predicted_1:
+                return float("inf")
+            slope = (measured_2 - measured_1) / (predicted_2 - predicted_1)
+            need = max(need, predicted_2 + (gap - measured_2) / slope)
+        return max(need, gap)
 
     def _finish(self) -> None:
         """The first set measured within the budget, else the one of the lowest peak."""

@@ -36,15 +36,19 @@ def run(search: LeverSearch, measure) -> list[Proposal]:
 
 class FakeModel:
     """Peaks as the options say, with the fused loss changing the links' figures (its logits no longer hold the
-    peak), and ``miss`` bytes the predictions leave out per link chosen."""
+    peak), ``miss`` bytes the predictions leave out per link chosen, and ``fixed`` bytes once any link is chosen
+    (as the one block a backward recomputes holds)."""
 
-    def __init__(self, peak: int, before: dict, after: dict, loss: LossOption | None, miss: int = 0) -> None:
-        self.peak, self.before, self.after, self.loss, self.miss = peak, before, after, loss, miss
+    def __init__(
+        self, peak: int, before: dict, after: dict, loss: LossOption | None, miss: int = 0, fixed: int = 0
+    ) -> None:
+        self.peak, self.before, self.after, self.loss, self.miss, self.fixed = peak, before, after, loss, miss, fixed
 
     def __call__(self, proposal: Proposal) -> Measurement:
         loss = proposal.loss and self.loss is not None
         peak = self.peak - (self.loss.freed_bytes if loss else 0)  # type: ignore[union-attr]
         peak -= sum(o.freed_bytes - self.miss for o in proposal.links.values())
+        peak += self.fixed if proposal.links else 0
         links = self.after if loss else self.before
         owner = max(links, key=lambda n: max(o.freed_bytes for o in links[n])) if loss else "the loss's logits"
         return Measurement(peak, owner, links, self.loss if not proposal.loss and not proposal.links else None)
@@ -174,16 +178,57 @@ def test_a_prediction_that_misses_widens_the_gap_then_settles_for_the_floor():
     links = {f"h.{i}": [block(100, 1.0 + i)] for i in range(4)}
     search = LeverSearch(budget=800)
     proposals = run(search, FakeModel(1000, links, links, None, miss=40))  # each link frees 60, not 100
-    # 200 over: two links (measured 880); widened by the 80 missed: three (820); the third set is the floor
+    # 200 over: two links (measured 880); widened by the 80 missed: three (820); the line through the two (0.6 byte
+    # measured per byte predicted) says 334 bytes: all four, the floor
     assert [sorted(p.links) for p in proposals] == [[], ["h.0", "h.1"], ["h.0", "h.1", "h.2"], list(links)]
     plan = search.result
     assert plan.held and plan.measured_bytes == 760 and plan.predicted_bytes == 600
-    # never fits: the third set is the floor, and the lowest peak is kept, measured last
+    # never fits: the first set is already the floor, and the lowest peak is kept, measured last
     search = LeverSearch(budget=100)
     proposals = run(search, FakeModel(1000, links, links, None, miss=40))
     assert [sorted(p.links) for p in proposals] == [[], list(links)]  # the most it can free, at once
     assert search.result.measured_bytes == 760 and not search.result.held
     assert proposals[-1].links == search.result.links
+
+
+def picked(proposals: list[Proposal]) -> list[int]:
+    """How many links each proposal took."""
+    return [len(p.links) for p in proposals]
+
+
+def test_a_miss_that_grows_with_the_set_is_read_off_the_two_sets_measured_before_the_floor():
+    links = {f"h.{i}": [block(100, 1.0 + i)] for i in range(8)}
+    # each link frees 70, not 100, and any set holds 60 more (the block recomputed in backward): 70 n - 60 freed
+    search = LeverSearch(budget=700)
+    proposals = run(search, FakeModel(1000, links, links, None, miss=30, fixed=60))
+    # 300 over: three links (850 measured); widened by their miss of 150: five (710, 10 over); the line through
+    # (300, 150) and (500, 290) says 515 bytes: six links (640), not all eight (500)
+    assert picked(proposals) == [0, 3, 5, 6]
+    plan = search.result
+    assert plan.held and plan.measured_bytes == 640 and plan.predicted_bytes == 400
+    assert [peak for _, peak in plan.tried] == [1000, 850, 710, 640]
+
+
+def test_a_miss_that_does_not_grow_is_closed_by_the_first_widening():
+    links = {f"h.{i}": [block(100, 1.0 + i)] for i in range(8)}
+    search = LeverSearch(budget=700)
+    proposals = run(search, FakeModel(1000, links, links, None, fixed=150))  # 100 n - 150 freed
+    assert picked(proposals) == [0, 3, 5]  # 300 over, 150 missed: five links, 650 measured
+    assert search.result.held and search.result.measured_bytes == 650
+
+
+def test_sets_that_free_no_more_as_measured_go_to_the_floor():
+    links = {f"h.{i}": [block(100, 1.0 + i)] for i in range(8)}
+
+    def flat(proposal: Proposal) -> Measurement:  # any set frees 100 as measured, however many links it takes
+        return Measurement(900 if proposal.links else 1000, "h.0", links)
+
+    search = LeverSearch(budget=700)
+    proposals = run(search, flat)
+    # the floor third (no line to read); nothing met: the first set of the lowest peak, measured again last
+    assert picked(proposals) == [0, 3, 5, 8, 3]
+    assert not search.result.held and search.result.measured_bytes == 900
+    assert search.result.links == proposals[1].links == proposals[-1].links
 
 
 def test_a_model_within_its_budget_is_left_as_it_is():
