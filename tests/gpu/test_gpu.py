@@ -342,8 +342,8 @@ def test_batch_size_tuner_on_an_emulated_card_never_picks_a_spilling_size(tmp_pa
     check = Check()
     with pytest.raises(SystemExit):
         _trainer(tmp_path, [emu, tuner, check], max_epochs=1).fit(model)
-    (chosen,) = [r for r in tuner.results if r.size == tuner.batch_size]
-    assert chosen.fits and chosen.peak_bytes <= 3e9 and model.batch_size == tuner.batch_size
+    chosen = [r for r in tuner.results if r.size == tuner.batch_size]  # twice where measured again (noise)
+    assert chosen and all(r.fits and r.peak_bytes <= 3e9 for r in chosen) and model.batch_size == tuner.batch_size
     assert any(r.outcome in ("spill", "predicted_over") for r in tuner.results)  # run and spilled, or not run
     assert all(r.size < 64 for r in tuner.results if r.fits)
     assert check.weights_equal and check.step == 0
@@ -379,9 +379,12 @@ def test_batch_size_tuner_on_a_compiled_model_runs_one_static_inductor_graph_per
     trainer = _trainer(tmp_path, [tuner, seen], max_epochs=1, limit_train_batches=3)
     trainer.fit(torch.compile(model, backend=inductor))
     assert len(graphs) >= 3 and not any(graphs)  # one static graph (at least) per size, none dynamic
-    assert [r.size for r in tuner.results] == [32, 64, 128]
-    for r in tuner.results:  # compiling took seconds, a timed step milliseconds: compiling was left out
+    firsts = {r.size: r for r in reversed(tuner.results)}  # each size's first trial; two within the noise: again
+    assert list(dict.fromkeys(r.size for r in tuner.results)) == [32, 64, 128] == sorted(firsts)
+    for r in firsts.values():  # compiling took seconds, a timed step milliseconds: compiling was left out
         assert r.compiled and r.compile_s > 1.0 and r.step_ms < 1000 * r.compile_s / 10
+    for r in tuner.results[3:]:  # measured again: the size's graph already made, nothing compiled
+        assert r.compiled and r.compile_s < 1.0
     assert tuner.compile_s <= tuner.search_s
     assert len(graphs) == seen.graphs  # training at the choice ran the graph its trial compiled
     torch._dynamo.reset()

@@ -92,8 +92,9 @@ def test_the_tuners_under_a_sharded_strategy_put_everything_back(tmp_path, strat
     with pytest.raises(SystemExit):
         _fit(tmp_path, strategy, [first, emu, tuner, guard], model)
     print(strategy, tuner_name, [(r.size, r.accumulate, r.outcome, r.peak_bytes) for r in tuner.results])
-    (chosen,) = [r for r in tuner.results if r.size == tuner.batch_size]
-    assert chosen.fits and chosen.peak_bytes <= capacity and model.batch_size == tuner.batch_size == first.samples
+    chosen = [r for r in tuner.results if r.size == tuner.batch_size]  # twice where measured again (noise)
+    assert chosen and all(r.fits and r.peak_bytes <= capacity for r in chosen)
+    assert model.batch_size == tuner.batch_size == first.samples
     assert any(r.outcome in ("spill", "predicted_over", "oom") for r in tuner.results)  # the card's edge was found
     assert first.weights_equal and first.optimizer_state == 0 and first.step == 0
 
