@@ -19,8 +19,9 @@ Two implementations, one semantics (``torch.nn.functional.cross_entropy``'s):
   logit scale, and under autocast it returns the loss and the head's gradient in the autocast dtype.
 
 ``"chunked"`` takes the counted tokens' rows only through the head (:func:`counted_rows`): the ignored ones (a
-masked language model's 85 %, a prompt's tokens) cost nothing but a gather. Knowing how many count costs one device
-sync per call; ``counted_only=False`` skips it (every row goes through the head, the ignored ones masked).
+masked language model's 85 %, a prompt's tokens) cost nothing but a gather; where they are few (under
+:data:`LEFT_OUT_FROM` of the rows) they stay, masked. Knowing how many count costs one device sync per call;
+``counted_only=False`` skips it (every row goes through the head, the ignored ones masked).
 
 ``"auto"`` picks ``"chunked"``: measured on the CPU with torch 2.14 (``tests/levers/test_levers_fused_loss.py`` holds
 the probe), torch's keeps exactly as many bytes after the forward (the two gradients, in float32, or in bf16 under
@@ -44,6 +45,12 @@ from lightning_memguard import _compiler
 
 DEFAULT_CHUNK_TOKENS = 2048
 """Tokens per chunk: each chunk's float32 logits take ``chunk_tokens x vocabulary x 4`` bytes (411 MB for GPT-2)."""
+
+LEFT_OUT_FROM = 1 / 64
+"""The share of ignored rows from which :func:`counted_rows` leaves them out of the head. Fewer (a causal model's last
+position, 1 row in a sequence's 1,024) stay, masked in the chunks: copying the counted rows and scattering their
+gradient back costs more than the head's work on them (on an H100, GPT-2's head alone at 16 x 1024 tokens: 35.9 ms and
+0.518 GB with the copy, 35.5 ms and 0.467 GB without; ``benchmarks/fused_loss.py``)."""
 
 Implementation = Literal["auto", "chunked", "torch"]
 
@@ -154,11 +161,12 @@ def fused_linear_cross_entropy(
 
 
 def counted_rows(hidden: Tensor, labels: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
-    """The rows of the counted tokens alone, ``(counted, features)`` and ``(counted,)``, where some are ignored: the
-    head's matmuls and softmax are then done for those only (a masked language model counts about 15 % of its
-    tokens, instruction tuning its answers only). ``hidden`` is ``(..., features)``, ``labels`` its shape without the
-    last dimension; they come back flattened. Autograd scatters the rows' gradient back into ``hidden``'s shape, zero
-    on the ignored rows, as the plain loss gives.
+    """The rows of the counted tokens alone, ``(counted, features)`` and ``(counted,)``, where at least
+    :data:`LEFT_OUT_FROM` of them are ignored: the head's matmuls and softmax are then done for those only (a masked
+    language model counts about 15 % of its tokens, instruction tuning its answers only); fewer ignored rows come back
+    with the rest, for the chunks to mask. ``hidden`` is ``(..., features)``, ``labels`` its shape without the last
+    dimension; they come back flattened. Autograd scatters the rows' gradient back into ``hidden``'s shape, zero on
+    the ignored rows, as the plain loss gives.
 
     It costs one device sync (to know how many tokens count); not done while ``torch.compile`` traces or a CUDA
     graph is captured, where no shape may depend on the data: the rows then come back all, flattened, and the chunks
@@ -167,7 +175,7 @@ def counted_rows(hidden: Tensor, labels: Tensor, ignore_index: int = -100) -> tu
     if _compiler.compiling() or (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
         return hidden, labels
     rows = (labels != ignore_index).nonzero().squeeze(1)
-    if len(rows) == len(labels):
+    if len(labels) - len(rows) < len(labels) * LEFT_OUT_FROM:
         return hidden, labels
     return hidden.index_select(0, rows), labels.index_select(0, rows)
 

@@ -382,6 +382,36 @@ def test_only_the_counted_tokens_go_through_the_head():
     assert fused[1][0].flatten(0, 1)[masked.flatten() == -100].abs().max() == 0
 
 
+def test_a_few_ignored_rows_stay_in_the_head_masked_and_many_are_left_out():
+    """A causal model's last position (1 of each sequence's 128 rows) is masked in the chunks: no copy of the other
+    rows, the same work as every row; 1 of every 16 ignored is left out. The loss and gradients are the plain loss's
+    either way."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden, weight, bias, labels = _inputs(tokens=(2, 128), features=32, vocabulary=500)
+    positions = torch.arange(labels.numel()).view(labels.shape)
+
+    def flops(y, **kwargs):
+        with FlopCounterMode(display=False) as counter:
+            loss = fused_linear_cross_entropy(hidden, weight, y, bias=bias, chunk_tokens=32, **kwargs)
+            torch.autograd.grad(loss, (hidden, weight, bias))
+        return counter.get_total_flops()
+
+    every = flops(labels, counted_only=False)
+    assert flops(labels, shift=True) == every  # 2 of 256 rows ignored (under 1/64): kept, masked
+    sparse = torch.where(positions % 16 == 0, -100, labels)  # 16 of 256 ignored: left out
+    assert flops(sparse) < every
+    for y, shift in ((labels, True), (sparse, False)):
+
+        def fused(y=y, shift=shift):
+            return fused_linear_cross_entropy(hidden, weight, y, bias=bias, shift=shift, chunk_tokens=32)
+
+        def plain(y=y, shift=shift):
+            return _plain(hidden, weight, y, bias, shift=shift)
+
+        _assert_same(_loss_and_grads(fused, hidden, weight, bias), _loss_and_grads(plain, hidden, weight, bias))
+
+
 def test_counted_only_false_takes_every_row_through_the_head_with_the_same_loss():
     """The choice without the device sync (its GPU twin, ``test_counted_only_false_makes_no_device_sync``, runs under
     CUDA's sync debug mode): every row through the head's matmuls, the ignored ones masked, the same numbers."""
