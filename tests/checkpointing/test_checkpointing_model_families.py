@@ -331,6 +331,28 @@ def test_layers_that_hugging_faces_own_switch_checkpoints_are_left_alone():
     assert plan.blocks == [] and not any(is_checkpointed(m) for m in model.modules())
 
 
+@pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable.*:FutureWarning")  # renamed in transformers 5
+def test_a_hugging_face_models_embeddings_module_is_a_stem_before_its_first_layer():
+    """BERT's embeddings (summed, LayerNorm, dropout: one module) keep tensors for backward that no layer's
+    checkpoint frees; a link of their own, before the first layer. GPT-2 sums its embeddings in its own forward: no
+    module to take, no stem."""
+    bert, x = _built(BY_ID["hf_bert"]), _tokens()
+    expected = _step(copy.deepcopy(bert), x)
+    layers = [name for name, _ in find_units(bert)]
+    kept = {}
+    for units in ("layers", "auto"):
+        ours = copy.deepcopy(bert)
+        plan = checkpoint_blocks(ours, units=layers if units == "layers" else "auto")
+        kept[units] = StepMeter(ours, x, lambda out: _output(out).float().square().mean()).peak()
+        _same(expected, _step(ours, x))
+    assert plan.blocks == ["stem", *layers] and is_checkpointed(ours.bert.embeddings)
+    assert kept["auto"] < kept["layers"]
+    assert checkpoint_blocks(_built(BY_ID["hf_gpt2"])).blocks == ["transformer.h.0", "transformer.h.1"]
+    bert.gradient_checkpointing_enable()  # its own switch takes the layers; the embeddings, which it leaves, are ours
+    with pytest.warns(UserWarning, match=r"2 block\(s\) are already wrapped by other code"):
+        assert checkpoint_blocks(bert).blocks == ["stem"]
+
+
 @pytest.mark.parametrize("case_id", ["timm_resnet18", "timm_convnext"])
 def test_blocks_that_timms_own_switch_checkpoints_are_left_alone(case_id):
     model = _built(BY_ID[case_id])

@@ -3,11 +3,13 @@
 Its blocks are the layers its own switch (``gradient_checkpointing_enable``) checkpoints: the outermost
 ``GradientCheckpointingLayer`` modules, or where an older version of transformers has none, the classes the model names
 in ``_no_split_modules`` that repeat. A block is never a part of a module named there (it would split one). A model that
-declares ``supports_gradient_checkpointing = False`` is refused. While it trains with blocks checkpointed, its base
-model (the one that runs the layers) is called with ``use_cache=False``, as Hugging Face's own switch does: a layer that
-builds or updates the key/value cache would otherwise do it again when recomputed, and the cache keeps every layer's
-keys and values alive through the step. So is every model inside it that takes ``use_cache`` (the language model of a
-vision-language model reads its own configuration where its parent passes nothing). In evaluation and without
+declares ``supports_gradient_checkpointing = False`` is refused. Where its base model has an ``embeddings`` module
+(BERT, RoBERTa, ViT), that module is a stem: a link of its own before the first layer (Hugging Face's switch leaves
+it). While it trains with blocks checkpointed, its base model (the one that runs the layers) is called with
+``use_cache=False``, as Hugging Face's own switch does: a layer that builds or updates the key/value cache would
+otherwise do it again when recomputed, and the cache keeps every layer's keys and values alive through the step. So is
+every model inside it that takes ``use_cache`` (the language model of a vision-language model reads its own
+configuration where its parent passes nothing). In evaluation and without
 gradients calls are left as they are (generation keeps its cache); the configuration is never changed."""
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 from lightning_memguard.checkpointing.families._base import (
     Family,
     Named,
+    Stem,
     foreign_wrapper,
     loaded,
     original_class,
@@ -77,6 +80,20 @@ class HuggingFace(Family):
             names = [original_class(block).__name__ for _, block in found]
             found = [named for named, name in zip(found, names, strict=True) if names.count(name) > 1] or found
         return found
+
+    def stem(self, module: nn.Module) -> Stem | None:
+        # the base model's ``embeddings`` module (BERT's, RoBERTa's, ViT's: the embeddings summed, their LayerNorm
+        # and dropout in one module, whose saved tensors the layers' checkpoints leave), before its first layer
+        base = getattr(module, "base_model", module)
+        embeddings = getattr(base, "embeddings", None)
+        if not isinstance(embeddings, nn.Module) or foreign_wrapper(embeddings):
+            return None
+        names = {id(m): name for name, m in module.named_modules()}
+        inside = names.get(id(base), "")
+        first = [name for name, _ in self.blocks(module) if not inside or name.startswith(f"{inside}.")]
+        if id(embeddings) not in names or not first:
+            return None
+        return Stem(((names[id(embeddings)], embeddings),), first[0])
 
     def while_checkpointed(self, module: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
         # the base model, and every model inside it that names use_cache (a vision-language model's language
