@@ -49,8 +49,9 @@ DEFAULT_CHUNK_TOKENS = 2048
 LEFT_OUT_FROM = 1 / 64
 """The share of ignored rows from which :func:`counted_rows` leaves them out of the head. Fewer (a causal model's last
 position, 1 row in a sequence's 1,024) stay, masked in the chunks: copying the counted rows and scattering their
-gradient back costs more than the head's work on them (on an H100, GPT-2's head alone at 16 x 1024 tokens: 35.9 ms and
-0.518 GB with the copy, 35.5 ms and 0.467 GB without; ``benchmarks/fused_loss.py``)."""
+gradient back costs more than the head's work on them. On an H100, GPT-2's head alone at 16 x 1024 tokens, with the
+count and the copy: 35.9 ms and 0.518 GB; with neither (``counted_only=False``): 35.5 ms and 0.467 GB
+(``benchmarks/fused_loss.py``); this rule leaves out the copy and keeps the count."""
 
 Implementation = Literal["auto", "chunked", "torch"]
 
