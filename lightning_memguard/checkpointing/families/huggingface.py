@@ -3,14 +3,14 @@
 Its blocks are the layers its own switch (``gradient_checkpointing_enable``) checkpoints: the outermost
 ``GradientCheckpointingLayer`` modules, or where an older version of transformers has none, the classes the model names
 in ``_no_split_modules`` that repeat. A block is never a part of a module named there (it would split one). A model that
-declares ``supports_gradient_checkpointing = False`` is refused. Where its base model has an ``embeddings`` module
-(BERT, RoBERTa, ViT), that module is a stem: a link of its own before the first layer (Hugging Face's switch leaves
-it). While it trains with blocks checkpointed, its base model (the one that runs the layers) is called with
-``use_cache=False``, as Hugging Face's own switch does: a layer that builds or updates the key/value cache would
-otherwise do it again when recomputed, and the cache keeps every layer's keys and values alive through the step. So is
-every model inside it that takes ``use_cache`` (the language model of a vision-language model reads its own
-configuration where its parent passes nothing). In evaluation and without
-gradients calls are left as they are (generation keeps its cache); the configuration is never changed."""
+declares ``supports_gradient_checkpointing = False`` is refused. Where its base model has an ``embeddings`` module that
+keeps tensors for backward (a norm layer, a dropout: BERT's, RoBERTa's), that module is a stem: a link of its own before
+the first layer (Hugging Face's switch leaves it). While it trains with blocks checkpointed, its base model (the one
+that runs the layers) is called with ``use_cache=False``, as Hugging Face's own switch does: a layer that builds or
+updates the key/value cache would otherwise do it again when recomputed, and the cache keeps every layer's keys and
+values alive through the step. So is every model inside it that takes ``use_cache`` (the language model of a
+vision-language model reads its own configuration where its parent passes nothing). In evaluation and without gradients
+calls are left as they are (generation keeps its cache); the configuration is never changed."""
 
 from __future__ import annotations
 
@@ -41,6 +41,11 @@ def _takes(module: nn.Module, name: str) -> bool:
     except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
         return False
     return name in parameters
+
+
+def _keeps(module: nn.Module) -> bool:
+    """Whether ``module`` holds a norm layer (which keeps its input for backward) or a dropout that drops."""
+    return any("Norm" in type(m).__name__ or (isinstance(m, nn.Dropout) and m.p > 0) for m in module.modules())
 
 
 class HuggingFace(Family):
@@ -82,11 +87,13 @@ class HuggingFace(Family):
         return found
 
     def stem(self, module: nn.Module) -> Stem | None:
-        # the base model's ``embeddings`` module (BERT's, RoBERTa's, ViT's: the embeddings summed, their LayerNorm
-        # and dropout in one module, whose saved tensors the layers' checkpoints leave), before its first layer
+        # the base model's ``embeddings`` module (BERT's: the embeddings summed, their LayerNorm and dropout in one
+        # module, whose saved tensors the layers' checkpoints leave), before its first layer; only where it keeps
+        # something for backward: a norm layer's input or a dropout's mask (a ViT's patches and positions, which
+        # keep nothing, would be recomputed for nothing)
         base = getattr(module, "base_model", module)
         embeddings = getattr(base, "embeddings", None)
-        if not isinstance(embeddings, nn.Module) or foreign_wrapper(embeddings):
+        if not isinstance(embeddings, nn.Module) or foreign_wrapper(embeddings) or not _keeps(embeddings):
             return None
         names = {id(m): name for name, m in module.named_modules()}
         inside = names.get(id(base), "")
