@@ -751,6 +751,7 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         INTRO,
         f"Made by `{result['command']}` on {env.get('machine', 'the CPU')}, {versions}, {env['date']}.",
+        *(f"Since then: {note}." for note in result.get("notes", [])),
         "",
     ]
     for library, title in (("timm", "timm"), ("hf", "Hugging Face transformers")):

@@ -335,7 +335,8 @@ def test_layers_that_hugging_faces_own_switch_checkpoints_are_left_alone():
 def test_a_hugging_face_models_embeddings_module_is_a_stem_before_its_first_layer():
     """BERT's embeddings (summed, LayerNorm, dropout: one module) keep tensors for backward that no layer's
     checkpoint frees; a link of their own, before the first layer. GPT-2 sums its embeddings in its own forward: no
-    module to take, no stem; a ViT's (patches, positions, no dropout) keep nothing: no stem either."""
+    module to take, no stem; a ViT's (patches, positions, no dropout) keep nothing: no stem either; nor ViLT's, text and
+    image in one module, whose recomputation kept 4x the switch's bytes (docs/coverage.md)."""
     bert, x = _built(BY_ID["hf_bert"]), _tokens()
     expected = _step(copy.deepcopy(bert), x)
     layers = [name for name, _ in find_units(bert)]
@@ -352,6 +353,10 @@ def test_a_hugging_face_models_embeddings_module_is_a_stem_before_its_first_laye
 
     vit = ViTModel(ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2))
     assert checkpoint_blocks(vit).blocks == [name for name, _ in find_units(vit)] and len(find_units(vit)) == 2
+    from transformers import ViltConfig, ViltModel  # text and image in one module: recomputed, it kept more
+
+    vilt = ViltModel(ViltConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64))
+    assert is_checkpointed(vilt.embeddings) is False and "stem" not in checkpoint_blocks(vilt).blocks
     bert.gradient_checkpointing_enable()  # its own switch takes the layers; the embeddings, which it leaves, are ours
     with pytest.warns(UserWarning, match=r"2 block\(s\) are already wrapped by other code"):
         assert checkpoint_blocks(bert).blocks == ["stem"]

@@ -95,6 +95,8 @@ class HuggingFace(Family):
         embeddings = getattr(base, "embeddings", None)
         if not isinstance(embeddings, nn.Module) or foreign_wrapper(embeddings) or not _keeps(embeddings):
             return None
+        if _takes(embeddings, "input_ids") and _takes(embeddings, "pixel_values"):
+            return None  # both modalities in one (ViLT's): its recomputation kept 4x the switch's bytes in the table
         names = {id(m): name for name, m in module.named_modules()}
         inside = names.get(id(base), "")
         first = [name for name, _ in self.blocks(module) if not inside or name.startswith(f"{inside}.")]
