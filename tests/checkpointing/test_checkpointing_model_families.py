@@ -356,7 +356,8 @@ def test_a_hugging_face_models_embeddings_module_is_a_stem_before_its_first_laye
     from transformers import ViltConfig, ViltModel  # text and image in one module: recomputed, it kept more
 
     vilt = ViltModel(ViltConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64))
-    assert is_checkpointed(vilt.embeddings) is False and "stem" not in checkpoint_blocks(vilt).blocks
+    assert "stem" not in checkpoint_blocks(vilt).blocks and not is_checkpointed(vilt.embeddings)
+    assert [name for name, _ in find_units(vilt)] and all(is_checkpointed(block) for _, block in find_units(vilt))
     bert.gradient_checkpointing_enable()  # its own switch takes the layers; the embeddings, which it leaves, are ours
     with pytest.warns(UserWarning, match=r"2 block\(s\) are already wrapped by other code"):
         assert checkpoint_blocks(bert).blocks == ["stem"]
