@@ -8,7 +8,8 @@ model keeps it. Rows, in turns of a few steps each for ``--rounds`` rounds, medi
 peak memory above what was allocated before the step: ``plain`` (``F.linear``, the logits in float32 as Hugging
 Face's loss makes them, ``F.cross_entropy``); ``fused_torch_ops`` (``fused_linear_cross_entropy`` with its chunks
 computed by PyTorch's operations, as where Triton is missing); ``fused`` (with the Triton kernel, as on CUDA by
-default); ``fused_no_sync`` (the same with ``counted_only=False``: every row through the head, the shift's last
+default, the head's rows padded to ``fused_loss.PAD_WORDS``); ``fused_unpadded`` (the kernel on the vocabulary as it
+is); ``fused_no_sync`` (the same with ``counted_only=False``: every row through the head, the shift's last
 tokens masked, no device sync); ``torch`` (``implementation="torch"``, ``F.linear_cross_entropy``, where the
 installed torch has it).
 ``--smoke`` runs a tiny version on the CPU: every row's code path, not a measurement.
@@ -66,10 +67,20 @@ def _torch_ops(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor)
         fused_loss._kernel_runs = kernel_runs
 
 
+def _unpadded(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    pad = fused_loss.PAD_WORDS
+    fused_loss.PAD_WORDS = 1  # the kernel on the vocabulary as it is
+    try:
+        return _fused("chunked")(hidden, weight, labels)
+    finally:
+        fused_loss.PAD_WORDS = pad
+
+
 ROWS: dict[str, Callable[..., torch.Tensor]] = {
     "plain": _plain,
     "fused_torch_ops": _torch_ops,
     "fused": _fused("chunked"),
+    "fused_unpadded": _unpadded,
     "fused_no_sync": _fused("chunked", counted_only=False),
 }
 if fused_loss.has_torch_linear_cross_entropy():

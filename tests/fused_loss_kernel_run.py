@@ -2,7 +2,8 @@
 first imported, so this runs in a process of its own): run by tests/levers/test_levers_fused_loss.py.
 
 Prints one JSON object: per case, the largest difference of the loss and of each gradient between the kernel's chunks
-and PyTorch's operations' chunks, and against the plain head's loss in float32; how many chunks the kernel computed.
+and PyTorch's operations' chunks, and against the plain head's loss in float32; how many chunks the kernel computed,
+and how many columns (the vocabulary of 300, padded to ``fused_loss.PAD_WORDS``) each chunk's logits had.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from lightning_memguard import fused_linear_cross_entropy  # noqa: E402
 from lightning_memguard.levers import fused_loss  # noqa: E402
 
 launches = []
+columns = []
 kernel = fused_loss._softmax_gradient
 
 
 def counted(*args):
     terms = kernel(*args)
     launches.append(terms is not None)
+    columns.append(args[0].shape[1])
     return terms
 
 
@@ -42,7 +45,8 @@ def run(case, kernel_on):
     labels[1, :5] = -100  # holds ignored tokens only
     kwargs = {"label_smoothing": case.get("smoothing", 0.0), "reduction": case.get("reduction", "mean")}
     counted_only = not case.get("masked")  # else the ignored tokens kept in the chunks, masked there
-    runs = fused_loss._kernel_runs
+    runs, pad = fused_loss._kernel_runs, fused_loss.PAD_WORDS
+    fused_loss.PAD_WORDS = case.get("pad", pad)
     if not kernel_on:
         fused_loss._kernel_runs = lambda *args: False
     try:
@@ -51,7 +55,7 @@ def run(case, kernel_on):
                 hidden, weight, labels, bias=bias, shift=True, chunk_tokens=32, counted_only=counted_only, **kwargs
             )
     finally:
-        fused_loss._kernel_runs = runs
+        fused_loss._kernel_runs, fused_loss.PAD_WORDS = runs, pad
     tensors = [t for t in (hidden, weight, bias) if t is not None]
     grads = torch.autograd.grad(loss * 1.7, tensors)
     logits = F.linear(hidden, weight, bias).float()[:, :-1].flatten(0, 1)
@@ -70,15 +74,18 @@ cases = {
     "bf16": {"bf16": True, "bias": True},
     "bf16_smoothing": {"bf16": True, "smoothing": 0.2},
     "bf16_masked": {"bf16": True, "smoothing": 0.1, "masked": True},
+    "bf16_unpadded": {"bf16": True, "bias": True, "pad": 1},
 }
 result = {}
 for name, case in cases.items():
     launches.clear()
+    columns.clear()
     ours, plain = run(case, True)
-    ran = list(launches)
+    ran, widths = list(launches), list(columns)
     torch_ops, _ = run(case, False)
     result[name] = {
         "kernel_chunks": ran,
+        "kernel_columns": widths,
         "vs_torch_ops": relative_differences(ours, torch_ops),
         "vs_plain_float32": relative_differences(ours, plain),
         "torch_ops_vs_plain_float32": relative_differences(torch_ops, plain),

@@ -53,6 +53,13 @@ gradient back costs more than the head's work on them. On an H100, GPT-2's head 
 count and the copy: 35.9 ms and 0.518 GB; with neither (``counted_only=False``): 35.5 ms and 0.467 GB
 (``benchmarks/fused_loss.py``); this rule leaves out the copy and keeps the count."""
 
+PAD_WORDS = 64
+"""Where the Triton kernel computes the chunks, the head's rows are padded with zeros to a multiple of this many
+words: a vocabulary that is not a multiple of 8 (GPT-2's 50,257, BERT's 30,522, Whisper's 51,865) gives every
+chunk's matrix products a row stride that cuBLAS's fast kernels cannot take. The padded words' logits are zero, the
+kernel leaves them out of the softmax, and their gradients are dropped: the result is the unpadded head's, to
+rounding (``benchmarks/fused_loss.py``'s ``fused_unpadded`` row measures it without). 1: no padding."""
+
 Implementation = Literal["auto", "chunked", "torch"]
 
 
@@ -292,13 +299,14 @@ def _chunks(
         per_token = (
             1.0 / count.clamp(min=1).float() if settings.reduction == "mean" else torch.ones((), device=count.device)
         )
-        w = weight.to(dtype)
-        b = None if bias is None else bias.to(dtype)
+        words = -(-vocabulary // PAD_WORDS) * PAD_WORDS if settings.kernel else vocabulary  # the head's rows
+        w = _rows(weight, dtype, words)
+        b = None if bias is None else _rows(bias, dtype, words)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         # kept in the compute dtype, as the plain head's backward makes them: under autocast half the bytes
         grad_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if needs[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
-        grad_bias = torch.zeros(vocabulary, dtype=torch.float32, device=weight.device) if needs[2] else None
+        grad_weight = torch.zeros(w.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
+        grad_bias = torch.zeros(words, dtype=torch.float32, device=weight.device) if needs[2] else None
         for start in range(0, hidden.shape[0], settings.chunk_tokens):
             end = min(start + settings.chunk_tokens, hidden.shape[0])
             h = hidden[start:end].to(dtype)
@@ -307,7 +315,7 @@ def _chunks(
             logits = F.linear(h, w, b)  # the same op and dtype as the plain head's under autocast
             terms = None
             if settings.kernel and any(needs):
-                terms = _softmax_gradient(logits, target, mask.float() * per_token, smoothing)
+                terms = _softmax_gradient(logits, target, mask.float() * per_token, smoothing, vocabulary)
             if terms is not None:  # the kernel: the loss's terms, and the gradient in the logits' place
                 lse, picked, row_sum = terms
                 loss = _smoothed(lse - picked, lse, row_sum / vocabulary, smoothing)
@@ -315,8 +323,8 @@ def _chunks(
                 if grad_bias is not None:
                     grad_bias += logits.sum(dim=0, dtype=torch.float32)
                 low = logits
-            else:  # PyTorch's operations, in float32
-                logits = logits.float()
+            else:  # PyTorch's operations, in float32, on the words alone (a kernel that failed left the padding)
+                logits = logits[:, :vocabulary].float()
                 if settings.logit_scale is not None:
                     logits = logits * settings.logit_scale
                 capped = None
@@ -338,22 +346,33 @@ def _chunks(
                 if settings.logit_scale is not None:
                     grad.mul_(settings.logit_scale)
                 if grad_bias is not None:
-                    grad_bias += grad.sum(dim=0)
+                    grad_bias[:vocabulary] += grad.sum(dim=0)
                 low = grad.to(dtype)
+            used = low.shape[1]  # the head's rows this chunk's gradient has: padded or the words alone
             if grad_hidden is not None:
-                grad_hidden[start:end] = low @ w
+                grad_hidden[start:end] = low @ w[:used]
             if grad_weight is not None:
-                if low.is_cuda and low.dtype != grad_weight.dtype and not _compiler.compiling():
-                    torch.addmm(grad_weight, low.t(), h, out_dtype=grad_weight.dtype, out=grad_weight)  # float32 sum
+                rows = grad_weight[:used]
+                if low.is_cuda and low.dtype != rows.dtype and not _compiler.compiling():
+                    torch.addmm(rows, low.t(), h, out_dtype=rows.dtype, out=rows)  # float32 sum
                 else:
-                    grad_weight += (low.t() @ h).float()
+                    rows += (low.t() @ h).float()
         loss_value = total / count.float() if settings.reduction == "mean" else total
     return (
         loss_value,
         grad_hidden,
-        None if grad_weight is None else grad_weight.to(dtype),
-        None if grad_bias is None or bias is None else grad_bias.to(dtype),
+        None if grad_weight is None else grad_weight[:vocabulary].to(dtype),
+        None if grad_bias is None or bias is None else grad_bias[:vocabulary].to(dtype),
     )
+
+
+def _rows(tensor: Tensor, dtype: torch.dtype, rows: int) -> Tensor:
+    """``tensor`` in ``dtype``, padded with zero rows to ``rows`` (the head's weight or bias, :data:`PAD_WORDS`)."""
+    if rows == tensor.shape[0]:
+        return tensor.to(dtype)
+    padded = tensor.new_zeros((rows, *tensor.shape[1:]), dtype=dtype)
+    padded[: tensor.shape[0]] = tensor
+    return padded
 
 
 def _smoothed(loss: Tensor, lse: Tensor, mean: Tensor, smoothing: float) -> Tensor:
@@ -383,17 +402,18 @@ def _kernel() -> Any:
 
 
 def _softmax_gradient(
-    logits: Tensor, target: Tensor, scale: Tensor, smoothing: float
+    logits: Tensor, target: Tensor, scale: Tensor, smoothing: float, vocabulary: int
 ) -> tuple[Tensor, Tensor, Tensor] | None:
     """A chunk's log-sum-exp, target logit and (with smoothing) sum of logits per token, in float32, by the Triton
     kernel in one launch, ``logits`` overwritten with the loss's gradient, row by row
-    ``(softmax - (1 - smoothing) * onehot(target) - smoothing / vocabulary) * scale``, in the logits' dtype.
+    ``(softmax - (1 - smoothing) * onehot(target) - smoothing / vocabulary) * scale``, in the logits' dtype. Only the
+    first ``vocabulary`` columns are words (the rest are :data:`PAD_WORDS`' padding, left as they are).
 
     None, ``logits`` untouched, once the kernel has failed to build or run (with one warning): PyTorch's operations
     then compute the chunk."""
     if _failed:
         return None
-    rows, vocabulary = logits.shape
+    rows = logits.shape[0]
     picked = logits.gather(1, target).squeeze(1).float()  # before the kernel writes over it
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     row_sum = torch.empty_like(lse) if smoothing else lse  # not written without smoothing

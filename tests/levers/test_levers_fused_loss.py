@@ -321,9 +321,9 @@ def test_a_sharded_head_or_a_tensor_parallel_input_is_refused_saying_what_to_do(
 def test_the_triton_kernel_computes_the_chunks_as_pytorchs_operations_do():
     """CPU twin of test_the_fused_losss_kernel_on_cuda (tests/gpu/test_gpu.py), in Triton's interpreter (in a process
     of its own: the interpreter must be chosen before Triton is imported): every chunk by the kernel, the ignored
-    tokens left out before chunking, or masked in the chunks (one of which then holds ignored tokens only); float32
-    to rounding, bf16 autocast within one bf16 step of PyTorch's operations and no further from the float32
-    reference."""
+    tokens left out before chunking, or masked in the chunks (one of which then holds ignored tokens only), the head's
+    300 words padded to 320 (and, in one case, not padded); float32 to rounding, bf16 autocast within one bf16 step
+    of PyTorch's operations and no further from the float32 reference."""
     pytest.importorskip("triton")
     script = Path(__file__).resolve().parents[1] / "fused_loss_kernel_run.py"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -333,6 +333,8 @@ def test_the_triton_kernel_computes_the_chunks_as_pytorchs_operations_do():
     for name, case in result.items():
         # the 73 counted of 120 tokens in chunks of 32; masked: all 120 of them, the first chunk ignored tokens only
         assert case["kernel_chunks"] == [True] * (4 if name.endswith("masked") else 3), name
+        # the vocabulary of 300 padded to 320 words (fused_loss.PAD_WORDS), or not where padding is off
+        assert set(case["kernel_columns"]) == {300 if name.endswith("unpadded") else 320}, name
         if name.startswith("bf16"):
             assert max(case["vs_torch_ops"]) <= 2**-7, name  # one bf16 step at most
             for ours, theirs in zip(case["vs_plain_float32"], case["torch_ops_vs_plain_float32"], strict=True):
