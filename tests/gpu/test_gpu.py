@@ -590,15 +590,21 @@ def test_finer_links_alone_and_nested_train_as_the_plain_model_on_cuda():
 
 def test_the_fused_losss_kernel_on_cuda(monkeypatch):
     """GPU twin of test_the_triton_kernel_computes_the_chunks_as_pytorchs_operations_do: at GPT-2's vocabulary, bf16
-    autocast, every chunk by the Triton kernel (the ignored tokens left out before it, smoothing included), within
+    autocast, every chunk by the Triton kernel (the ignored tokens left out before it, smoothing included, the head
+    padded to 50,304 words), within
     one bf16 step of PyTorch's operations and no further from the float32 reference; under torch.compile the
     compiled graph instead."""
     from lightning_memguard import fused_linear_cross_entropy
     from lightning_memguard.levers import fused_loss
 
-    launches = []
+    launches, columns = [], []
     kernel = fused_loss._softmax_gradient
-    monkeypatch.setattr(fused_loss, "_softmax_gradient", lambda *args: _counted(kernel, launches, *args))
+
+    def counted(*args):
+        columns.append(args[0].shape[1])
+        return _counted(kernel, launches, *args)
+
+    monkeypatch.setattr(fused_loss, "_softmax_gradient", counted)
     generator = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(4, 512, 768, device="cuda", generator=generator, requires_grad=True)
     weight = (torch.randn(50257, 768, device="cuda", generator=generator) * 0.02).requires_grad_()
@@ -619,6 +625,7 @@ def test_the_fused_losss_kernel_on_cuda(monkeypatch):
 
     ours = loss_and_grads(fused)
     assert launches == [True] * 3
+    assert columns == [50304] * 3  # the head's 50,257 words padded to a multiple of fused_loss.PAD_WORDS
     kernel_runs = fused_loss._kernel_runs
     monkeypatch.setattr(fused_loss, "_kernel_runs", lambda *args: False)
     torch_ops = loss_and_grads(fused)
