@@ -344,6 +344,7 @@ def test_the_triton_kernel_computes_the_chunks_as_pytorchs_operations_do():
 
 
 def test_a_kernel_that_cannot_build_leaves_pytorchs_operations_and_says_so_once(monkeypatch):
+    # the head's 50 words were padded to 64 for the kernel: PyTorch's operations then take the words alone
     class Unbuildable:
         def __getitem__(self, grid):
             raise RuntimeError("no compiler for this GPU")
