@@ -53,8 +53,16 @@ class PerSampleProbe:
 class Report(Callback):
     """What this rank trained, written from inside the fit."""
 
-    def __init__(self, out, fit, tuner, checkpointing, guard):
+    def __init__(self, out, fit, tuner, checkpointing, guard, spawned=False):
         self.out, self.fit, self.tuner, self.checkpointing, self.guard = out, fit, tuner, checkpointing, guard
+        self.spawned = spawned
+
+    def teardown(self, trainer, pl_module, stage):
+        # a spawned rank's process ends with its fit: its gloo group is destroyed here, not left to the interpreter's
+        # exit, where on torch's floor release a rank now and then aborted ("terminate called without an active
+        # exception") after its fit had passed
+        if self.spawned and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if not hasattr(self, "samples"):
@@ -100,10 +108,11 @@ def run(out: str, strategy: str) -> None:
             limits = {"max_steps": 1}
         # the accumulation fit's MemGuard adapts (nothing spills: its training step is MemGuard's, the same training)
         guard = MemGuard(probe=FakeProbe(), on_spill="adapt" if fit == "accumulation" else "raise")
+        report = Report(out, fit, tuner, checkpointing, guard, spawned=strategy == "ddp_spawn")
         trainer = Trainer(
             accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out,
-            callbacks=[clock, checkpointing, tuner, guard, Report(out, fit, tuner, checkpointing, guard)], **limits,
+            callbacks=[clock, checkpointing, tuner, guard, report], **limits,
         )  # fmt: skip
         trainer.fit(model)
         if strategy == "ddp_spawn":  # the launching process: what Lightning brought back from the spawned ones
