@@ -565,8 +565,8 @@ def goals(name: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 "held": levers.get("held"),
                 "kinds": sorted(levers.get("kinds", {})),
             }
-            if levers.get("activation_only_gb") and switch.get("activation_only_gb"):
-                out[key]["activation_only_vs_switch"] = levers["activation_only_gb"] / switch["activation_only_gb"]
+            if (only := _activations_vs_switch(levers, switch)) is not None:
+                out[key]["activation_only_vs_switch"] = only
             if key == "levers_at_switch_memory":  # the issue's goal: the switch's memory, less of its time
                 goal = LEVERS_GOAL.get(name, LEVERS_GOAL["vision" if name in VISION else "language"])
                 out[key].update(goal=goal, met=memory <= 1 + TIME_SLACK and time_ratio <= goal)
@@ -582,9 +582,8 @@ def goals(name: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "goal": FUSED_GOAL,
             "met": memory <= FUSED_GOAL["memory"] and time_ratio <= FUSED_GOAL["time"],
         }
-        if fused.get("activation_only_gb") and switch.get("activation_only_gb"):
+        if (only := _activations_vs_switch(fused, switch)) is not None:
             # the same goal on the activations alone (the gradients and the optimizer's step left out of both)
-            only = fused["activation_only_gb"] / switch["activation_only_gb"]
             out["fused_loss_every_block"].update(
                 activation_only_vs_switch=only,
                 met_on_activation_only=only <= FUSED_GOAL["memory"] and time_ratio <= FUSED_GOAL["time"],
@@ -658,6 +657,13 @@ def interleaved(
         alive.clear()
         gc.collect()
         free_memory()
+
+
+def _activations_vs_switch(row: dict[str, Any], switch: dict[str, Any]) -> float | None:
+    """A row's activations alone against the switch's (:func:`activation_only_peak`), where both were measured."""
+    if not row.get("activation_only_gb") or not switch.get("activation_only_gb"):
+        return None
+    return float(row["activation_only_gb"] / switch["activation_only_gb"])
 
 
 def rebuild_goal(models: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
