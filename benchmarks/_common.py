@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import platform
@@ -44,10 +45,19 @@ def median(values: list[float]) -> float:
 
 
 def environment() -> dict[str, Any]:
+    """Where a result was measured: the card, the releases (the model libraries' too, where installed: a family's
+    kernels change with them, as T5's attention did between transformers 5.17 and 5.25) and the date."""
+    found = {}
+    for name in ("transformers", "timm"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "lightning": lightning.__version__,
+        **found,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
     }

@@ -291,3 +291,12 @@ def test_coverage_writes_a_row_per_model_with_a_summary_and_prints_its_table(tmp
     table = capsys.readouterr().out
     assert "## timm" in table and "| resnet | test_resnet | yes | " in table
     assert "covered, or why not | loss |" in table and table.rstrip().splitlines()[-1].endswith("| fused |")
+
+
+def test_a_results_environment_names_the_model_libraries_it_ran_with():
+    import timm
+    import transformers
+
+    found = _benchmark("families").environment()  # the shared record every benchmark writes
+    assert found["transformers"] == transformers.__version__ and found["timm"] == timm.__version__
+    assert {"gpu", "torch", "lightning", "python", "date"} <= found.keys()
