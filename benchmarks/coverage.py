@@ -813,11 +813,6 @@ def main() -> None:
         transformers.logging.set_verbosity_error()
     chosen = selection(args.only, args.models.split(",") if args.models else None, args.fast)
     result: dict[str, Any] = {"environment": environment(), "command": " ".join(["python", *sys.argv]), "rows": []}
-    with contextlib.suppress(ImportError):
-        import timm
-        import transformers
-
-        result["environment"].update(timm=timm.__version__, transformers=transformers.__version__)
     result["environment"]["machine"] = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores"
     for i, (library, name) in enumerate(chosen):
         row = examine(library, name, args.seconds)
