@@ -191,6 +191,25 @@ def recomputable(
     return function, tuple(unique)
 
 
+@contextlib.contextmanager
+def weight_casts_uncached() -> Iterator[None]:
+    """Autocast's cache of weight casts off while a checkpointed forward runs (``torch.set_autocast_cache_enabled``,
+    as ``torch.autocast(cache_enabled=False)`` sets it; a region that enters autocast inside inherits it).
+
+    Autocast keeps the low-precision copy of every weight it casts until the outermost autocast region ends: in a
+    Lightning step, the whole forward. A plain block's backward keeps those copies anyway (its matrix products saved
+    them); inside a checkpoint nothing else does, so the cache alone would hold every checkpointed block's weights in
+    bf16 to the end of the forward, where a fused loss makes its gradients (BERT-base: 170 MB). Off, a block's copies
+    go when its forward ends, and its recomputation casts them again, as it does anyway (the forward's cache is gone
+    by then). The casts are the same: the gradients are unchanged, bit for bit."""
+    cached = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(cached)
+
+
 class CheckpointedUnit(SwappedModule):
     """Mixin placed in front of a block's own class: its forward runs under ``torch.utils.checkpoint``.
 
@@ -223,11 +242,12 @@ class CheckpointedUnit(SwappedModule):
         given = [(t, _autograd.version(t)) for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
         # only where a BatchNorm keeps running statistics: a model without one (ConvNeXt, a transformer) is
         # checkpointed exactly as its family's own switch does it, and pays nothing for BatchNorm-correctness
-        if bns := tracked_batchnorms([self, *run]) if self.memguard_bn_correct else []:
-            frozen = lambda: (contextlib.nullcontext(), FrozenBatchNormStats(bns))  # noqa: E731
-            out = checkpoint(function, *leaves, use_reentrant=False, context_fn=frozen)
-        else:
-            out = checkpoint(function, *leaves, use_reentrant=False)
+        with weight_casts_uncached():
+            if bns := tracked_batchnorms([self, *run]) if self.memguard_bn_correct else []:
+                frozen = lambda: (contextlib.nullcontext(), FrozenBatchNormStats(bns))  # noqa: E731
+                out = checkpoint(function, *leaves, use_reentrant=False, context_fn=frozen)
+            else:
+                out = checkpoint(function, *leaves, use_reentrant=False)
         if any(_autograd.version(t) != v for t, v in given):
             raise RuntimeError(self._changes_its_input())
         return self._finish(out, run)

@@ -58,6 +58,7 @@ from lightning_memguard.checkpointing.wrap import (
     swap_in,
     swapped_class,
     tracked_batchnorms,
+    weight_casts_uncached,
 )
 
 SAVED_OPS: tuple[str, ...] = (
@@ -275,9 +276,10 @@ class PointwiseRecomputed(SwappedModule):
         function, leaves = recomputable(super().forward, args, kwargs)
         given = [(t, _autograd.version(t)) for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
         made: list[Any] = []
-        out = checkpoint(
-            function, *leaves, use_reentrant=False, context_fn=_contexts(self, name, made), **_HOOKS_CHOICE
-        )
+        with weight_casts_uncached():  # the casts are recomputed: the cache alone would keep them
+            out = checkpoint(
+                function, *leaves, use_reentrant=False, context_fn=_contexts(self, name, made), **_HOOKS_CHOICE
+            )
         if _ledger.counting():  # what the selective checkpoint keeps, out of the saved-tensor hooks' sight
             for caching in made:
                 _ledger.kept_unseen(_autograd.selectively_saved(caching))
