@@ -300,3 +300,38 @@ def test_a_results_environment_names_the_model_libraries_it_ran_with():
     found = _benchmark("families").environment()  # the shared record every benchmark writes
     assert found["transformers"] == transformers.__version__ and found["timm"] == timm.__version__
     assert {"gpu", "torch", "lightning", "python", "date"} <= found.keys()
+
+
+def test_autocast_cache_trials_put_the_old_behaviour_back_only_inside_and_count_the_checkpointed_weights():
+    import torch
+    from torch import nn
+
+    from lightning_memguard.checkpointing import checkpoint_blocks, wrap
+
+    seen = []
+
+    class Layer(nn.Linear):
+        def forward(self, x):
+            seen.append(torch.is_autocast_cache_enabled())  # inside the checkpoint
+            return super().forward(x)
+
+    bench = _benchmark("autocast_cache")
+    model = nn.Sequential(Layer(8, 8), Layer(8, 8), nn.Linear(8, 3, bias=False))
+    checkpoint_blocks(model, units=["0", "1"])
+    assert bench.checkpointed_weight_bytes(model) == 2 * (8 * 8 + 8) * 2  # two layers' weights and biases, in bf16
+
+    def cache_on_inside_blocks():
+        seen.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.ones(2, 8))
+        assert len(seen) == 2
+        return all(seen)
+
+    uncached = wrap.weight_casts_uncached
+    with bench.trial("cache_kept"):
+        assert cache_on_inside_blocks()  # as before: the cache kept inside the checkpoint
+    assert wrap.weight_casts_uncached is uncached
+    with bench.trial("cache_off"):
+        assert not any([cache_on_inside_blocks(), *seen])
+    with pytest.raises(ValueError, match="unknown trial"), bench.trial("other"):
+        pass
