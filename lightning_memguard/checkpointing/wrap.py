@@ -241,7 +241,7 @@ class CheckpointedUnit(SwappedModule):
         function, leaves = recomputable(self._memguard_forward, args, kwargs)
         given = [(t, _autograd.version(t)) for t in leaves if isinstance(t, torch.Tensor) and not t.is_inference()]
         # only where a BatchNorm keeps running statistics: a model without one (ConvNeXt, a transformer) is
-        # checkpointed exactly as its family's own switch does it, and pays nothing for BatchNorm-correctness
+        # checkpointed with the call its family's own switch makes, and pays nothing for BatchNorm-correctness
         with weight_casts_uncached():
             if bns := tracked_batchnorms([self, *run]) if self.memguard_bn_correct else []:
                 frozen = lambda: (contextlib.nullcontext(), FrozenBatchNormStats(bns))  # noqa: E731
