@@ -59,15 +59,8 @@ def trial(name: str) -> Any:
 
 def checkpointed_weight_bytes(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
     """The bytes of the floating-point weights inside checkpointed modules, in ``dtype``: the most the cache held."""
-    seen: set[int] = set()
-    total = 0
-    for module in model.modules():
-        if is_checkpointed(module):
-            for p in module.parameters():
-                if id(p) not in seen and p.is_floating_point() and p.requires_grad:
-                    seen.add(id(p))
-                    total += p.numel() * torch.tensor([], dtype=dtype).element_size()
-    return total
+    weights = {id(p): p for m in model.modules() if is_checkpointed(m) for p in m.parameters()}  # shared ones once
+    return sum(p.numel() for p in weights.values() if p.is_floating_point() and p.requires_grad) * dtype.itemsize
 
 
 def prepared(name: str, setting: families.Setting) -> tuple[torch.nn.Module, list[Any]]:
@@ -111,7 +104,7 @@ def run_cpu(models: list[str], batch: int) -> dict[str, Any]:
             row[which] = json.loads(done.stdout.strip().splitlines()[-1])
         row["lower_by"] = row["cache_kept"]["peak_above_start"] - row["cache_off"]["peak_above_start"]
         out[name] = row
-        print(name, {k: v for k, v in row.items()}, flush=True)
+        print(name, row, flush=True)
     return out
 
 
