@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -221,9 +222,19 @@ def test_the_cache_key_holds_whether_the_model_is_checkpointed(tmp_path):
         assert tuner.from_cache is expect_cached, checkpointing
 
 
-def test_the_cache_key_holds_whether_the_levers_plan_the_fused_loss(tmp_path):
+def test_the_cache_key_holds_whether_the_levers_plan_the_fused_loss(tmp_path, monkeypatch):
     """``ActivationCheckpointing(levers=True, fused_loss=False)`` plans other savers than the default (a step that
-    reads the logits keeps them): a choice measured with one is not the other's."""
+    reads the logits keeps them): a choice measured with one is not the other's.
+
+    The planner's clocks tick once a reading: it chooses links by milliseconds per byte, and the key holds which
+    blocks it checkpointed, so timed by this machine under load two fits of one setting could choose apart."""
+    from lightning_memguard.checkpointing import measure
+    from lightning_memguard.levers import pointwise
+
+    ticks = iter(range(10**9))
+    ticking = SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3)
+    monkeypatch.setattr(measure, "time", ticking)
+    monkeypatch.setattr(pointwise, "time", ticking)
     clock = BatchClock()
     for fused_loss, expect_cached in ((True, False), (True, True), (False, False), (False, True)):
         model = small_image_model()
