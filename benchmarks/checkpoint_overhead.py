@@ -18,6 +18,11 @@ above the resting model), each on a fresh model from the same seed:
   (``preserve_rng_state`` left at its default, as timm leaves it), ``wrapper_nonreentrant_context_fn`` with our
   ``context_fn`` (``FrozenBatchNormStats``, as ``CheckpointedUnit.forward`` passes it), and
   ``wrapper_nonreentrant_no_rng`` with ``preserve_rng_state=False``;
+- for a language or speech model (``--model bert``, ``gpt2``, ``llama``, ``t5``, ``whisper``: Hugging Face's
+  ``gradient_checkpointing_enable`` is its switch; no wrapper rows, since its layers take more than one tensor):
+  ``fused_loss_every_block`` as families.py applies it, and ``ours_switch_blocks`` / ``fused_loss_switch_blocks``,
+  the same with only the family's blocks checkpointed (``find_units(model)``, the switch's own set: not the
+  embeddings' stem that ``checkpoint_blocks(model)`` adds);
 - ``ours_bn_correct_off``: ``checkpoint_blocks(model, bn_correct=False)``, the library's switch for the path
   without ``context_fn``;
 - ABLATIONS (monkeypatches of ``lightning_memguard.checkpointing.wrap`` for the row only, undone after it; not
@@ -69,6 +74,7 @@ from families import Setting, apply, compare, loss_of, make_batches, make_model,
 
 from lightning_memguard.checkpointing import checkpoint_blocks, find_units  # noqa: E402
 from lightning_memguard.checkpointing import wrap as memguard_wrap  # noqa: E402
+from lightning_memguard.levers import apply_fused_loss  # noqa: E402
 
 MODELS = {  # --model: families.py's name for it
     "convnext_tiny": "convnext_tiny",
@@ -76,6 +82,11 @@ MODELS = {  # --model: families.py's name for it
     "vit_small_patch16_224": "vit_small",
     "vit_small": "vit_small",
     "efficientnet_b0": "efficientnet_b0",
+    "bert": "bert",  # the language and speech models: Hugging Face's switch, no wrapper rows
+    "gpt2": "gpt2",
+    "llama": "llama",
+    "t5": "t5",
+    "whisper": "whisper",
 }
 ROWS = {
     "plain": "no checkpointing",
@@ -89,7 +100,11 @@ ROWS = {
     "ours_bn_correct_off": "checkpoint_blocks(model, bn_correct=False): ours without context_fn",
     "ours_minimal_forward": "ABLATION (monkeypatch): class swap kept, forward = checkpoint(use_reentrant=False) only",
     "ours_no_rng_state": "ABLATION (monkeypatch): ours with preserve_rng_state=False",
+    "ours_switch_blocks": "checkpoint_blocks(model, units=<find_units(model)>): the family's blocks only, no stem",
+    "fused_loss_every_block": "families.py's row: apply_fused_loss, then checkpoint_blocks(model) (language, speech)",
+    "fused_loss_switch_blocks": "apply_fused_loss, then the family's blocks only, no stem (language, speech)",
 }
+FUSED_ROWS = ("fused_loss_every_block", "fused_loss_switch_blocks")  # a vocabulary's head: not the vision models
 PROFILED = ("family_switch", "ours_every_block")
 TOP = 15
 
@@ -167,9 +182,18 @@ def patched(row: str) -> Iterator[None]:
 
 def prepare(name: str, row: str, model: nn.Module, example: torch.Tensor, setting: Setting) -> dict[str, Any]:
     """Change ``model`` as ``row`` says; what was done."""
-    if row in ("plain", "family_switch", "ours_every_block"):
+    if row in FUSED_ROWS and name not in families.FUSED:
+        raise ValueError(f"{row} is for the language and speech models, not {name}")
+    if row in ("plain", "family_switch", "ours_every_block", "fused_loss_every_block"):
         return apply(name, row, model, example, setting)  # as families.py does
+    if row in ("ours_switch_blocks", "fused_loss_switch_blocks"):
+        if row == "fused_loss_switch_blocks":
+            apply_fused_loss(model.model, counted_only=True)  # type: ignore[arg-type]  # as families.py's row
+        plan = checkpoint_blocks(model, units=[unit for unit, _ in find_units(model)])
+        return {"blocks": len(plan.blocks), "checkpointed": plan.blocks, "fused_loss": row in FUSED_ROWS}
     if row in WRAPPER_CALLS:
+        if name not in families.VISION:  # a Hugging Face layer takes more than one tensor
+            raise ValueError(f"{row} wraps single-input blocks: the vision models only, not {name}")
         return {"blocks": wrap_blocks(model, WRAPPER_CALLS[row])}
     if row == "ours_bn_correct_off":
         plan = checkpoint_blocks(model, bn_correct=False)
@@ -511,7 +535,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/checkpoint_overhead.json")
     parser.add_argument("--model", default="convnext_tiny", choices=sorted(MODELS))
-    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated, from: " + ", ".join(ROWS))
+    parser.add_argument(
+        "--rows", default=None, help="comma-separated, from: " + ", ".join(ROWS) + "; default: the model's rows"
+    )
     parser.add_argument("--warmup", type=int, default=None, help="default: 5 (smoke: 1)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per row; default: 15 (smoke: 2)")
     parser.add_argument("--phase-steps", type=int, default=None, help="steps timed by phase; default: 5 (smoke: 1)")
@@ -520,7 +546,9 @@ def main() -> None:
     parser.add_argument("--profile-rows", default=",".join(PROFILED))
     parser.add_argument("--smoke", action="store_true", help="a tiny CPU version: every row runs, nothing measured")
     args = parser.parse_args()
-    rows = [r for r in args.rows.split(",") if r]
+    vision = MODELS[args.model] in families.VISION
+    taken = [r for r in ROWS if r not in (FUSED_ROWS if vision else WRAPPER_CALLS)]  # the rows this model takes
+    rows = [r for r in args.rows.split(",") if r] if args.rows is not None else taken
     profiled = [r for r in args.profile_rows.split(",") if r] if args.profile else []
     unknown = [r for r in rows + profiled if r not in ROWS]
     if unknown:
@@ -547,14 +575,19 @@ def main() -> None:
     )
     result: dict[str, Any] = {
         "environment": env,
-        "timm_checkpointing": timm_checkpointing(),
+        "timm_checkpointing": timm_checkpointing() if name in families.VISION else None,
         "config": vars(args),
         "setting": families._plain(setting),
         "model": name,
-        "timm_model": families.VISION[name][1 if args.smoke else 0],
+        "timm_model": families.VISION[name][1 if args.smoke else 0] if name in families.VISION else None,
         "rows_described": {r: ROWS[r] for r in rows},
     }
-    env["timm"] = result["timm_checkpointing"]["timm"]
+    if name in families.VISION:
+        env["timm"] = result["timm_checkpointing"]["timm"]
+    else:
+        import transformers
+
+        env["transformers"] = transformers.__version__
     by_pass: dict[str, list[dict[str, Any]]] = {r: [] for r in rows}
     result["rows"] = combined = {}  # type: ignore[var-annotated]
     for p in range(passes):
@@ -572,8 +605,9 @@ def main() -> None:
     if len(usable) >= 2:
         a, b = usable[:2]
         result["profile_diff"] = {"a": a, "b": b, **profile_diff(summaries[a], summaries[b])}
-    print(f"== {result['timm_model']} ({'smoke, ' if args.smoke else ''}{passes} pass(es)); timm's checkpoint call:"
-          f" {result['timm_checkpointing']['checkpoint_call']}")  # fmt: skip
+    call = result["timm_checkpointing"]["checkpoint_call"] if result["timm_checkpointing"] else "(Hugging Face's)"
+    print(f"== {result['timm_model'] or name} ({'smoke, ' if args.smoke else ''}{passes} pass(es)); the switch's"
+          f" checkpoint call: {call}")  # fmt: skip
     print(f"{'row':<32} {'step':>11} {'activation':>10}  (phases: GPU ms / host ms to return)")
     for row in rows:
         print(line(combined[row]), flush=True)

@@ -251,7 +251,7 @@ def test_checkpoint_overhead_smoke_measures_every_row_and_profiles_the_switch_ag
         torch.set_num_threads(threads)  # the smoke run takes one thread
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert list(rows) == list(module.ROWS)
+    assert list(rows) == [r for r in module.ROWS if r not in module.FUSED_ROWS]  # no vocabulary: no fused loss
     assert not [r["error"] for r in rows.values() if "error" in r]
     for name, row in rows.items():
         figures = [row["step_ms"], row["activation_peak_gb"], *row["phases"].values()]
@@ -265,6 +265,34 @@ def test_checkpoint_overhead_smoke_measures_every_row_and_profiles_the_switch_ag
     wrap = module.memguard_wrap
     assert wrap.checkpoint is torch.utils.checkpoint.checkpoint
     assert wrap.CheckpointedUnit.__dict__["forward"] is not module._minimal_forward
+
+
+def test_checkpoint_overhead_on_a_language_model_sets_the_switchs_blocks_beside_ours_and_the_fused_loss(
+    tmp_path, monkeypatch
+):
+    pytest.importorskip("transformers")
+    import torch
+
+    module = _benchmark("checkpoint_overhead")
+    out = tmp_path / "checkpoint_overhead.json"
+    rows = "family_switch,ours_every_block,ours_switch_blocks,fused_loss_switch_blocks,wrapper_reentrant"
+    argv = ["checkpoint_overhead.py", "--model", "bert", "--smoke", "--rows", rows, "--out", str(out)]
+    monkeypatch.setattr("sys.argv", argv)
+    threads = torch.get_num_threads()
+    try:
+        module.main()
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(out.read_text())
+    got = result["rows"]
+    assert result["model"] == "bert" and result["environment"]["transformers"] and result["timm_checkpointing"] is None
+    # ours checkpoints the embeddings' stem as well; the switch's own blocks are the encoder's layers
+    assert got["ours_switch_blocks"]["checkpointed"] == ["model.bert.encoder.layer.0", "model.bert.encoder.layer.1"]
+    assert got["ours_every_block"]["blocks"] == 3
+    assert got["ours_switch_blocks"]["activation_peak_gb"] == got["family_switch"]["activation_peak_gb"]
+    fused = got["fused_loss_switch_blocks"]
+    assert fused["fused_loss"] and fused["activation_peak_gb"] < got["ours_switch_blocks"]["activation_peak_gb"]
+    assert "wraps single-input blocks: the vision models only, not bert" in got["wrapper_reentrant"]["error"]
 
 
 def test_coverage_writes_a_row_per_model_with_a_summary_and_prints_its_table(tmp_path, monkeypatch, capsys):
