@@ -606,14 +606,28 @@ def goals(name: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _allocator_calls() -> int:
+    """The caching allocator's calls to the driver so far (``cudaMalloc`` and ``cudaFree``, retries after a failed
+    one), or 0 where this torch does not count them."""
+    stats = torch.cuda.memory_stats()
+    return sum(int(stats.get(key, 0)) for key in ("num_device_alloc", "num_device_free", "num_alloc_retries"))
+
+
 def interleaved(
-    name: str, rows: dict[str, dict[str, Any]], setting: Setting, rounds: int, alive: dict[str, nn.Module]
+    name: str,
+    rows: dict[str, dict[str, Any]],
+    setting: Setting,
+    rounds: int,
+    alive: dict[str, nn.Module],
+    fresh_cache: bool = False,
 ) -> None:
     """Time every row again, all alive at once (``alive``: each row's model as it measured it): in every round each
     row takes a turn of :data:`STEPS_PER_TURN` training steps, the first untimed (another model ran just before), in
     turns (the order reversed every other round), so that a slow stretch of the host falls on all rows alike. Each
     row's ``step_ms`` becomes the median of its timed steps here (``step_ms_alone``: its own row's figure); memory
-    stays its own row's."""
+    stays its own row's. Beside each timed step: the row whose turn came before (``interleaved_after``), and per turn
+    the allocator's calls to the driver in its timed steps (``driver_calls_per_turn``). ``fresh_cache``: each turn
+    begins with the allocator's cache emptied, so that no row runs in memory laid out by the row before it."""
     models: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
     try:
         batches = make_batches(name, setting)
@@ -621,12 +635,20 @@ def interleaved(
             model.train()
             models[row] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         events: dict[str, list[Any]] = {row: [] for row in models}
+        after: dict[str, list[str | None]] = {row: [] for row in models}
+        driver_calls: dict[str, list[int]] = {row: [] for row in models}
         order = list(models)
         cuda = setting.device.type == "cuda"
+        before: str | None = None
         for i in range(1 + rounds):  # a round of warm-up first
             for row in order if i % 2 else reversed(order):
                 model, opt = models[row]
+                if cuda and fresh_cache:
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
                 for k in range(STEPS_PER_TURN):
+                    if cuda and i and k == 1:  # the host makes the calls as it queues: no synchronize needed
+                        calls = _allocator_calls()
                     batch = batches[k % len(batches)]
                     opt.zero_grad(set_to_none=True)
                     start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
@@ -641,12 +663,19 @@ def interleaved(
                         end.record()
                     if i and k:
                         events[row].append((start, end if cuda else time.perf_counter()))
+                        after[row].append(before)
+                if cuda and i:
+                    driver_calls[row].append(_allocator_calls() - calls)
+                before = row
         if cuda:
             torch.cuda.synchronize()
         for row, pairs in events.items():
             times = [s.elapsed_time(e) if cuda else (e - s) * 1e3 for s, e in pairs]
             rows[row]["step_ms_alone"] = rows[row]["step_ms"]
             rows[row]["step_ms_interleaved"] = times
+            rows[row]["interleaved_after"] = after[row]
+            rows[row]["driver_calls_per_turn"] = driver_calls[row]
+            rows[row]["fresh_cache"] = fresh_cache
             rows[row]["step_ms"] = median(times)
             rows[row].update(rate(name, setting, rows[row]["step_ms"]))
     except Exception as error:  # noqa: BLE001 - the rows keep their own figures
@@ -657,6 +686,15 @@ def interleaved(
         alive.clear()
         gc.collect()
         free_memory()
+
+
+def by_predecessor(row: dict[str, Any]) -> str:
+    """A row's interleaved median step by the row whose turn came before it: where they differ, a row's time
+    depends on what ran before it."""
+    steps: dict[str, list[float]] = {}
+    for ms, before in zip(row["step_ms_interleaved"], row["interleaved_after"], strict=True):
+        steps.setdefault(str(before), []).append(ms)
+    return ", ".join(f"after {before} {median(v):.1f} ms ({len(v)})" for before, v in steps.items())
 
 
 def _activations_vs_switch(row: dict[str, Any], switch: dict[str, Any]) -> float | None:
@@ -710,6 +748,12 @@ def main() -> None:
         "--rounds", type=int, default=5, help="turns of every row, all alive, one after another (median kept); 0: none"
     )
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated, from: " + ", ".join(ROWS))
+    parser.add_argument(
+        "--fresh-cache",
+        action="store_true",
+        help="each interleaved turn begins with the allocator's cache emptied: no row runs in memory the row before"
+        " it laid out",
+    )
     args = parser.parse_args()
     chosen = [r for r in args.rows.split(",") if r]
     if unknown_rows := [r for r in chosen if r not in ROWS]:
@@ -757,12 +801,14 @@ def main() -> None:
             with contextlib.redirect_stdout(io.StringIO()):  # after every row: a run cut short keeps what it measured
                 write_json(args.out, result)
         if args.rounds:
-            interleaved(name, rows, setting, args.rounds, alive)
+            interleaved(name, rows, setting, args.rounds, alive, args.fresh_cache)
             compare(rows)
             entry["goals"] = goals(name, rows)
             for row in rows.values():
                 if "step_ms_alone" in row:
                     print(line(row), "interleaved; alone", row["step_ms_alone"], flush=True)
+                    calls = row["driver_calls_per_turn"]
+                    print(f"  {row['row']}: {by_predecessor(row)}; the allocator's driver calls per turn {calls}")
             with contextlib.redirect_stdout(io.StringIO()):
                 write_json(args.out, result)
         print(f"{name:<16} goals {entry['goals']}", flush=True)
