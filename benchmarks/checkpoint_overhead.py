@@ -23,6 +23,9 @@ above the resting model), each on a fresh model from the same seed:
   ``fused_loss_every_block`` as families.py applies it, and ``ours_switch_blocks`` / ``fused_loss_switch_blocks``,
   the same with only the family's blocks checkpointed (``find_units(model)``, the switch's own set: not the
   embeddings' stem that ``checkpoint_blocks(model)`` adds);
+- ``ours_switch_blocks_but_last`` (any model) and ``fused_loss_switch_blocks_but_last``: the family's blocks but the
+  last one. Its recomputation would come as backward begins, when all that the forward saved is still held: left
+  unchecked, it should hold the same peak for one block's forward less;
 - ``ours_bn_correct_off``: ``checkpoint_blocks(model, bn_correct=False)``, the library's switch for the path
   without ``context_fn``;
 - ABLATIONS (monkeypatches of ``lightning_memguard.checkpointing.wrap`` for the row only, undone after it; not
@@ -103,8 +106,16 @@ ROWS = {
     "ours_switch_blocks": "checkpoint_blocks(model, units=<find_units(model)>): the family's blocks only, no stem",
     "fused_loss_every_block": "families.py's row: apply_fused_loss, then checkpoint_blocks(model) (language, speech)",
     "fused_loss_switch_blocks": "apply_fused_loss, then the family's blocks only, no stem (language, speech)",
+    "ours_switch_blocks_but_last": "the family's blocks but the last: its recomputation would come as backward begins",
+    "fused_loss_switch_blocks_but_last": "apply_fused_loss, then the family's blocks but the last (language, speech)",
 }
-FUSED_ROWS = ("fused_loss_every_block", "fused_loss_switch_blocks")  # a vocabulary's head: not the vision models
+FUSED_ROWS = ("fused_loss_every_block", "fused_loss_switch_blocks", "fused_loss_switch_blocks_but_last")
+SWITCH_BLOCKS = {  # the family's own blocks (find_units), and how many of them at the end left unchecked
+    "ours_switch_blocks": 0,
+    "fused_loss_switch_blocks": 0,
+    "ours_switch_blocks_but_last": 1,
+    "fused_loss_switch_blocks_but_last": 1,
+}
 PROFILED = ("family_switch", "ours_every_block")
 TOP = 15
 
@@ -186,10 +197,11 @@ def prepare(name: str, row: str, model: nn.Module, example: torch.Tensor, settin
         raise ValueError(f"{row} is for the language and speech models, not {name}")
     if row in ("plain", "family_switch", "ours_every_block", "fused_loss_every_block"):
         return apply(name, row, model, example, setting)  # as families.py does
-    if row in ("ours_switch_blocks", "fused_loss_switch_blocks"):
-        if row == "fused_loss_switch_blocks":
+    if row in SWITCH_BLOCKS:
+        if row in FUSED_ROWS:
             apply_fused_loss(model.model, counted_only=True)  # type: ignore[arg-type]  # as families.py's row
-        plan = checkpoint_blocks(model, units=[unit for unit, _ in find_units(model)])
+        units = [unit for unit, _ in find_units(model)]
+        plan = checkpoint_blocks(model, units=units[: len(units) - SWITCH_BLOCKS[row]])
         return {"blocks": len(plan.blocks), "checkpointed": plan.blocks, "fused_loss": row in FUSED_ROWS}
     if row in WRAPPER_CALLS:
         if name not in families.VISION:  # a Hugging Face layer takes more than one tensor

@@ -275,7 +275,8 @@ def test_checkpoint_overhead_on_a_language_model_sets_the_switchs_blocks_beside_
 
     module = _benchmark("checkpoint_overhead")
     out = tmp_path / "checkpoint_overhead.json"
-    rows = "family_switch,ours_every_block,ours_switch_blocks,fused_loss_switch_blocks,wrapper_reentrant"
+    rows = "family_switch,ours_every_block,ours_switch_blocks,fused_loss_switch_blocks,ours_switch_blocks_but_last"
+    rows += ",wrapper_reentrant"
     argv = ["checkpoint_overhead.py", "--model", "bert", "--smoke", "--rows", rows, "--out", str(out)]
     monkeypatch.setattr("sys.argv", argv)
     threads = torch.get_num_threads()
@@ -289,6 +290,7 @@ def test_checkpoint_overhead_on_a_language_model_sets_the_switchs_blocks_beside_
     # ours checkpoints the embeddings' stem as well; the switch's own blocks are the encoder's layers
     assert got["ours_switch_blocks"]["checkpointed"] == ["model.bert.encoder.layer.0", "model.bert.encoder.layer.1"]
     assert got["ours_every_block"]["blocks"] == 3
+    assert got["ours_switch_blocks_but_last"]["checkpointed"] == ["model.bert.encoder.layer.0"]
     assert got["ours_switch_blocks"]["activation_peak_gb"] == got["family_switch"]["activation_peak_gb"]
     fused = got["fused_loss_switch_blocks"]
     assert fused["fused_loss"] and fused["activation_peak_gb"] < got["ours_switch_blocks"]["activation_peak_gb"]
