@@ -701,3 +701,43 @@ def test_the_first_plan_in_a_process_measures_a_steps_peak():
     assert done.returncode == 0, done.stderr[-3000:]
     peaks = json.loads(done.stdout.strip().splitlines()[-1])
     assert abs(peaks["cold"] - peaks["warm"]) <= 0.02 * peaks["warm"], peaks
+
+
+def test_the_levers_at_every_blocks_peak_leave_late_links_and_train_as_the_plain_model_on_cuda():
+    """CPU twin: tests/levers/test_levers_planner.py's pyramid (the chooser on the links' order). A ConvNeXt, whose
+    stages save less and less: at the peak of every block checkpointed, the levers' planner predicts where each
+    set's peak falls, leaves the last block as it is (its recomputation would come as backward begins), holds that
+    peak as measured, for less recomputation, with the plain model's gradients."""
+    import copy
+
+    import timm
+
+    from lightning_memguard.checkpointing import checkpoint_blocks
+    from lightning_memguard.checkpointing.measure import StepMeter
+    from lightning_memguard.levers import plan_levers
+
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.manual_seed(0)
+    plain = timm.create_model("convnext_atto", num_classes=10).cuda()
+    x = torch.randn(64, 3, 128, 128, device="cuda")
+
+    def loss_fn(out):
+        return out.float().pow(2).mean()
+
+    every = copy.deepcopy(plain)
+    checkpoint_blocks(every)
+    budget = StepMeter(every, x, loss_fn).peak()  # every block's peak, measured
+    ours = copy.deepcopy(plain)
+    plan = plan_levers(ours, x, memory_budget=budget, loss_fn=loss_fn, fused_loss=False)
+    assert plan.held and plan.measured_bytes <= budget, plan.summary()
+    last = "stages.3.blocks.1"
+    assert last not in plan.links and plan.links, plan.summary()
+
+    def grads(model):
+        torch.manual_seed(7)
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x)).backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    expected = grads(plain)
+    assert all(torch.equal(expected[n], g) for n, g in grads(ours).items())
