@@ -179,9 +179,8 @@ def choose_levers(
     Without ``chain``, each option's bytes come off the peak. With it, a set frees what :func:`predicted_peak` says
     it lowers the chain's peak: the options that lower it most per millisecond are taken (where none lowers it, the
     peak sitting at two places at once, the one that frees most per millisecond), then each given back or exchanged
-    while the set still frees ``need`` (where no set does, while it frees as much as all of them). So links whose
-    backward comes before the peak's (the last ones, where a step's peak is a recomputation of an early, larger
-    link) are left as they are where they can be.
+    while the set still frees ``need``. So links whose backward comes before the peak's (the last ones, where a
+    step's peak is a recomputation of an early, larger link) are left as they are where they can be.
 
     Ties go to the link first in ``links``' order, then to the kind first in :data:`KINDS`.
 
@@ -243,8 +242,6 @@ def choose_levers(
         chosen[best[0]] = best[1]
     if freed(chosen) >= need:
         _give_back(chosen, options, need, names, freed)
-    elif chain is not None:  # the floor: without the levers that lower no peak predicted (the last link's)
-        _give_back(chosen, options, freed(chosen), names, freed)
     return Choice(
         {name: chosen[name] for name in names if name in chosen},
         freed(chosen),

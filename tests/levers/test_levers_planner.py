@@ -314,14 +314,3 @@ def test_the_search_chooses_by_where_the_peak_falls_when_the_measurement_gives_t
     assert [sorted(p.links) for p in proposals] == [[], ["s.0"]]
     plan = search.result
     assert plan.held and plan.measured_bytes == plan.predicted_bytes == every and plan.extra_ms == 4.0
-
-
-def test_at_the_floor_a_lever_that_lowers_no_peak_predicted_is_left_out():
-    """Two links: the first's checkpoint lowers the peak; the last's recomputation comes as backward begins, with
-    the first's input still held, so it frees nothing of it. No set frees 150: the floor, without the last link."""
-    profiles = [BlockProfile(n, saved_bytes=100, input_bytes=10, output_bytes=0, forward_ms=1.0) for n in "ab"]
-    chain = Chain(1000, profiles, gradients=False)
-    links = {p.name: [block(p.saving, p.forward_ms)] for p in profiles}
-    floor = choose_levers(links, 150, chain=chain)
-    assert list(floor.links) == ["a"] and floor.freed_bytes == 90 and floor.extra_ms == 1.0
-    assert list(choose_levers(links, 150).links) == ["a", "b"]  # by the sum of the bytes: both, 180 freed
