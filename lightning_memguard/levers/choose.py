@@ -25,11 +25,10 @@ only where it is cheaper than recomputing, and never beyond the host bound.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_memguard.checkpointing.budget import BlockProfile
 from lightning_memguard.core.units import size_formatter
 
 KINDS = ("block", "parts", "pointwise", "offload")
@@ -75,57 +74,6 @@ class LossOption:
 
 
 @dataclass(frozen=True)
-class Chain:
-    """The links as one measurement read them, in the model's order, for predicting where a set's peak falls: the
-    end of the forward pass, or a link's backward (:func:`predicted_peak`).
-
-    Attributes:
-        peak: the measured peak the profiles were read with (the model as the measurement found it).
-        profiles: each link's saved activations and forward time (:class:`~lightning_memguard.checkpointing.budget.
-            BlockProfile`), by name as the links' options are keyed.
-        gradients: the peak holds the gradients that flow between links (a CUDA peak), as
-            :func:`~lightning_memguard.checkpointing.budget.predict_peak` counts them; False where it counts saved
-            activations only (the CPU's figure).
-    """
-
-    peak: int
-    profiles: Sequence[BlockProfile]
-    gradients: bool = True
-
-
-def predicted_peak(chain: Chain, picked: Mapping[str, LinkOption]) -> int:
-    """The peak of a step with ``picked`` (an option per link, by name), as
-    :func:`~lightning_memguard.checkpointing.budget.predict_peak` models it: the larger of the end of the forward
-    pass (each link keeps its saved bytes less what its option frees) and each changed link's backward (all that the
-    links before it keep, and its own activations back: a checkpointed block recomputed, its parts or pointwise
-    chains recomputed, its offloaded tensors fetched; with the gradients flowing out of it). So a lever on the last
-    link frees nothing: its recomputation comes as backward begins, while all that the forward saved is still held.
-
-    Example:
-        >>> from lightning_memguard.checkpointing.budget import BlockProfile
-        >>> a, b, c = (BlockProfile(n, saved_bytes=100, input_bytes=10, output_bytes=0, forward_ms=1.0) for n in "abc")
-        >>> chain = Chain(1000, [a, b, c], gradients=False)
-        >>> predicted_peak(chain, {}), predicted_peak(chain, {"a": LinkOption("block", 90, 1.0)})
-        (1000, 910)
-        >>> predicted_peak(chain, {"c": LinkOption("block", 90, 1.0)})  # recomputed while a and b are held
-        1000
-    """
-    profiles = chain.profiles
-    other = chain.peak - sum(p.saved_bytes for p in profiles)  # weights, gradients, the head's activations
-    kept = [p.saved_bytes - (picked[p.name].freed_bytes if p.name in picked else 0) for p in profiles]
-    peak = other + sum(kept)
-    before = other  # what the links before this one keep
-    for i, p in enumerate(profiles):
-        option = picked.get(p.name)
-        if option is not None:
-            flowing = max(p.output_bytes, profiles[i + 1].input_bytes) if i + 1 < len(profiles) else 0
-            back = p.recomputed if option.kind == "block" else kept[i] + option.freed_bytes
-            peak = max(peak, before + back + 2 * flowing * chain.gradients)
-        before += kept[i]
-    return peak
-
-
-@dataclass(frozen=True)
 class Measurement:
     """What a measurement of the model, as a proposal left it, says.
 
@@ -136,15 +84,12 @@ class Measurement:
             measurement's and the one after the fused loss are chosen among, later ones may leave it empty.
         loss: the fused loss's option (the first measurement only; None: the model has no vocabulary head, or it
             was refused).
-        chain: the links' profiles, where the measurement read them with the options: the choice then predicts
-            where each set's peak falls (:func:`predicted_peak`); None: each option's bytes come off the peak.
     """
 
     peak: int
     owner: str = ""
     links: Mapping[str, Sequence[LinkOption]] = field(default_factory=dict)
     loss: LossOption | None = None
-    chain: Chain | None = None
 
 
 @dataclass(frozen=True)
@@ -170,17 +115,9 @@ def choose_levers(
     links: Mapping[str, Sequence[LinkOption]],
     need: float,
     host_limit: int | None = None,
-    chain: Chain | None = None,
 ) -> Choice:
-    """The cheapest options (at most one per link) that free at least ``need`` bytes of the peak, within
-    ``host_limit`` bytes of host memory; where no set frees that much, the set that frees the most this way (the
-    floor).
-
-    Without ``chain``, each option's bytes come off the peak. With it, a set frees what :func:`predicted_peak` says
-    it lowers the chain's peak: the options that lower it most per millisecond are taken (where none lowers it, the
-    peak sitting at two places at once, the one that frees most per millisecond), then each given back or exchanged
-    while the set still frees ``need``. So links whose backward comes before the peak's (the last ones, where a
-    step's peak is a recomputation of an early, larger link) are left as they are where they can be.
+    """The cheapest options (at most one per link) that free at least ``need`` bytes, within ``host_limit`` bytes of
+    host memory; where no set frees that much, the set that frees the most this way (the floor).
 
     Ties go to the link first in ``links``' order, then to the kind first in :data:`KINDS`.
 
@@ -201,38 +138,31 @@ def choose_levers(
     limit = float("inf") if host_limit is None else host_limit
     chosen: dict[str, LinkOption] = {}
 
-    def freed(picked: Mapping[str, LinkOption]) -> int:
-        if chain is None:
-            return sum(o.freed_bytes for o in picked.values())
-        return chain.peak - predicted_peak(chain, picked)
+    def totals(picked: Mapping[str, LinkOption]) -> tuple[int, float, int]:
+        values = picked.values()
+        return sum(o.freed_bytes for o in values), sum(o.extra_ms for o in values), sum(o.host_bytes for o in values)
 
     def moves() -> list[tuple[str, LinkOption, int, float]]:
         """Each option that frees more than its link's current one, within the host bound: (link, option, bytes
-        more of the peak, milliseconds more). With a chain, where none lowers the predicted peak, the options'
-        own bytes more."""
-        host, now = sum(o.host_bytes for o in chosen.values()), freed(chosen)
-        found, flat = [], []
+        more, milliseconds more)."""
+        _, _, host = totals(chosen)
+        found = []
         for name in names:
             current = chosen.get(name)
-            bytes_, ms, held = (
+            freed, ms, held = (
                 (0, 0.0, 0) if current is None else (current.freed_bytes, current.extra_ms, current.host_bytes)
             )
             for option in options[name]:
-                if option.freed_bytes > bytes_ and host - held + option.host_bytes <= limit:
-                    own = option.freed_bytes - bytes_
-                    more = own if chain is None else freed({**chosen, name: option}) - now
-                    if more > 0:
-                        found.append((name, option, more, option.extra_ms - ms))
-                    else:
-                        flat.append((name, option, own, option.extra_ms - ms))
-        return found or flat
+                if option.freed_bytes > freed and host - held + option.host_bytes <= limit:
+                    found.append((name, option, option.freed_bytes - freed, option.extra_ms - ms))
+        return found
 
     def order(move: tuple[str, LinkOption, int, float]) -> tuple[float, int, int]:
         name, option, more, ms = move
         return (ms / more, names.index(name), KINDS.index(option.kind))
 
-    while freed(chosen) < need and (found := moves()):
-        gap = need - freed(chosen)
+    while totals(chosen)[0] < need and (found := moves()):
+        gap = need - totals(chosen)[0]
         closing = [m for m in found if m[2] >= gap]
         best = min(found, key=order)
         if closing:  # one move closes the gap: the cheapest of those, where no way by the best rate is cheaper
@@ -240,38 +170,28 @@ def choose_levers(
             by_rate = best[3] if best[2] >= gap else best[3] / best[2] * gap  # the least the best rate can cost
             best = cheapest if cheapest[3] <= by_rate else best
         chosen[best[0]] = best[1]
-    if freed(chosen) >= need:
-        _give_back(chosen, options, need, names, freed)
-    return Choice(
-        {name: chosen[name] for name in names if name in chosen},
-        freed(chosen),
-        sum(o.extra_ms for o in chosen.values()),
-        sum(o.host_bytes for o in chosen.values()),
-    )
+    if totals(chosen)[0] >= need:
+        _give_back(chosen, options, need, names)
+    freed, ms, host = totals(chosen)
+    return Choice({name: chosen[name] for name in names if name in chosen}, freed, ms, host)
 
 
 def _give_back(
-    chosen: dict[str, LinkOption],
-    options: Mapping[str, Sequence[LinkOption]],
-    need: float,
-    names: list[str],
-    freed: Callable[[Mapping[str, LinkOption]], int],
+    chosen: dict[str, LinkOption], options: Mapping[str, Sequence[LinkOption]], need: float, names: list[str]
 ) -> None:
     """Each choice, dearest first, given back or exchanged for the cheapest option of its link that still meets
-    ``need`` (``freed``: what a set frees; within the host memory the set held)."""
+    ``need`` (within the host memory the set held)."""
     host_held = sum(o.host_bytes for o in chosen.values())
     for name in sorted(chosen, key=lambda n: (-chosen[n].extra_ms, names.index(n))):
         current = chosen[name]
-        rest = {n: o for n, o in chosen.items() if n != name}
+        rest = sum(o.freed_bytes for n, o in chosen.items() if n != name)
         host_rest = host_held - current.host_bytes
         cheaper = [
             o
             for o in options[name]
-            if o.extra_ms < current.extra_ms
-            and host_rest + o.host_bytes <= host_held
-            and freed({**rest, name: o}) >= need
+            if o.extra_ms < current.extra_ms and rest + o.freed_bytes >= need and host_rest + o.host_bytes <= host_held
         ]
-        if current.extra_ms >= 0 and freed(rest) >= need:
+        if rest >= need and current.extra_ms >= 0:
             del chosen[name]
         elif cheaper:
             chosen[name] = min(cheaper, key=lambda o: (o.extra_ms, KINDS.index(o.kind)))
@@ -561,7 +481,7 @@ class LeverSearch:
         assert self._start is not None
         start = self._start
         need = float("inf") if len(self._choices) == ROUNDS - 1 else self._need()  # the floor: all that frees memory
-        choice = choose_levers(start.links, need, self.host_limit, start.chain)
+        choice = choose_levers(start.links, need, self.host_limit)
         if self._choices and choice.links == self._choices[-1][0].links:  # nothing more to take: the floor
             self._finish()
         elif not choice.links:  # no lever frees anything: the model as it is (with the fused loss, where taken)

@@ -38,7 +38,6 @@ from lightning_memguard.checkpointing.wrap import is_checkpointed
 from lightning_memguard.core.checks import check_instance, check_memory_budget, check_size
 from lightning_memguard.levers.choose import (
     RECORD_VERSION,
-    Chain,
     LeverPlan,
     LeverSearch,
     LinkOption,
@@ -455,10 +454,7 @@ class _Levers:
         if loss:
             self.tried = True
             option = self._loss_option(meter, peak)
-        # a CUDA peak is the step's own, reached at one moment: where it falls is predicted from the links' order; the
-        # CPU's figure counts every saved byte at once (the ledger), so there each option's bytes come off it
-        chain = Chain(peak, blocks) if meter.cuda else None
-        return Measurement(peak, owner(peak, blocks), options, option, chain)
+        return Measurement(peak, owner(peak, blocks), options, option)
 
     def _pointwise_costs(self) -> list[PointwiseCost]:
         """Each link's pointwise chains measured (:func:`~.pointwise.measure_pointwise`); where a block refuses it
