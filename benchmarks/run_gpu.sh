@@ -8,7 +8,7 @@
 # recording the allocator's history, in turns, about 4 minutes), zoo compile_frontier compile_rerun compile_tuner compile_budgets compile_peak (each 3-8
 # minutes), families (timm and Hugging Face against their own switches; FAMILY_MODELS=a,b picks a part: the twelve
 # models take two calls, the vision ones by default, then FAMILY_MODELS=gpt2,llama,bert,t5,whisper; each within 9 minutes), checkpoint_overhead (timm's switch against ours and the ablations
-# between them, profiled; CKPT_MODEL=resnet50 or vit_small_patch16_224 for another model than convnext_tiny; 3-4 minutes),
+# between them, profiled; CKPT_MODEL=resnet50, vit_small_patch16_224 or bert, gpt2, llama, t5, whisper (the switch's own blocks beside ours and the fused loss) for another model than convnext_tiny; 3-4 minutes),
 # offload (overlapped activation offload's cost per GB moved, GPT-2 small and ResNet50, about 4 minutes),
 # autocast_cache (the language models' peak with autocast's weight cache kept and off inside the checkpoints, 2 minutes).
 # Results and plots land in OUT_DIR; copy them to benchmarks/results/ and docs/,
