@@ -63,6 +63,18 @@ def environment() -> dict[str, Any]:
     }
 
 
+def hugging_face_switch(model: Any) -> None:
+    """A Hugging Face model's own activation checkpointing on, with ``use_reentrant=False`` and ``use_cache`` off, as
+    its users turn it on: ``activation_checkpointing_enable`` where this transformers has it, else the name it had
+    before (``gradient_checkpointing_enable``, its deprecated alias since, to be removed in transformers 6)."""
+    switch = getattr(model, "activation_checkpointing_enable", None)
+    if switch is not None:
+        switch(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
 def free_memory() -> None:
     if not torch.cuda.is_available():
         return

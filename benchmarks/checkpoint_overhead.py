@@ -19,7 +19,7 @@ above the resting model), each on a fresh model from the same seed:
   ``context_fn`` (``FrozenBatchNormStats``, as ``CheckpointedUnit.forward`` passes it), and
   ``wrapper_nonreentrant_no_rng`` with ``preserve_rng_state=False``;
 - for a language or speech model (``--model bert``, ``gpt2``, ``llama``, ``t5``, ``whisper``: Hugging Face's
-  ``gradient_checkpointing_enable`` is its switch; no wrapper rows, since its layers take more than one tensor):
+  ``activation_checkpointing_enable`` is its switch; no wrapper rows, since its layers take more than one tensor):
   ``fused_loss_every_block`` as families.py applies it, and ``ours_switch_blocks`` / ``fused_loss_switch_blocks``,
   the same with only the family's blocks checkpointed (``find_units(model)``, the switch's own set: not the
   embeddings' stem that ``checkpoint_blocks(model)`` adds);

@@ -23,10 +23,11 @@ block), ``same_gradients`` / ``same_buffers`` (one forward and backward in train
 seed before each, every parameter's gradient and every buffer compared bit for bit with the plain model's, and the
 largest absolute and relative difference where they differ), ``same_state_dict_keys``, ``switch`` (the family can
 checkpoint itself: timm's ``set_grad_checkpointing(True)`` runs and lowers the bytes kept; Hugging Face's
-``supports_gradient_checkpointing`` and ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
-False})`` runs), and ``kept_bytes`` for ``plain``, ``ours`` and ``switch``: the bytes of every tensor made during the
-forward that is still alive when it returns, each storage once, parameters and buffers left out (what backward keeps:
-unlike counting saved tensors, this also sees the inputs a non-reentrant checkpoint holds for its recomputation).
+``supports_gradient_checkpointing`` and its switch runs with ``use_reentrant=False``:
+``activation_checkpointing_enable``, or ``gradient_checkpointing_enable`` in a transformers without it), and
+``kept_bytes`` for ``plain``, ``ours`` and ``switch``: the bytes of every tensor made during the forward that is still
+alive when it returns, each storage once, parameters and buffers left out (what backward keeps: unlike counting saved
+tensors, this also sees the inputs a non-reentrant checkpoint holds for its recomputation).
 ``ratio_vs_switch`` is ours over the switch's. A Hugging Face row has ``loss`` too: ``fused`` where
 ``apply_fused_loss`` on the type's language-model task model (causal, masked, sequence-to-sequence or speech; the same
 tiny config, labels = its token inputs with the first two ignored, chunks of 5 tokens) returns no logits and the loss
@@ -67,7 +68,7 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import environment, write_json  # noqa: E402
+from _common import environment, hugging_face_switch, write_json  # noqa: E402
 
 from lightning_memguard.checkpointing import checkpoint_blocks  # noqa: E402
 from lightning_memguard.checkpointing.families import find_units  # noqa: E402
@@ -534,8 +535,7 @@ def hf_loss(model_type: str) -> str:
 def hf_switch(model: nn.Module) -> None:
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise RuntimeError("supports_gradient_checkpointing is False")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
-    model.config.use_cache = False  # type: ignore[union-attr]
+    hugging_face_switch(model)
 
 
 # ---- one row ---------------------------------------------------------------------------------------------------
@@ -729,7 +729,7 @@ tiny config (2 layers, hidden 64, 4 heads) without downloads, each with every bl
 stochastic depth on. A model is **covered** when blocks are found, every gradient and buffer is bit-identical to the
 plain model's, the `state_dict` keys are unchanged, and it keeps fewer bytes for backward. "kept MB" is what the
 forward leaves alive for backward (every tensor it made, parameters and buffers aside), plain / ours / the family's
-own switch (timm's `set_grad_checkpointing(True)`, Hugging Face's `gradient_checkpointing_enable`); "switch" says
+own switch (timm's `set_grad_checkpointing(True)`, Hugging Face's `activation_checkpointing_enable`); "switch" says
 whether the family has one that checkpoints something (it runs and keeps less than the plain model). The goal: every
 model with a switch covered. A model that this benchmark could not build or feed says why; it is a limit of the
 benchmark's generic configs and inputs, not of the library. `benchmarks/coverage.py` says how each figure is made;

@@ -13,10 +13,12 @@ downloads). One process, a plain PyTorch loop: AdamW, bf16 autocast, random data
 steps, median step time by CUDA events. Memory is the activation peak: ``torch.cuda.max_memory_allocated()`` over the
 timed steps minus what was allocated just before the first timed forward (the resting model, AdamW's state and the
 batches). Rows, each on a fresh model from the same seed: ``plain``; ``family_switch`` (timm's
-``set_grad_checkpointing(True)``; Hugging Face's ``gradient_checkpointing_enable`` with ``use_reentrant=False`` and
-``config.use_cache = False``); ``ours_every_block`` (``checkpoint_blocks(model)``); ``fused_loss_every_block`` for the
-language and speech models (``apply_fused_loss`` on the Hugging Face model, then every block checkpointed: the loss
-without the logits, see docs/levers.md; not one of the ``ours_`` rows the goals below weigh against the switch) and
+``set_grad_checkpointing(True)``; Hugging Face's ``activation_checkpointing_enable``, or
+``gradient_checkpointing_enable`` in a transformers without it, with ``use_reentrant=False`` and ``config.use_cache =
+False``: ``_common.hugging_face_switch``); ``ours_every_block`` (``checkpoint_blocks(model)``);
+``fused_loss_every_block`` for the language and speech models (``apply_fused_loss`` on the Hugging Face model, then
+every block checkpointed: the loss without the logits, see docs/levers.md; not one of the ``ours_`` rows the goals below
+weigh against the switch) and
 ``fused_loss_every_block_no_sync`` (the same with ``counted_only=False``: every token through the head, no device
 sync to count them: what that sync costs a whole step);
 ``ours_at_switch_memory`` (a budget of the switch's measured activation peak, as a fraction of the plain row's: the
@@ -72,7 +74,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import environment, free_memory, median, write_json  # noqa: E402
+from _common import environment, free_memory, hugging_face_switch, median, write_json  # noqa: E402
 
 from lightning_memguard.checkpointing import checkpoint_blocks, rebuild_bn_relu  # noqa: E402
 from lightning_memguard.levers import apply_fused_loss, plan_levers  # noqa: E402
@@ -284,9 +286,7 @@ def apply(
         if name in VISION:
             model.set_grad_checkpointing(True)  # type: ignore[operator]
         else:
-            lm: Any = model.model  # type: ignore[union-attr]
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            lm.config.use_cache = False
+            hugging_face_switch(model.model)
         return {}
     if row == "ours_every_block":
         plan = checkpoint_blocks(model)

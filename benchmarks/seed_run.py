@@ -10,7 +10,7 @@ Each row runs on a fresh model from the same seed under :class:`~lightning_memgu
 fallback does) and ``MemGuard(on_spill="warn")`` (so a spilling row goes on and is timed):
 
 - ``plain``: the model as it is;
-- ``family_switch``: Hugging Face's own ``gradient_checkpointing_enable`` (``use_reentrant=False``);
+- ``family_switch``: Hugging Face's own switch (``_common.hugging_face_switch``: ``use_reentrant=False``);
 - ``ours``: the library's levers for a budget that fits the card: ``plan_levers(model, <the batch>,
   memory_budget=...)``, which takes the fused loss (the loss without its logits) first and then, per block, the
   cheapest of checkpointing it whole, its parts, or recomputing its pointwise chains, each set measured (under bf16
@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import environment, free_memory, make_trainer, median, write_json  # noqa: E402
+from _common import environment, free_memory, hugging_face_switch, make_trainer, median, write_json  # noqa: E402
 
 from lightning_memguard import MemGuard  # noqa: E402
 from lightning_memguard.levers import plan_levers  # noqa: E402
@@ -101,8 +101,7 @@ def resting_bytes(model: torch.nn.Module) -> int:
 def prepare(row: str, model: torch.nn.Module, capacity: int, batch: torch.Tensor, margin: int) -> dict[str, Any]:
     """Apply the row's change to ``model``; what was chosen, for the record."""
     if row == "family_switch":
-        model.config.use_cache = False  # type: ignore[union-attr]
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+        hugging_face_switch(model)
         return {}
     if row != "ours":
         return {}
