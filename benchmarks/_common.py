@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import json
 import os
 import platform
@@ -63,12 +64,27 @@ def environment() -> dict[str, Any]:
     }
 
 
-def hugging_face_switch(model: Any) -> None:
+def partial_switch_exists() -> bool:
+    """Whether the installed transformers' switch checkpoints every n-th layer (``every_n_layers``)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    switch = getattr(PreTrainedModel, "activation_checkpointing_enable", None)
+    return switch is not None and "every_n_layers" in inspect.signature(switch).parameters
+
+
+def hugging_face_switch(model: Any, every_n_layers: int = 1) -> None:
     """A Hugging Face model's own activation checkpointing on, with ``use_reentrant=False`` and ``use_cache`` off, as
     its users turn it on: ``activation_checkpointing_enable`` where this transformers has it, else the name it had
-    before (``gradient_checkpointing_enable``, its deprecated alias since, to be removed in transformers 6)."""
+    before (``gradient_checkpointing_enable``, its deprecated alias since, to be removed in transformers 6).
+    ``every_n_layers``: every n-th layer only (transformers' own partial switch, where it has one)."""
     switch = getattr(model, "activation_checkpointing_enable", None)
-    if switch is not None:
+    if every_n_layers != 1:
+        if not partial_switch_exists():
+            raise RuntimeError("this transformers' switch has no every_n_layers")
+        switch(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every_n_layers)
+    elif switch is not None:
         switch(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -32,9 +32,11 @@ recomputing its pointwise chains) or on the vision model (no fused loss: no voca
 loop does not enter its context, for a budget of the switch's measured activation peak and of half of it, in bytes
 (goals, :data:`LEVERS_GOAL`: at the switch's memory at most 0.90x its step time on vision models, 0.85x on language and
 speech models, 0.80x on GPT-2; every block + the fused loss at most 0.30x the switch's memory at 1.05x its time,
-:data:`FUSED_GOAL`); and ``ours_rebuild`` (``rebuild_bn_relu(model)``) for timm resnet50; torchvision resnet50
-(``tv_resnet50``: no switch of its own) runs plain, ours and the rebuild, so that the two rebuilds are compared on the
-same basis (``rebuild_goal``).
+:data:`FUSED_GOAL`); and ``family_switch_every_2`` (Hugging Face's switch on every second layer, ``every_n_layers=2``,
+where the installed transformers has it: what its users have between nothing and every layer) and
+``levers_at_every_2_memory`` (``plan_levers`` for that row's peak, judged against it, no goal set); ``ours_rebuild``
+(``rebuild_bn_relu(model)``) for timm resnet50; torchvision resnet50 (``tv_resnet50``: no switch of its own) runs plain,
+ours and the rebuild, so that the two rebuilds are compared on the same basis (``rebuild_goal``).
 A language model is wrapped (:class:`CausalLM`) so that every row calls ``wrapper(input_ids)`` and gets the loss.
 Per model the issue's goals are checked (``goals``): at the family's own
 switch point, ours saves at least as much for at most 2 % more step time: every block, and the fastest of our rows
@@ -74,7 +76,14 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import environment, free_memory, hugging_face_switch, median, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    environment,
+    free_memory,
+    hugging_face_switch,
+    median,
+    partial_switch_exists,
+    write_json,
+)
 
 from lightning_memguard.checkpointing import checkpoint_blocks, rebuild_bn_relu  # noqa: E402
 from lightning_memguard.levers import apply_fused_loss, plan_levers  # noqa: E402
@@ -99,16 +108,18 @@ LANGUAGE = ("gpt2", "llama", "bert", "t5")  # called as wrapper(input_ids), the 
 SPEECH = ("whisper",)  # called as wrapper(input_features), the loss on a fixed transcript
 MODELS = (*VISION, *LANGUAGE, *SPEECH)
 ROWS = (
-    "plain", "family_switch", "ours_every_block", "fused_loss_every_block", "fused_loss_every_block_no_sync",
-    "ours_at_switch_memory",
+    "plain", "family_switch", "family_switch_every_2", "ours_every_block", "fused_loss_every_block",
+    "fused_loss_every_block_no_sync", "ours_at_switch_memory",
     "ours_at_switch_memory_blocks",
     "ours_below_switch", "ours_below_switch_blocks", "ours_budget_0.6", "ours_budget_0.6_blocks", "ours_budget_0.4",
-    "levers_at_switch_memory", "levers_half_switch", "ours_rebuild",
+    "levers_at_switch_memory", "levers_half_switch", "levers_at_every_2_memory", "ours_rebuild",
 )  # fmt: skip
 AT_SWITCH = {"ours_at_switch_memory": 1.0, "ours_at_switch_memory_blocks": 1.0, "ours_below_switch": 0.8,
-             "ours_below_switch_blocks": 0.8, "levers_at_switch_memory": 1.0,
-             "levers_half_switch": 0.5}  # budget rows set by the switch's peak: this much of it  # fmt: skip
-LEVERS = ("levers_at_switch_memory", "levers_half_switch")  # plan_levers: every lever the model takes
+             "ours_below_switch_blocks": 0.8, "levers_at_switch_memory": 1.0, "levers_half_switch": 0.5,
+             "levers_at_every_2_memory": 1.0}  # budget rows set by a switch's peak (SWITCH_OF): this much  # fmt: skip
+LEVERS = ("levers_at_switch_memory", "levers_half_switch", "levers_at_every_2_memory")  # plan_levers: every lever
+PARTIAL = ("family_switch_every_2",)  # Hugging Face's switch on every second layer (transformers' every_n_layers=2)
+SWITCH_OF = {"levers_at_every_2_memory": "family_switch_every_2"}  # the switch row a budget row is set by
 REBUILT = {"resnet50", "tv_resnet50"}  # the ResNet families: the rebuild applies
 FUSED = {*LANGUAGE, *SPEECH}  # a vocabulary's logits: the fused loss applies
 FUSED_ROWS = ("fused_loss_every_block", "fused_loss_every_block_no_sync")
@@ -287,6 +298,9 @@ def apply(
             model.set_grad_checkpointing(True)  # type: ignore[operator]
         else:
             hugging_face_switch(model.model)
+        return {}
+    if row in PARTIAL:
+        hugging_face_switch(model.model, every_n_layers=2)
         return {}
     if row == "ours_every_block":
         plan = checkpoint_blocks(model)
@@ -485,7 +499,7 @@ def switch_budget(
     fraction of the plain model's, times the row's share of it, or for the levers' rows (:data:`LEVERS`) that share
     of the switch's peak in bytes, but for ``smoke`` (where the figure is the bytes a step saves, not a peak) (None
     where either was not measured, or for another row)."""
-    plain, switch = rows.get("plain", {}), rows.get("family_switch", {})
+    plain, switch = rows.get("plain", {}), rows.get(SWITCH_OF.get(row, "family_switch"), {})
     if row not in AT_SWITCH or "activation_peak_gb" not in plain or "activation_peak_gb" not in switch:
         return None
     if (
@@ -552,12 +566,13 @@ def goals(name: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 "held": below.get("held"),
                 "parts": len(below.get("parts", [])),
             }
-    for key in LEVERS:  # every lever, planned: at the switch's memory and at half of it
+    for key in LEVERS:  # every lever, planned: at the switch's memory, at half of it, at the partial switch's
         levers = rows.get(key, {})
-        if "step_ms" in levers and "step_ms" in switch:
+        against = rows.get(SWITCH_OF.get(key, "family_switch"), {})  # the switch whose memory set the budget
+        if "step_ms" in levers and "step_ms" in against:
             memory, time_ratio = (
-                levers["activation_peak_gb"] / switch["activation_peak_gb"],
-                levers["step_ms"] / switch["step_ms"],
+                levers["activation_peak_gb"] / against["activation_peak_gb"],
+                levers["step_ms"] / against["step_ms"],
             )
             out[key] = {
                 "memory_vs_switch": memory,
@@ -565,7 +580,7 @@ def goals(name: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 "held": levers.get("held"),
                 "kinds": sorted(levers.get("kinds", {})),
             }
-            if (only := _activations_vs_switch(levers, switch)) is not None:
+            if (only := _activations_vs_switch(levers, against)) is not None:
                 out[key]["activation_only_vs_switch"] = only
             if key == "levers_at_switch_memory":  # the issue's goal: the switch's memory, less of its time
                 goal = LEVERS_GOAL.get(name, LEVERS_GOAL["vision" if name in VISION else "language"])
@@ -760,6 +775,8 @@ def main() -> None:
         parser.error(f"unknown row: {unknown_rows}")
     if any(r in AT_SWITCH for r in chosen) and not {"plain", "family_switch"} <= set(chosen):
         parser.error("the rows set by the switch's memory need the plain and family_switch rows")
+    if any(r in SWITCH_OF for r in chosen) and not set(SWITCH_OF.values()) <= set(chosen):
+        parser.error("levers_at_every_2_memory needs the family_switch_every_2 row")
     if args.rounds < 0:
         parser.error(f"--rounds must be at least 0, got {args.rounds}")
     models = [m for m in args.models.split(",") if m]
@@ -785,11 +802,17 @@ def main() -> None:
             entry["notes"] = ["family_switch skipped: torchvision has no switch of its own"]
         if name not in FUSED:
             entry.setdefault("notes", []).append("fused_loss_every_block skipped: no vocabulary's logits")
+        if name in VISION or not partial_switch_exists():
+            entry.setdefault("notes", []).append(
+                "family_switch_every_2 skipped: a Hugging Face model's, in a transformers with every_n_layers"
+            )
         models_out[name] = entry
         for row in (r for r in ROWS if r in chosen):
             if (row == "ours_rebuild" and name not in REBUILT) or (row == "family_switch" and name in TORCHVISION):
                 continue
             if row in FUSED_ROWS and name not in FUSED:
+                continue
+            if (row in PARTIAL or row in SWITCH_OF) and (name in VISION or not partial_switch_exists()):
                 continue
             at_switch = switch_budget(rows, row, args.smoke)
             if row in AT_SWITCH and at_switch is None:

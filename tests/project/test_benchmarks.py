@@ -206,12 +206,22 @@ def test_families_smoke_runs_every_row_of_a_language_model_and_writes_them(tmp_p
         torch.set_num_threads(threads)  # the smoke run takes one thread
     result = json.loads(out.read_text())
     rows = result["models"]["llama"]["rows"]
+    partial = families.partial_switch_exists()  # transformers' every_n_layers: the newest installs have it
     assert list(rows) == [
-        "plain", "family_switch", "ours_every_block", "fused_loss_every_block", "fused_loss_every_block_no_sync",
+        "plain", "family_switch", *(["family_switch_every_2"] if partial else []), "ours_every_block",
+        "fused_loss_every_block", "fused_loss_every_block_no_sync",
         "ours_at_switch_memory", "ours_at_switch_memory_blocks", "ours_below_switch", "ours_below_switch_blocks",
         "ours_budget_0.6",
         "ours_budget_0.6_blocks", "ours_budget_0.4", "levers_at_switch_memory", "levers_half_switch",
+        *(["levers_at_every_2_memory"] if partial else []),
     ]  # fmt: skip
+    if partial:  # every second layer: less saved than every layer, more than none; the levers judged against it
+        saved = [rows[r]["saved_pct"] for r in ("family_switch_every_2", "family_switch")]
+        assert 0 < saved[0] < saved[1]
+        against = result["models"]["llama"]["goals"]["levers_at_every_2_memory"]
+        levers, switch = rows["levers_at_every_2_memory"], rows["family_switch_every_2"]
+        assert against["memory_vs_switch"] == levers["activation_peak_gb"] / switch["activation_peak_gb"]
+        assert levers["held"]
     # every lever planned, the fused loss first: what the plan says, measured, and its calls
     levers = rows["levers_at_switch_memory"]
     assert levers["fused_loss"] and levers["calls"][0] == "apply_fused_loss(model)" and levers["summary"]
