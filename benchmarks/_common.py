@@ -64,30 +64,36 @@ def environment() -> dict[str, Any]:
     }
 
 
+def _switch(model: Any) -> tuple[Any, str]:
+    """A Hugging Face model's (or class's) own switch and the name of its keyword for ``torch.utils.checkpoint``'s
+    arguments: ``activation_checkpointing_enable`` where this transformers has it, else the name it had before
+    (``gradient_checkpointing_enable``, its deprecated alias since, to be removed in transformers 6)."""
+    switch = getattr(model, "activation_checkpointing_enable", None)
+    if switch is not None:
+        return switch, "activation_checkpointing_kwargs"
+    return model.gradient_checkpointing_enable, "gradient_checkpointing_kwargs"
+
+
 def partial_switch_exists() -> bool:
     """Whether the installed transformers' switch checkpoints every n-th layer (``every_n_layers``)."""
     try:
         from transformers import PreTrainedModel
     except ImportError:
         return False
-    switch = getattr(PreTrainedModel, "activation_checkpointing_enable", None)
-    return switch is not None and "every_n_layers" in inspect.signature(switch).parameters
+    return "every_n_layers" in inspect.signature(_switch(PreTrainedModel)[0]).parameters
 
 
 def hugging_face_switch(model: Any, every_n_layers: int = 1) -> None:
-    """A Hugging Face model's own activation checkpointing on, with ``use_reentrant=False`` and ``use_cache`` off, as
-    its users turn it on: ``activation_checkpointing_enable`` where this transformers has it, else the name it had
-    before (``gradient_checkpointing_enable``, its deprecated alias since, to be removed in transformers 6).
-    ``every_n_layers``: every n-th layer only (transformers' own partial switch, where it has one)."""
-    switch = getattr(model, "activation_checkpointing_enable", None)
+    """A Hugging Face model's own activation checkpointing on (:func:`_switch`), with ``use_reentrant=False`` and
+    ``use_cache`` off, as its users turn it on. ``every_n_layers``: every n-th layer only (transformers' own partial
+    switch, where it has one)."""
+    switch, keyword = _switch(model)
+    kwargs: dict[str, Any] = {keyword: {"use_reentrant": False}}
     if every_n_layers != 1:
         if not partial_switch_exists():
             raise RuntimeError("this transformers' switch has no every_n_layers")
-        switch(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every_n_layers)
-    elif switch is not None:
-        switch(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs["every_n_layers"] = every_n_layers
+    switch(**kwargs)
     model.config.use_cache = False
 
 

@@ -332,15 +332,17 @@ def test_layers_that_hugging_faces_own_switch_checkpoints_are_left_alone():
 
 
 def test_layers_that_hugging_faces_every_n_layers_switch_leaves_are_ours_with_the_plain_gradients():
-    """transformers' renamed switch, ``activation_checkpointing_enable(every_n_layers=n)``, checkpoints every n-th
-    layer and leaves the others keeping their activations: the layers it left are ours to take, the others its own,
-    and the gradients are the plain model's, bit for bit."""
+    """transformers' switch with ``every_n_layers=n`` (``gradient_checkpointing_enable``, renamed
+    ``activation_checkpointing_enable`` in later releases) checkpoints every n-th layer and leaves the others keeping
+    their activations: the layers it left are ours to take, the others its own, and the gradients are the plain
+    model's, bit for bit."""
     model = _built(BY_ID["hf_gpt2"])
-    if "every_n_layers" not in inspect.signature(getattr(model, "activation_checkpointing_enable", len)).parameters:
-        pytest.skip("this transformers has no activation_checkpointing_enable(every_n_layers=...)")
+    switch = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    if "every_n_layers" not in inspect.signature(switch).parameters:
+        pytest.skip("this transformers' switch has no every_n_layers")
     x = _tokens()
     expected = _step(copy.deepcopy(model), x, use_cache=False)  # as both switches call it while training
-    model.activation_checkpointing_enable(every_n_layers=2)
+    switch(every_n_layers=2)
     own = [name for name, layer in find_units(model) if vars(layer).get("gradient_checkpointing")]
     assert own == ["transformer.h.0"]  # the first of every two
     with pytest.warns(UserWarning, match=r"1 block\(s\) are already wrapped by other code \(transformer.h.0"):
