@@ -621,11 +621,12 @@ def goals(name: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _allocator_calls() -> int:
-    """The caching allocator's calls to the driver so far (``cudaMalloc`` and ``cudaFree``, retries after a failed
-    one), or 0 where this torch does not count them."""
+def _allocator_calls() -> int | None:
+    """The caching allocator's calls to the driver so far (``cudaMalloc`` and ``cudaFree``, and retries after a
+    failed one), or None where this torch does not count them (no zero that means nothing)."""
     stats = torch.cuda.memory_stats()
-    return sum(int(stats.get(key, 0)) for key in ("num_device_alloc", "num_device_free", "num_alloc_retries"))
+    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+    return sum(int(stats[key]) for key in keys) if all(key in stats for key in keys) else None
 
 
 def interleaved(
@@ -651,7 +652,8 @@ def interleaved(
             models[row] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         events: dict[str, list[Any]] = {row: [] for row in models}
         after: dict[str, list[str | None]] = {row: [] for row in models}
-        driver_calls: dict[str, list[int]] = {row: [] for row in models}
+        driver_calls: dict[str, list[int | None]] = {row: [] for row in models}
+        calls: int | None = None
         order = list(models)
         cuda = setting.device.type == "cuda"
         before: str | None = None
@@ -680,7 +682,8 @@ def interleaved(
                         events[row].append((start, end if cuda else time.perf_counter()))
                         after[row].append(before)
                 if cuda and i:
-                    driver_calls[row].append(_allocator_calls() - calls)
+                    now = _allocator_calls()
+                    driver_calls[row].append(None if now is None or calls is None else now - calls)
                 before = row
         if cuda:
             torch.cuda.synchronize()
