@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import types
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -237,6 +238,20 @@ def planner_step_times(monkeypatch, seconds) -> None:
         return seconds(torch._functorch.config.activation_memory_budget, blocks, split)
 
     monkeypatch.setattr(StepMeter, "seconds", fake)
+
+
+def ticking_planner_clocks(monkeypatch) -> None:
+    """The planners' clocks (a link's forward in ``checkpointing.measure``, a pointwise recomputation in
+    ``levers.pointwise``) tick once a reading, 1 ms each: a link's time is the readings inside it, so plans follow the
+    step's structure and not this machine's load (under load, a block timed faster than its parts, or two fits of one
+    setting choosing apart)."""
+    from lightning_memguard.checkpointing import measure
+    from lightning_memguard.levers import pointwise
+
+    ticks = iter(range(10**9))
+    ticking = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3)
+    monkeypatch.setattr(measure, "time", ticking)
+    monkeypatch.setattr(pointwise, "time", ticking)
 
 
 def session_folder(tmp_path_factory) -> Path:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from types import SimpleNamespace
 
 import pytest
 import timm
 import torch
 import torchvision
+from conftest import ticking_planner_clocks
 from torch import nn
 
 from lightning_memguard.checkpointing import apply_plan, checkpoint_blocks
@@ -93,10 +93,7 @@ def test_a_budget_between_every_block_and_none_checkpoints_parts_and_trains_exac
     The forward times come from a clock that ticks once a reading, not from this machine's speed (under load, a
     block timed faster than its parts made the plan take the block whole): a part's forward is one tick, a block's
     the ticks of its parts' readings inside it, as in a real forward a block takes longer than each of its parts."""
-    from lightning_memguard.checkpointing import measure
-
-    ticks = iter(range(10**9))
-    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3))
+    ticking_planner_clocks(monkeypatch)
     plain = _vit()
     x = torch.randn(4, 3, 32, 32)
     ours = copy.deepcopy(plain)

@@ -19,6 +19,18 @@ def _benchmark(name):
     return module
 
 
+def _smoke(module, argv, monkeypatch) -> None:
+    """Run a benchmark's ``main()`` with ``argv``; the smoke run takes one thread, given back after it."""
+    import torch
+
+    monkeypatch.setattr("sys.argv", argv)
+    threads = torch.get_num_threads()
+    try:
+        module.main()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_merge_keeps_every_part_and_all_budgets_measured_over_several_calls(tmp_path):
     parts = {
         "frontier.json": {"environment": {"date": "a"}, "frontier": [1], "compile_frontier": [2]},
@@ -193,17 +205,10 @@ def test_families_goals_compare_ours_with_the_family_switch_and_say_unmet_budget
 
 def test_families_smoke_runs_every_row_of_a_language_model_and_writes_them(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
-    import torch
 
     out = tmp_path / "families.json"
-    argv = ["families.py", "--smoke", "--models", "llama", "--out", str(out), "--rounds", "2"]
-    monkeypatch.setattr("sys.argv", argv)
-    threads = torch.get_num_threads()
     families = _benchmark("families")
-    try:
-        families.main()
-    finally:
-        torch.set_num_threads(threads)  # the smoke run takes one thread
+    _smoke(families, ["families.py", "--smoke", "--models", "llama", "--out", str(out), "--rounds", "2"], monkeypatch)
     result = json.loads(out.read_text())
     rows = result["models"]["llama"]["rows"]
     partial = families.partial_switch_exists()  # transformers' every_n_layers: the newest installs have it
@@ -253,12 +258,7 @@ def test_checkpoint_overhead_smoke_measures_every_row_and_profiles_the_switch_ag
 
     module = _benchmark("checkpoint_overhead")
     out = tmp_path / "checkpoint_overhead.json"
-    monkeypatch.setattr("sys.argv", ["checkpoint_overhead.py", "--smoke", "--profile", "--out", str(out)])
-    threads = torch.get_num_threads()
-    try:
-        module.main()
-    finally:
-        torch.set_num_threads(threads)  # the smoke run takes one thread
+    _smoke(module, ["checkpoint_overhead.py", "--smoke", "--profile", "--out", str(out)], monkeypatch)
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert list(rows) == [r for r in module.ROWS if r not in module.FUSED_ROWS]  # no vocabulary: no fused loss
@@ -281,19 +281,13 @@ def test_checkpoint_overhead_on_a_language_model_sets_the_switchs_blocks_beside_
     tmp_path, monkeypatch
 ):
     pytest.importorskip("transformers")
-    import torch
 
     module = _benchmark("checkpoint_overhead")
     out = tmp_path / "checkpoint_overhead.json"
     rows = "family_switch,ours_every_block,ours_switch_blocks,fused_loss_switch_blocks,ours_switch_blocks_but_last"
     rows += ",wrapper_reentrant"
     argv = ["checkpoint_overhead.py", "--model", "bert", "--smoke", "--rows", rows, "--out", str(out)]
-    monkeypatch.setattr("sys.argv", argv)
-    threads = torch.get_num_threads()
-    try:
-        module.main()
-    finally:
-        torch.set_num_threads(threads)
+    _smoke(module, argv, monkeypatch)
     result = json.loads(out.read_text())
     got = result["rows"]
     assert result["model"] == "bert" and result["environment"]["transformers"] and result["timm_checkpointing"] is None

@@ -6,11 +6,10 @@ from __future__ import annotations
 import logging
 import pathlib
 import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import FakeProbe, TinyModel, trainer_kwargs
+from conftest import FakeProbe, TinyModel, ticking_planner_clocks, trainer_kwargs
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 from tuner_helpers import BatchClock, FirstBatch, PerSample
@@ -228,13 +227,7 @@ def test_the_cache_key_holds_whether_the_levers_plan_the_fused_loss(tmp_path, mo
 
     The planner's clocks tick once a reading: it chooses links by milliseconds per byte, and the key holds which
     blocks it checkpointed, so timed by this machine under load two fits of one setting could choose apart."""
-    from lightning_memguard.checkpointing import measure
-    from lightning_memguard.levers import pointwise
-
-    ticks = iter(range(10**9))
-    ticking = SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3)
-    monkeypatch.setattr(measure, "time", ticking)
-    monkeypatch.setattr(pointwise, "time", ticking)
+    ticking_planner_clocks(monkeypatch)
     clock = BatchClock()
     for fused_loss, expect_cached in ((True, False), (True, True), (False, False), (False, True)):
         model = small_image_model()
