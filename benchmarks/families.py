@@ -28,13 +28,16 @@ sets the peak); each of the two also as ``..._blocks``, the planner with whole b
 :func:`whole_blocks_only`), in the same run; ``ours_budget_0.6`` and ``ours_budget_0.4`` (``checkpoint_blocks(model,
 memory_budget=..., example_input=<a batch>)``); ``levers_at_switch_memory`` and ``levers_half_switch``: ``plan_levers``
 on the Hugging Face model (the fused loss, then per block the cheapest of checkpointing it whole, its parts or
-recomputing its pointwise chains) or on the vision model (no fused loss: no vocabulary), offload not offered since this
-loop does not enter its context, for a budget of the switch's measured activation peak and of half of it, in bytes
+recomputing its pointwise chains) or on the vision model (no fused loss: no vocabulary), offload not offered, for a
+budget of the switch's measured activation peak and of half of it, in bytes
 (goals, :data:`LEVERS_GOAL`: at the switch's memory at most 0.90x its step time on vision models, 0.85x on language and
 speech models, 0.80x on GPT-2; every block + the fused loss at most 0.30x the switch's memory at 1.05x its time,
 :data:`FUSED_GOAL`); and ``family_switch_every_2`` (Hugging Face's switch on every second layer, ``every_n_layers=2``,
 where the installed transformers has it: what its users have between nothing and every layer) and
-``levers_at_every_2_memory`` (``plan_levers`` for that row's peak, judged against it, no goal set); ``ours_rebuild``
+``levers_at_every_2_memory`` (``plan_levers`` for that row's peak, judged against it, no goal set);
+``levers_at_switch_memory_offload`` and ``levers_half_switch_offload`` (the same two budgets, offload offered:
+``plan_levers(..., offload=True)``, whose ``ActivationOffload`` is entered around the row's steps; not among the
+default rows: name them in ``--rows``); ``ours_rebuild``
 (``rebuild_bn_relu(model)``) for timm resnet50; torchvision resnet50 (``tv_resnet50``: no switch of its own) runs plain,
 ours and the rebuild, so that the two rebuilds are compared on the same basis (``rebuild_goal``).
 A language model is wrapped (:class:`CausalLM`) so that every row calls ``wrapper(input_ids)`` and gets the loss.
@@ -113,11 +116,17 @@ ROWS = (
     "ours_at_switch_memory_blocks",
     "ours_below_switch", "ours_below_switch_blocks", "ours_budget_0.6", "ours_budget_0.6_blocks", "ours_budget_0.4",
     "levers_at_switch_memory", "levers_half_switch", "levers_at_every_2_memory", "ours_rebuild",
+    "levers_at_switch_memory_offload", "levers_half_switch_offload",
 )  # fmt: skip
+OFFLOADING = ("levers_at_switch_memory_offload", "levers_half_switch_offload")  # plan_levers(offload=True)
+DEFAULT_ROWS = tuple(r for r in ROWS if r not in OFFLOADING)  # offload's rows only where asked for: it is off by
+# default in plan_levers, and its copies need the card's link
 AT_SWITCH = {"ours_at_switch_memory": 1.0, "ours_at_switch_memory_blocks": 1.0, "ours_below_switch": 0.8,
              "ours_below_switch_blocks": 0.8, "levers_at_switch_memory": 1.0, "levers_half_switch": 0.5,
-             "levers_at_every_2_memory": 1.0}  # budget rows set by a switch's peak (SWITCH_OF): this much  # fmt: skip
-LEVERS = ("levers_at_switch_memory", "levers_half_switch", "levers_at_every_2_memory")  # plan_levers: every lever
+             "levers_at_every_2_memory": 1.0, "levers_at_switch_memory_offload": 1.0,
+             "levers_half_switch_offload": 0.5}  # rows set by a switch's peak (SWITCH_OF): this much  # fmt: skip
+LEVERS = ("levers_at_switch_memory", "levers_half_switch", "levers_at_every_2_memory",
+          *OFFLOADING)  # plan_levers: every lever  # fmt: skip
 PARTIAL = ("family_switch_every_2",)  # Hugging Face's switch on every second layer (transformers' every_n_layers=2)
 SWITCH_OF = {"levers_at_every_2_memory": "family_switch_every_2"}  # the switch row a budget row is set by
 REBUILT = {"resnet50", "tv_resnet50"}  # the ResNet families: the rebuild applies
@@ -313,7 +322,7 @@ def apply(
         return {"rebuilt_units": rebuild_bn_relu(model)}
     if row in LEVERS:
         assert at_switch is not None
-        return apply_levers(model, example, setting, at_switch)
+        return apply_levers(model, example, setting, at_switch, offload=row in OFFLOADING)
     budget = float(row.removesuffix("_blocks").rsplit("_", 1)[1]) if at_switch is None else at_switch
     with setting.autocast(), whole_blocks_only() if row.endswith("_blocks") else contextlib.nullcontext():
         plan = checkpoint_blocks(model, memory_budget=budget, example_input=example)
@@ -339,17 +348,22 @@ def figures(plan: Any) -> dict[str, Any]:
     }
 
 
-def apply_levers(model: nn.Module, example: torch.Tensor, setting: Setting, budget: float) -> dict[str, Any]:
+def apply_levers(
+    model: nn.Module, example: torch.Tensor, setting: Setting, budget: float, offload: bool = False
+) -> dict[str, Any]:
     """``plan_levers`` on the Hugging Face model inside the wrapper (the fused loss needs it), called with its
     labels as the wrapper calls it, or on the vision model with its images, for ``budget`` (bytes of activations);
-    offload not offered (this loop does not enter its context)."""
+    ``offload`` offered or not. Where the plan offloads, its ``ActivationOffload`` is kept on the model
+    (:func:`step_context`) and entered around every training step this script times."""
     if isinstance(model, (CausalLM, SpeechSeq2Seq)):
         lm: nn.Module = model.model  # type: ignore[assignment]
         inputs = model.inputs(example)
     else:  # a vision model: no vocabulary head, so no fused loss; its images, the sum of its logits as the loss
         lm, inputs = model, example
     with setting.autocast():
-        plan = plan_levers(lm, inputs, memory_budget=budget, offload=False)
+        plan = plan_levers(lm, inputs, memory_budget=budget, offload=offload)
+    if plan.offload is not None:
+        model.memguard_bench_offload = plan.offload  # type: ignore[assignment]
     return {
         "fused_loss": plan.loss,
         "kinds": plan.kinds(),
@@ -357,6 +371,7 @@ def apply_levers(model: nn.Module, example: torch.Tensor, setting: Setting, budg
         "held": plan.held,
         **figures(plan),
         "extra_ms": plan.extra_ms,
+        "host_gb": _gb(plan.host_bytes),
         "tried": [[what, _gb(peak)] for what, peak in plan.tried],  # every set measured, in order, and its peak
     }
 
@@ -373,6 +388,13 @@ def whole_blocks_only() -> Any:
         yield
     finally:
         model_map.link_parts = finder
+
+
+def step_context(model: nn.Module) -> Any:
+    """What a training step of ``model`` runs inside: the levers' offload where its plan chose one (entered around
+    a row's steps, so that its host buffers are reused from step to step), else nothing."""
+    offload = getattr(model, "memguard_bench_offload", None)
+    return contextlib.nullcontext() if offload is None else offload
 
 
 def _gb(n: int | None) -> float | None:
@@ -396,36 +418,37 @@ def train_steps(model: nn.Module, batches: list, setting: Setting) -> dict[str, 
         return contextlib.nullcontext() if cuda else torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
     events, times, resting, cpu_peaks = [], [], 0, []
-    for i in range(setting.warmup + setting.steps):
-        batch = batches[i % len(batches)]
-        opt.zero_grad(set_to_none=True)
-        if i == setting.warmup and cuda:
+    with step_context(model):
+        for i in range(setting.warmup + setting.steps):
+            batch = batches[i % len(batches)]
+            opt.zero_grad(set_to_none=True)
+            if i == setting.warmup and cuda:
+                torch.cuda.synchronize()
+                resting = torch.cuda.memory_allocated()  # model, AdamW's state, the batches; no gradients
+                torch.cuda.reset_peak_memory_stats()
+            saved.clear()
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            else:
+                began = time.perf_counter()
+            with setting.autocast(), hooks():
+                loss = loss_of(model, batch)
+            loss.backward()
+            opt.step()
+            if cuda:
+                end.record()
+                if i >= setting.warmup:
+                    events.append((start, end))
+            elif i >= setting.warmup:
+                times.append((time.perf_counter() - began) * 1e3)
+                cpu_peaks.append(sum(saved.values()))
+        if cuda:
             torch.cuda.synchronize()
-            resting = torch.cuda.memory_allocated()  # model, AdamW's state, the batches; no gradients
-            torch.cuda.reset_peak_memory_stats()
-        saved.clear()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
-            began = time.perf_counter()
-        with setting.autocast(), hooks():
-            loss = loss_of(model, batch)
-        loss.backward()
-        opt.step()
-        if cuda:
-            end.record()
-            if i >= setting.warmup:
-                events.append((start, end))
-        elif i >= setting.warmup:
-            times.append((time.perf_counter() - began) * 1e3)
-            cpu_peaks.append(sum(saved.values()))
-    if cuda:
-        torch.cuda.synchronize()
-        times = [s.elapsed_time(e) for s, e in events]
-        peak, resting_gb = torch.cuda.max_memory_allocated() - resting, resting / 1e9
-        activations = activation_only_peak(model, opt, batches[0], setting)
-    else:
+            times = [s.elapsed_time(e) for s, e in events]
+            peak, resting_gb = torch.cuda.max_memory_allocated() - resting, resting / 1e9
+            activations = activation_only_peak(model, opt, batches[0], setting)
+    if not cuda:
         peak, resting_gb = max(cpu_peaks), None
         activations = peak  # the bytes saved for backward: neither gradients nor the optimizer's step in them
     del opt
@@ -582,7 +605,7 @@ def goals(name: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             }
             if (only := _activations_vs_switch(levers, against)) is not None:
                 out[key]["activation_only_vs_switch"] = only
-            if key == "levers_at_switch_memory":  # the issue's goal: the switch's memory, less of its time
+            if AT_SWITCH[key] == 1.0 and key not in SWITCH_OF:  # the issue's goal: the switch's memory, less time
                 goal = LEVERS_GOAL.get(name, LEVERS_GOAL["vision" if name in VISION else "language"])
                 out[key].update(goal=goal, met=memory <= 1 + TIME_SLACK and time_ratio <= goal)
     fused = rows.get("fused_loss_every_block", {})
@@ -663,24 +686,25 @@ def interleaved(
                 if cuda and fresh_cache:
                     torch.cuda.synchronize()
                     torch.cuda.empty_cache()
-                for k in range(STEPS_PER_TURN):
-                    if cuda and i and k == 1:  # the host makes the calls as it queues: no synchronize needed
-                        calls = _allocator_calls()
-                    batch = batches[k % len(batches)]
-                    opt.zero_grad(set_to_none=True)
-                    start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-                    if cuda:
-                        start.record()  # type: ignore[union-attr]
-                    with setting.autocast():
-                        loss = loss_of(model, batch)
-                    loss.backward()
-                    opt.step()
-                    end = torch.cuda.Event(enable_timing=True) if cuda else None
-                    if end is not None:
-                        end.record()
-                    if i and k:
-                        events[row].append((start, end if cuda else time.perf_counter()))
-                        after[row].append(before)
+                with step_context(model):
+                    for k in range(STEPS_PER_TURN):
+                        if cuda and i and k == 1:  # the host makes the calls as it queues: no synchronize needed
+                            calls = _allocator_calls()
+                        batch = batches[k % len(batches)]
+                        opt.zero_grad(set_to_none=True)
+                        start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+                        if cuda:
+                            start.record()  # type: ignore[union-attr]
+                        with setting.autocast():
+                            loss = loss_of(model, batch)
+                        loss.backward()
+                        opt.step()
+                        end = torch.cuda.Event(enable_timing=True) if cuda else None
+                        if end is not None:
+                            end.record()
+                        if i and k:
+                            events[row].append((start, end if cuda else time.perf_counter()))
+                            after[row].append(before)
                 if cuda and i:
                     now = _allocator_calls()
                     driver_calls[row].append(None if now is None or calls is None else now - calls)
@@ -765,7 +789,11 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=5, help="turns of every row, all alive, one after another (median kept); 0: none"
     )
-    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated, from: " + ", ".join(ROWS))
+    parser.add_argument(
+        "--rows",
+        default=",".join(DEFAULT_ROWS),
+        help="comma-separated, from: " + ", ".join(ROWS) + " (default: all but " + ", ".join(OFFLOADING) + ")",
+    )
     parser.add_argument(
         "--fresh-cache",
         action="store_true",

@@ -7,8 +7,11 @@ Two models, each trained with SGD under bf16 autocast: GPT-2 small built from it
 ``GPT2Config()``: 12 layers, 768 wide) at 16 x 1024 tokens, and torchvision's ResNet50 at batch 256, 224 px,
 channels_last. For each, rows on a fresh model from the same seed, in alternating rounds (the order reversed every
 other round): ``plain``; ``all`` (every block offloaded); ``first_k`` (the first k blocks, k chosen so the bytes
-moved are about 1, 2 and 4 GB). Each row: the median step time after warm-up (each step synchronized), the step's
-peak above its start (activations and gradients), the bytes moved each way and the pinned host memory held.
+moved are about 1, 2 and 4 GB); ``checkpointed`` (every block checkpointed whole, ``checkpoint_blocks``) and
+``checkpointed_inputs`` (the same, and every block's input, the one tensor its checkpoint keeps, offloaded: the
+levers' ``block_offload``), whose cost is also given against ``checkpointed`` (``cost_vs_checkpointed_pct``). Each
+row: the median step time after warm-up (each step synchronized), the step's peak above its start (activations and
+gradients), the bytes moved each way and the pinned host memory held.
 
 Also: the pinned host <-> device bandwidth, each way (a 1 GiB copy); each block's forward and backward time in a
 plain step (CUDA events in hooks) and the time between the last block's forward and its backward; from those, the
@@ -38,12 +41,14 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import environment, write_json  # noqa: E402
 
+from lightning_memguard.checkpointing import checkpoint_blocks  # noqa: E402
 from lightning_memguard.levers.offload import ActivationOffload, exposed_transfer_ms  # noqa: E402
 
 GB = 10**9
 PCIE4_GB_S = 25.0
 HIDDEN_COST = 0.03  # a cost this small counts as hidden
 TARGETS_GB = (1, 2, 4)
+CHECKPOINTED = ("checkpointed", "checkpointed_inputs")  # rows with every block checkpointed whole
 
 
 class HostCopies:
@@ -66,7 +71,7 @@ class HostCopies:
 class Workload:
     """A fresh model, its chain of blocks, and one training step on a fixed batch."""
 
-    def __init__(self, name: str, smoke: bool, device: torch.device) -> None:
+    def __init__(self, name: str, smoke: bool, device: torch.device, checkpointed: bool = False) -> None:
         torch.manual_seed(0)
         self.name, self.device = name, device
         with torch.device(device):
@@ -88,6 +93,8 @@ class Workload:
                 self.labels = torch.randint(0, 1000, (batch,))
                 self.blocks = [b for layer in (self.model.layer1, self.model.layer2, self.model.layer3,
                                                self.model.layer4) for b in layer]  # fmt: skip
+        if checkpointed:  # every block whole: each keeps only its input for the recomputation
+            checkpoint_blocks(self.model, units=[type(self.blocks[0])])
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4)
 
     def loss(self) -> torch.Tensor:
@@ -273,29 +280,36 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, bandwid
     rows: dict[str, list[int] | None] = {"plain": None, "all": list(range(n))}
     for k in first_k_for(block_bytes, TARGETS_GB):
         rows[f"first_{k}"] = list(range(k))
+    rows |= {"checkpointed": None, "checkpointed_inputs": list(range(n))}
     measured: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
     for r in range(args.rounds):
         for row in list(rows) if r % 2 == 0 else list(rows)[::-1]:
-            work = Workload(name, smoke, device)
+            work = Workload(name, smoke, device, checkpointed=row in CHECKPOINTED)
             offload = None if rows[row] is None else offloader(work, rows[row], smoke)  # type: ignore[arg-type]
             measured[row].append(timed_row(work, offload, args.warmup, args.steps))
             del work, offload
             _free(device)
             print(f"{name} round {r} {row}: {measured[row][-1]['step_ms']:.1f} ms", flush=True)
     plain_ms = statistics.median(m["step_ms"] for m in measured["plain"])
+    checkpointed_ms = statistics.median(m["step_ms"] for m in measured["checkpointed"])
     results = []
     for row, offloaded in rows.items():
         runs = measured[row]
         step_ms = statistics.median(m["step_ms"] for m in runs)
-        moved = [block_bytes.get(i, 0) if offloaded and i in offloaded else 0 for i in range(n)]
+        backward = timing["backward_ms"]
+        if row in CHECKPOINTED:  # what its checkpoints keep, as this row's offload moved it; each block recomputed
+            moved = [int(runs[-1].get("block_bytes", {}).get(i, 0)) for i in range(n)]
+            backward = [b + f for b, f in zip(backward, timing["forward_ms"], strict=True)]
+        else:
+            moved = [block_bytes.get(i, 0) if offloaded and i in offloaded else 0 for i in range(n)]
         moved_gb = sum(moved) / GB
         cost_ms = step_ms - plain_ms
         estimate = {  # what the model of the copies predicts at the measured bandwidth and on PCIe 4
             "exposed_ms_measured_bandwidth": exposed_transfer_ms(
-                timing["forward_ms"], timing["backward_ms"], moved, bandwidth, timing["between_ms"]
+                timing["forward_ms"], backward, moved, bandwidth, timing["between_ms"]
             ),
             "exposed_ms_pcie4": exposed_transfer_ms(
-                timing["forward_ms"], timing["backward_ms"], moved, PCIE4_GB_S, timing["between_ms"]
+                timing["forward_ms"], backward, moved, PCIE4_GB_S, timing["between_ms"]
             ),
         }
         results.append({
@@ -311,8 +325,10 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, bandwid
             "ms_per_gb": cost_ms / moved_gb if moved_gb else None,
             **estimate,
             "pcie4_cost_pct": 100 * estimate["exposed_ms_pcie4"] / plain_ms,
+            **({"cost_vs_checkpointed_pct": 100 * (step_ms / checkpointed_ms - 1)} if row in CHECKPOINTED else {}),
         })  # fmt: skip
-    hidden = [r["moved_gb"] for r in results if r["moved_gb"] and r["cost_pct"] <= 100 * HIDDEN_COST]
+    hidden = [r["moved_gb"] for r in results
+              if r["moved_gb"] and r["cost_pct"] <= 100 * HIDDEN_COST and r["row"] not in CHECKPOINTED]  # fmt: skip
     pcie_hidden = 0.0
     for k in range(1, n + 1):  # the first k blocks, on PCIe 4, as the model of the copies predicts
         moved = [block_bytes.get(i, 0) if i < k else 0 for i in range(n)]

@@ -19,7 +19,7 @@ from torch import nn
 from lightning_memguard import _autograd
 from lightning_memguard._ledger import Key, Ledger, counting_unseen, storage_key
 from lightning_memguard.checkpointing.budget import BlockProfile
-from lightning_memguard.checkpointing.wrap import Link, is_checkpointed, preserved_state
+from lightning_memguard.checkpointing.wrap import Link, preserved_state
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -96,22 +96,20 @@ class StepMeter:
         self.agree = _agreed.get()  # every rank's figures, where every rank measures (:func:`measured_alike`)
         self.warm = False  # CUDA: a step has run, so that what the first step allocates once is not its peak
 
-    def _run(self, between: Callable[[], None] = lambda: None) -> None:
+    def _run(self) -> None:
         if self.runner is not None:
             out = self.runner(self.model, self.args, self.kwargs)
         else:
             out = self.model(*self.args, **self.kwargs)
-        loss = self.loss_fn(out)
-        between()  # the forward is over
-        loss.backward()
+        self.loss_fn(out).backward()
 
     def seconds(self, steps: int = 3) -> float:
         """Median seconds of one forward and backward, after one untimed pass (a compile, where one is due)."""
         return self.agree(self._seconds(steps))
 
     def peak(self) -> int:
-        """CUDA: the step's peak above what was allocated before. CPU: bytes of saved activations and kept inputs, as
-        the ledger of saved tensors counts them (:class:`~lightning_memguard._ledger.Ledger`)."""
+        """CUDA: the step's peak above what was allocated before. CPU: bytes of saved activations (a checkpoint's
+        inputs among them), as the ledger of saved tensors counts them (:class:`~lightning_memguard._ledger.Ledger`)."""
         return self.agree(self._peak())
 
     def profile(self, links: list[Link], parts: Sequence[tuple[int, Link]] = ()) -> list[BlockProfile]:
@@ -157,33 +155,14 @@ class StepMeter:
                 count(t)
                 return _autograd.kept(t)
 
-            inside = [0]  # checkpoints running: one inside another keeps nothing (the outer one saves nothing)
-            forward = [True]  # recomputation in backward calls checkpoints again, on tensors it makes anew
-
-            def kept_inputs(module: nn.Module, args: Any, kwargs: Any) -> None:
-                if torch.is_grad_enabled() and forward[0] and not inside[0]:
-                    for t in tensors([args, kwargs]):
-                        count(t)
-                inside[0] += 1
-
-            def left(module: nn.Module, args: Any, output: Any) -> None:
-                inside[0] -= 1
-
-            def forward_over() -> None:
-                forward[0] = False
-
-            # a checkpoint's inputs stay alive; a compiled step saves them as its own saved tensors, counted above
-            checkpoints = [m for m in self.model.modules() if is_checkpointed(m)] if self.runner is None else []
-            handles = [m.register_forward_pre_hook(kept_inputs, with_kwargs=True) for m in checkpoints]
-            handles += [m.register_forward_hook(left) for m in checkpoints]
-            try:
-                # what is kept past the hooks, also inside a whole checkpoint: a selective checkpoint's cache lives
-                # as long as its block's graph, which the whole checkpoint's forward keeps until backward
-                with counting_unseen(count), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    self._run(forward_over)
-            finally:
-                for h in handles:
-                    h.remove()
+            # a checkpoint saves its inputs through the saved-tensor hooks open around it (every tensor among them:
+            # wrap.recomputable passes each as an argument), so they are counted here, or by the hooks inside these
+            # that take them (an offload, which hands on what it keeps: what it moves is not on the device); a
+            # checkpoint inside another saves them through the outer one's hooks, which keep nothing. What is kept
+            # past the hooks, also inside a whole checkpoint: a selective checkpoint's cache lives as long as its
+            # block's graph, which the whole checkpoint's forward keeps until backward
+            with counting_unseen(count), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                self._run()
             return ledger.on_device
 
     def _profile(self, links: list[Link], parts: Sequence[Link] = ()) -> list[BlockProfile]:

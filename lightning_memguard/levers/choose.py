@@ -13,7 +13,9 @@ The levers, as the chooser sees them:
   recomputed), ``"pointwise"`` (recompute its chains of element-wise ops only, its matrix products kept:
   :func:`~.pointwise.recompute_pointwise`, measured by :func:`~.pointwise.measure_pointwise`) and
   ``"offload"`` (its saved activations in pinned host memory: the milliseconds are the copies' exposed time,
-  :func:`~.offload.exposed_transfer_ms`, and it needs host memory, bounded).
+  :func:`~.offload.exposed_transfer_ms`, and it needs host memory, bounded) and ``"block_offload"`` (the whole block
+  checkpointed and the input its checkpoint keeps in pinned host memory: what ``"block"`` frees and that input too,
+  for its recomputation and its copies' exposed time).
 
 Among the links' options, :func:`choose_levers` takes the cheapest set whose predicted peak (the peak less what each
 option frees) meets the budget: cheapest in milliseconds per byte freed, a move at a time (a link's option exchanged
@@ -31,8 +33,14 @@ from typing import Any
 
 from lightning_memguard.core.units import size_formatter
 
-KINDS = ("block", "parts", "pointwise", "offload")
+KINDS = ("block", "parts", "pointwise", "offload", "block_offload")
 """The kinds of a link's option, in the order that breaks a tie (recomputation, finest last, before offload)."""
+
+OFFLOADED = ("offload", "block_offload")
+"""The kinds that hold a link's tensors in host memory: run by the plan's ``ActivationOffload``, around the steps."""
+
+CHECKPOINTED = ("block", "block_offload")
+"""The kinds that checkpoint a link whole (``apply_plan``)."""
 
 ROUNDS = 4
 """Sets of the links' options a :class:`LeverSearch` measures at most; the last of them frees the most it can."""
@@ -247,7 +255,13 @@ class LeverPlan:
     @property
     def held(self) -> bool:
         """The measured peak meets the budget."""
-        return (self.measured_bytes or self.baseline_bytes) <= self.budget_bytes
+        return self.peak_bytes <= self.budget_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """The peak measured with the plan's levers (the baseline's where nothing was measured after it; 0 is a
+        measurement: every saved tensor moved off the device)."""
+        return self.baseline_bytes if self.measured_bytes is None else self.measured_bytes
 
     def kinds(self) -> dict[str, list[str]]:
         """The links chosen, by kind of lever (:data:`KINDS`' order; kinds chosen for none left out)."""
@@ -278,8 +292,9 @@ class LeverPlan:
             lines.append(f"recompute_pointwise(model, units={self.pointwise!r})")
         elif "pointwise" in kinds:
             lines.append(f"the injected pointwise lever's apply(model, {kinds['pointwise']!r})")
-        if "offload" in kinds:
-            lines.append(f"with plan.offload:  # ActivationOffload of {kinds['offload']!r}, around the training steps")
+        offloaded = [name for kind in OFFLOADED for name in kinds.get(kind, [])]
+        if offloaded:
+            lines.append(f"with plan.offload:  # ActivationOffload of {offloaded!r}, around the training steps")
         return lines
 
     def record(self) -> dict[str, Any]:
@@ -296,9 +311,10 @@ class LeverPlan:
             {'version': 1, 'fused_loss': True, 'loss_module': 'model', 'checkpointed': ['h.0'], 'pointwise': ['h.1']}
         """
         kinds = self.kinds()
-        if "offload" in kinds:
+        offloaded = [name for kind in OFFLOADED for name in kinds.get(kind, [])]
+        if offloaded:
             raise ValueError(
-                f"the plan offloads {kinds['offload']!r}: offload is a context around the training steps (enter"
+                f"the plan offloads {offloaded!r}: offload is a context around the training steps (enter"
                 " `plan.offload`), not a change to the model that a record re-applies"
             )
         injected = [name for name, o in self.links.items() if o.kind == "pointwise" and name not in self.pointwise]
@@ -331,17 +347,17 @@ class LeverPlan:
             held = f"; it was held by {self.owner}{after}" if self.owner else ""
             taken.append(f"the fused loss (peak {size(self.baseline_bytes)} -> {size(self.loss_bytes or 0)}{held})")
         words = {"block": "block recomputed", "parts": "parts recomputed", "pointwise": "pointwise chains recomputed",
-                 "offload": "offloaded"}  # fmt: skip
+                 "offload": "offloaded", "block_offload": "block recomputed, its input offloaded"}  # fmt: skip
         for kind, names in self.kinds().items():
             taken.append(f"{words[kind]} in {', '.join(names)}")
         text = f"levers: {', '.join(taken) if taken else 'none'}; budget {size(self.budget_bytes)}"
         if self.predicted_bytes is not None:
             text += f", predicted {size(self.predicted_bytes)}"
-        text += f", measured {size(self.measured_bytes or self.baseline_bytes)}, {self.extra_ms:+.1f} ms per step"
+        text += f", measured {size(self.peak_bytes)}, {self.extra_ms:+.1f} ms per step"
         if self.host_bytes:
             text += f", {size(self.host_bytes)} of pinned host memory"
         if not self.held:
-            floor = self.measured_bytes or self.baseline_bytes
+            floor = self.peak_bytes
             share = round(100 * floor / max(self.baseline_bytes, 1))
             tried = "; ".join(f"{what}: {size(peak)}" for what, peak in self.tried)
             text += (

@@ -25,10 +25,15 @@ import torch
 from torch import nn
 
 from lightning_memguard._autograd import kept, version, view_root
+from lightning_memguard._ledger import counting, kept_unseen
 from lightning_memguard.core.checks import check_callable, check_fraction, check_size
 from lightning_memguard.core.units import format_size
 
 ON_FULL = ("reduce", "refuse")
+
+MIN_BYTES = 2**20
+"""Tensors smaller than this stay on the device by default (``min_bytes``): their copies would cost more in calls
+than they free."""
 
 
 class CopyStreams(Protocol):
@@ -102,8 +107,9 @@ class CudaCopyStreams:
 
 
 def pinned_buffer(nbytes: int) -> torch.Tensor:
-    """A pinned host buffer of ``nbytes`` bytes (``uint8``), the default host allocator."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    """A host buffer of ``nbytes`` bytes (``uint8``), the default host allocator: pinned where CUDA is there to pin
+    it (copy streams injected on a machine without it get plain host memory)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
 
 def available_ram() -> int:
@@ -260,7 +266,7 @@ class ActivationOffload:
         blocks: Iterable[nn.Module],
         *,
         offloaded: Iterable[int] | None = None,
-        min_bytes: int | str = "1MiB",
+        min_bytes: int | str = MIN_BYTES,
         max_host_bytes: int | str | None = None,
         host_share: float = 0.5,
         on_full: str = "reduce",
@@ -405,7 +411,7 @@ class ActivationOffload:
 
     def _pack(self, call: _BlockCall, t: torch.Tensor) -> Any:
         if call.index in self.dropped or not self._offloadable(t):
-            return kept(t)
+            return self._keep(t)
         key = _key(t)
         if key in self._held:
             handle = self._held[key][1]()
@@ -414,7 +420,7 @@ class ActivationOffload:
         nbytes = t.numel() * t.element_size()
         bucket = self._take(bucket_size(nbytes), call.index, nbytes)
         if bucket is None:
-            return kept(t)
+            return self._keep(t)
         stride = torch.empty_like(t, device="meta").stride()  # the device tensor's layout, where it is dense
         host = bucket[:nbytes].view(t.dtype).as_strided(t.shape, stride)
         self._streams.to_host(t, host)  # type: ignore[union-attr]
@@ -425,6 +431,15 @@ class ActivationOffload:
         self.moved_bytes += nbytes
         self.block_bytes[call.index] = self.block_bytes.get(call.index, 0) + nbytes
         return handle
+
+    @staticmethod
+    def _keep(t: torch.Tensor) -> torch.Tensor:
+        """``t`` kept on the device, as autograd would keep it. These hooks hide it from the counts of saved tensors
+        outside them (the planner's measurement, the memory report, the spill emulator), so it is handed to them
+        (:func:`~lightning_memguard._ledger.kept_unseen`): they count what stays on the device, not what went."""
+        if counting():
+            kept_unseen((t,))
+        return kept(t)
 
     # --- host memory: a pool of power-of-two buffers, bounded ---------------------------------------------------
 

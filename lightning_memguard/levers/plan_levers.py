@@ -37,6 +37,8 @@ from lightning_memguard.checkpointing.surgery import remove_checkpointing
 from lightning_memguard.checkpointing.wrap import is_checkpointed
 from lightning_memguard.core.checks import check_instance, check_memory_budget, check_size
 from lightning_memguard.levers.choose import (
+    CHECKPOINTED,
+    OFFLOADED,
     RECORD_VERSION,
     LeverPlan,
     LeverSearch,
@@ -52,7 +54,13 @@ from lightning_memguard.levers.huggingface_loss import (
     refusal,
     remove_fused_loss,
 )
-from lightning_memguard.levers.offload import ActivationOffload, bucket_size, exposed_transfer_ms
+from lightning_memguard.levers.offload import (
+    MIN_BYTES,
+    ActivationOffload,
+    CopyStreams,
+    bucket_size,
+    exposed_transfer_ms,
+)
 from lightning_memguard.levers.pointwise import (
     KEPT_CHANGED,
     PointwiseCost,
@@ -123,6 +131,7 @@ def plan_levers(
     max_host_bytes: int | str | None = None,
     injected: Sequence[InjectedLever] = (),
     clock: Callable[[], float] = default_clock,
+    offload_streams: CopyStreams | None = None,
 ) -> LeverPlan:
     """Choose, apply and measure the levers that bring a training step's peak within ``memory_budget``.
 
@@ -132,8 +141,10 @@ def plan_levers(
     the peak is measured again. Then, per link (a block of the model's chain), at most one of: checkpointing the
     whole block, its parts (a layer's attention and MLP), recomputing its pointwise chains
     (:func:`~.pointwise.recompute_pointwise`: its matrix products kept), an injected lever, or on CUDA offloading
-    it; the cheapest set in milliseconds per byte freed whose predicted peak fits, measured once applied
-    (see :class:`~.choose.LeverSearch`). The model is left as the plan says; a failure part-way leaves it as it was.
+    it, or checkpointing it whole with the input its checkpoint keeps offloaded (below the floor recomputation
+    reaches: every block's input); the cheapest set in milliseconds per byte freed whose predicted peak fits,
+    measured once applied (see :class:`~.choose.LeverSearch`). The model is left as the plan says; a failure
+    part-way leaves it as it was.
 
     Args:
         model: the model, changed in place.
@@ -144,15 +155,19 @@ def plan_levers(
         units: the links, as ``checkpoint_blocks`` finds them (``"auto"``, classes, names or a predicate).
         fused_loss: offer the fused loss (where the model takes it).
         pointwise: offer the pointwise chains' recomputation, per link (:func:`~.pointwise.measure_pointwise`).
-        offload: offer offload (CUDA only: on the CPU offload does nothing). Off by default: on an H100 its copies
-            did not hide behind the step (GPT-2 small, 1.1 GB moved: 6.5 % slower, where the prediction said 0 ms;
-            docs/measured.md), so a plan that takes it may cost more than it predicts.
+        offload: offer offload, of a link's saved activations or of the input a link checkpointed whole keeps
+            (CUDA only: on the CPU it would do nothing, so it is not offered there unless ``offload_streams`` are
+            given). Off by default: on an H100 its copies of whole blocks did not hide behind the step (GPT-2
+            small, 1.1 GB moved: 6.5 % slower, where the prediction said 0 ms; docs/measured.md), so a plan that
+            takes it may cost more than it predicts.
         bandwidth_gb_s: the host link's bandwidth each way, for offload's exposed copies.
         max_host_bytes: the most pinned host memory offload may hold (default: no bound beyond what
             ``ActivationOffload`` allows when it is entered).
         injected: levers measured and applied elsewhere (:class:`InjectedLever`), of kinds not offered here.
         clock: seconds, read as a pointwise recomputation starts and ends (:func:`~.pointwise.measure_pointwise`'s;
             a test injects one).
+        offload_streams: the offload's copies (:class:`~.offload.CopyStreams`); default: CUDA's side streams on the
+            model's device. A test injects copies made at once, to run offload's choice on the CPU.
 
     Returns:
         The :class:`~.choose.LeverPlan`: ``summary()`` says it; ``plan.offload`` is the ``ActivationOffload`` to
@@ -197,6 +212,7 @@ def plan_levers(
     levers.offload = offload
     levers.pointwise, levers.clock = pointwise, clock
     levers.bandwidth_gb_s = bandwidth_gb_s
+    levers.streams = offload_streams
     levers.loss_name, levers.loss_model, reason = find_loss_target(model)
     if not fused_loss:
         reason = "not offered (fused_loss=False)"
@@ -367,6 +383,7 @@ class _Levers:
         self.pointwised: list[str] = []
         self.units: Units = "auto"
         self.bandwidth_gb_s = 25.0
+        self.streams: CopyStreams | None = None  # offload's copies (None: CUDA's side streams)
         self.offloader: ActivationOffload | None = None
         self.tried = False  # the fused loss was measured
         self.checkpointed: list[str] = []
@@ -392,7 +409,7 @@ class _Levers:
         self.undo()
         if proposal.loss:
             apply_fused_loss(self.loss_model)
-        names = [name for name, o in proposal.links.items() if o.kind == "block"]
+        names = [name for name, o in proposal.links.items() if o.kind in CHECKPOINTED]
         names += [part for name, o in proposal.links.items() if o.kind == "parts" for part in self.parts[name]]
         if names:  # each a run of its own: a block by its link's name ("stem" too), a part by its module's
             apply_plan(self.model, [[name] for name in names], units=self.units)
@@ -407,9 +424,10 @@ class _Levers:
             if chosen:
                 self._undo.append(lever.apply(self.model, chosen))
         chain = [link for link in self.links if len(link.modules) == 1]  # a stem of several modules is not offloaded
-        offloaded = [i for i, link in enumerate(chain) if proposal.links.get(link.name, _NONE).kind == "offload"]
-        if offloaded:
-            self.offloader = ActivationOffload([link.modules[0][1] for link in chain], offloaded=offloaded)
+        offloaded = [i for i, link in enumerate(chain) if proposal.links.get(link.name, _NONE).kind in OFFLOADED]
+        if offloaded:  # a checkpointed block's forward saves only its input, which is what goes to the host
+            blocks = [link.modules[0][1] for link in chain]
+            self.offloader = ActivationOffload(blocks, offloaded=offloaded, streams=self.streams)
 
     def peak(self) -> int:
         meter = self.meter()
@@ -441,7 +459,7 @@ class _Levers:
             if found:
                 whole = LinkOption("parts", sum(o.freed_bytes for o in found), sum(o.extra_ms for o in found))
                 options[name] = [*(o for o in held if o.kind != "parts"), whole]
-        if self.offload:
+        if self.offload and (meter.cuda or self.streams is not None):  # on the CPU it would move nothing
             self._offload_options(blocks, options)
         if self.pointwise:
             for cost in self._pointwise_costs():
@@ -476,7 +494,9 @@ class _Levers:
 
     def _offload_options(self, profiles: list[BlockProfile], options: dict[str, list[LinkOption]]) -> None:
         """Each link offloaded alone: it frees what checkpointing it would, holds its saved bytes in host buffers,
-        and costs the copies :func:`~.offload.exposed_transfer_ms` says would not hide."""
+        and costs the copies :func:`~.offload.exposed_transfer_ms` says would not hide. And each link checkpointed
+        whole with its input offloaded (:func:`block_input_bytes`): it frees what checkpointing it would and that
+        input too, for its recomputation and that input's copies (its backward then recomputes it first)."""
         forward = [p.forward_ms for p in profiles]
         backward = [ms * BACKWARD_PER_FORWARD for ms in forward]
         for i, (link, p) in enumerate(zip(self.links, profiles, strict=True)):
@@ -485,6 +505,13 @@ class _Levers:
             moved = [p.saved_bytes if j == i else 0 for j in range(len(profiles))]
             ms = exposed_transfer_ms(forward, backward, moved, self.bandwidth_gb_s)
             options[p.name].append(LinkOption("offload", p.saving, ms, host_bytes=bucket_size(p.saved_bytes)))
+            into = block_input_bytes(profiles, i)
+            if not p.recomputable or into < MIN_BYTES:  # an input the offload would keep on the device
+                continue
+            moved = [into if j == i else 0 for j in range(len(profiles))]
+            recomputed = [ms + p.forward_ms if j == i else ms for j, ms in enumerate(backward)]
+            ms = p.forward_ms + exposed_transfer_ms(forward, recomputed, moved, self.bandwidth_gb_s)
+            options[p.name].append(LinkOption("block_offload", p.saving + into, ms, host_bytes=bucket_size(into)))
 
     def _loss_option(self, meter: StepMeter, peak: int) -> LossOption | None:
         """One step with the fused loss and one without: the bytes it frees and the milliseconds it adds."""
@@ -498,6 +525,22 @@ class _Levers:
         finally:
             remove_fused_loss(self.loss_model)
         return LossOption(peak - fused_peak, (fused_s - plain_s) * 1e3)
+
+
+def block_input_bytes(profiles: Sequence[BlockProfile], i: int) -> int:
+    """The bytes of link ``i``'s input that its checkpoint keeps, as the links' profiles count them: its own
+    ``input_bytes`` (its input, where no earlier link counts it) and the ``output_bytes`` of the link before it (the
+    same tensor, where that link saved its own output). Offloaded, they leave the device where no other saved tensor
+    holds them: a plain link before it that saved its output keeps it there (the plan's measurement says so).
+
+    Example:
+        >>> a = BlockProfile("a", saved_bytes=100, input_bytes=10, output_bytes=20, forward_ms=1.0)
+        >>> b = BlockProfile("b", saved_bytes=100, input_bytes=0, output_bytes=20, forward_ms=1.0)
+        >>> block_input_bytes([a, b], 0), block_input_bytes([a, b], 1)
+        (10, 20)
+    """
+    before = profiles[i - 1].output_bytes if i > 0 else 0
+    return profiles[i].input_bytes + before
 
 
 class _NoOption:

@@ -50,3 +50,34 @@ def test_offloaded_blocks_train_to_the_same_gradients_keep_less_on_the_device_an
     assert kept <= plain_kept - 0.9 * offload.moved_bytes
     assert offload.in_use_bytes == 0 and offload.host_bytes == 0  # released on exit
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_the_levers_plan_holds_a_budget_below_recomputations_floor_with_block_inputs_offloaded():
+    """CPU twin: tests/levers/test_levers_offload_plan.py (the same plan with copies made at once)."""
+    from lightning_memguard.levers.plan_levers import plan_levers
+
+    x = torch.randn(8192, 1024, device="cuda", requires_grad=True)
+
+    def loss(output: torch.Tensor) -> torch.Tensor:
+        return output.float().square().mean()
+
+    def gradients(model: nn.Module, offload: ActivationOffload | None = None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        with offload if offload is not None else torch.enable_grad():
+            loss(model(x)).backward()
+        torch.cuda.synchronize()
+        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+    expected = gradients(_model())
+    options = {"units": [nn.Sequential], "loss_fn": loss, "pointwise": False, "fused_loss": False}
+    floor = plan_levers(_model(), x, 0.01, **options)  # recomputation alone: every block, their inputs kept
+    assert not floor.held and set(floor.kinds()) <= {"block", "parts"}
+    model = _model()
+    budget = int(0.9 * floor.measured_bytes)
+    plan = plan_levers(model, x, budget, offload=True, **options)
+    assert plan.held and "block_offload" in plan.kinds(), plan.summary()
+    assert plan.offload is not None and plan.host_bytes > 0
+    got = gradients(model, plan.offload)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert plan.offload.in_use_bytes == 0

@@ -369,3 +369,53 @@ def test_autocast_cache_trials_put_the_old_behaviour_back_only_inside_and_count_
         assert not any([cache_on_inside_blocks(), *seen])
     with pytest.raises(ValueError, match="unknown trial"), bench.trial("other"):
         pass
+
+
+def test_families_runs_each_rows_steps_inside_its_plans_offload_and_leaves_offload_rows_out_by_default():
+    pytest.importorskip("transformers")
+    families = _benchmark("families")
+    assert not set(families.OFFLOADING) & set(families.DEFAULT_ROWS)  # named in --rows, or not run
+    assert all(families.AT_SWITCH[row] in (1.0, 0.5) and row in families.LEVERS for row in families.OFFLOADING)
+
+    class Context:
+        """Stands in for a plan's ActivationOffload: counts its entries, refuses to be entered twice at once."""
+
+        def __init__(self) -> None:
+            self.entered = self.open = 0
+
+        def __enter__(self):
+            assert not self.open
+            self.entered, self.open = self.entered + 1, 1
+
+        def __exit__(self, *exc):
+            self.open = 0
+
+    setting = families.Setting.make(smoke=True)
+    model = families.make_model("llama", setting)
+    batches = families.make_batches("llama", setting)
+    assert isinstance(families.step_context(model), type(families.contextlib.nullcontext()))  # no plan: nothing
+    context = Context()
+    model.memguard_bench_offload = context
+    families.train_steps(model, batches, setting)
+    assert (context.entered, context.open) == (1, 0)  # around the row's steps, once: its host buffers reused
+    rows = {"levers_half_switch_offload": {"step_ms": 1.0}}
+    families.interleaved("llama", rows, setting, rounds=2, alive={"levers_half_switch_offload": model})
+    assert "interleaved_error" not in rows["levers_half_switch_offload"]
+    assert (context.entered, context.open) == (1 + 3, 0)  # and around each of its turns: a warm-up round and two
+
+
+def test_offload_smoke_moves_only_each_blocks_input_where_every_block_is_checkpointed(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    offload = _benchmark("offload")
+    _smoke(offload, ["offload.py", "--smoke", "--models", "gpt2", "--out", str(tmp_path)], monkeypatch)
+    result = json.loads((tmp_path / "offload.json").read_text())["models"]["gpt2"]
+    rows = {row["row"]: row for row in result["rows"]}
+    assert list(rows)[-2:] == ["checkpointed", "checkpointed_inputs"]
+    assert rows["checkpointed"]["moved_gb"] == 0 and rows["checkpointed"]["cost_vs_checkpointed_pct"] == 0
+    inputs = rows["checkpointed_inputs"]
+    assert inputs["offloaded_blocks"] == list(range(result["blocks"]))
+    # each block's inputs alone (its hidden states, 2 x 64 tokens x 64 wide in float32, and a few small tensors the
+    # layer is given), where offloading the blocks whole moves all they save
+    hidden = result["blocks"] * 2 * 64 * 64 * 4 / 1e9
+    assert hidden <= inputs["moved_gb"] < 1.05 * hidden < rows["all"]["moved_gb"] / 10
+    assert "cost_vs_checkpointed_pct" in inputs and result["gradients"]["bit_identical"]
