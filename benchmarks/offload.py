@@ -20,6 +20,13 @@ cost :func:`~lightning_memguard.levers.offload.exposed_transfer_ms` predicts for
 the hidden bytes (the most moved at no more than 3 % cost), measured and estimated for PCIe 4; and one step's
 gradients with every block offloaded against the plain model's (and plain against plain, the floor).
 
+``--profile ROW,...`` also records one step of each row named (after its warm-up, the offload entered) under
+``torch.profiler`` and writes the trace (OUT_DIR/offload_trace_<model>_<row>.json, for chrome://tracing or Perfetto)
+and, in the results, what it says of the copies (:func:`stream_summary`): each CUDA stream's busy time, the copies'
+time each way and how much of it ran while a kernel ran on another stream, the compute stream's idle gaps, and the
+host's time in the CUDA calls that can wait for the device or the driver (synchronizations, copies, pinned and device
+allocations): why copies that should hide do not.
+
 ``--smoke`` runs tiny models on the CPU, the copies made at once by a stand-in for the streams: the code path, not a
 measurement. Writes OUT_DIR/offload.json (default benchmarks/results/).
 """
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import sys
@@ -230,6 +238,132 @@ def bandwidth_gb_s(device: torch.device, nbytes: int) -> dict[str, float]:
     return result
 
 
+WAITING_CALLS = (
+    "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaStreamWaitEvent", "cudaMemcpyAsync",
+    "cudaMemcpy", "cudaHostAlloc", "cudaMallocHost", "cudaFreeHost", "cudaHostRegister", "cudaMalloc", "cudaFree",
+)  # fmt: skip
+"""The host's CUDA calls that can wait for the device or the driver: a copy to pageable memory returns when it is done,
+a pinned or device allocation or free can serialize with the device."""
+IDLE_GAP_US = 50.0  # a gap between kernels on the compute stream longer than this counts as idle
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """The time two sets of merged spans share."""
+    total, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            total += min(end, b[k][1]) - max(start, b[k][0])
+            k += 1
+    return total
+
+
+def stream_summary(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a chrome trace of one step (``torch.profiler``'s, its ``traceEvents``) says of the copies and the compute,
+    in milliseconds: per CUDA stream its busy time (kernels, copies, memsets: spans merged) and kernel count; the
+    compute stream (the one with the most kernel time); the copies each way (device to host, host to device) with
+    their time and the part of it during which a kernel ran on the compute stream (hidden); the compute stream's
+    idle gaps between its first and last kernel longer than :data:`IDLE_GAP_US`; and the host's time in each of
+    :data:`WAITING_CALLS` (calls, total, longest).
+
+    Example:
+        >>> trace = [
+        ...     {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 100, "args": {"stream": 7}},
+        ...     {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 300, "dur": 100, "args": {"stream": 7}},
+        ...     {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 50, "dur": 100,
+        ...      "args": {"stream": 20}},
+        ...     {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 120, "dur": 170, "args": {}},
+        ... ]
+        >>> summary = stream_summary(trace)
+        >>> summary["compute_stream"], summary["idle_gaps_ms"], summary["copies"]["to_host"]
+        (7, 0.2, {'count': 1, 'ms': 0.1, 'hidden_ms': 0.05})
+        >>> summary["host_waits"]["cudaStreamSynchronize"]
+        {'calls': 1, 'ms': 0.17, 'longest_ms': 0.17}
+    """
+    spans: dict[int, list[tuple[float, float]]] = {}
+    kernels: dict[int, list[tuple[float, float]]] = {}
+    copies: dict[str, list[tuple[float, float]]] = {"to_host": [], "to_device": []}
+    waits: dict[str, list[float]] = {}
+    for event in events:
+        if event.get("ph") != "X" or "dur" not in event:
+            continue
+        cat, name = event.get("cat", ""), event.get("name", "")
+        start, end = float(event["ts"]), float(event["ts"]) + float(event["dur"])
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            stream = int(event.get("args", {}).get("stream", -1))
+            spans.setdefault(stream, []).append((start, end))
+            if cat == "kernel":
+                kernels.setdefault(stream, []).append((start, end))
+            elif "DtoH" in name:
+                copies["to_host"].append((start, end))
+            elif "HtoD" in name:
+                copies["to_device"].append((start, end))
+        elif cat in ("cuda_runtime", "cuda_driver") and name in WAITING_CALLS:
+            waits.setdefault(name, []).append(float(event["dur"]))
+    compute = max(kernels, key=lambda s: sum(e - b for b, e in kernels[s]), default=None)
+    busy = _merged(kernels.get(compute, [])) if compute is not None else []
+    gaps = [b - a for (_, a), (b, _) in zip(busy, busy[1:], strict=False) if b - a > IDLE_GAP_US]
+
+    def ms(us: float) -> float:
+        return round(us / 1e3, 4)
+
+    return {
+        "streams": {
+            str(stream): {
+                "busy_ms": ms(sum(e - b for b, e in _merged(found))),
+                "kernels": len(kernels.get(stream, [])),
+            }
+            for stream, found in sorted(spans.items())
+        },
+        "compute_stream": compute,
+        "idle_gaps": len(gaps),
+        "idle_gaps_ms": ms(sum(gaps)),
+        "copies": {
+            way: {
+                "count": len(found),
+                "ms": ms(sum(e - b for b, e in _merged(found))),
+                "hidden_ms": ms(_overlap(_merged(found), busy)),
+            }
+            for way, found in copies.items()
+        },
+        "host_waits": {
+            name: {"calls": len(times), "ms": ms(sum(times)), "longest_ms": ms(max(times))}
+            for name, times in sorted(waits.items())
+        },
+    }
+
+
+def profiled_step(work: Workload, offload: ActivationOffload | None, warmup: int, trace_path: str) -> dict[str, Any]:
+    """One step of ``work`` under ``torch.profiler`` after ``warmup`` steps, the offload entered around all of them:
+    the trace written to ``trace_path`` and :func:`stream_summary` of it."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if work.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with offload or _nothing():
+        for _ in range(warmup):
+            work.step()
+        _sync(work.device)
+        with torch.profiler.profile(activities=activities) as prof:
+            work.step()
+            _sync(work.device)
+    prof.export_chrome_trace(trace_path)
+    with open(trace_path, encoding="utf-8") as f:
+        trace = json.load(f)
+    return stream_summary(trace.get("traceEvents", []))
+
+
 def first_k_for(block_bytes: dict[int, int], targets_gb: Sequence[float]) -> list[int]:
     """For each target, the number of first blocks whose bytes come nearest to it (each count once, at least 1)."""
     n = max(block_bytes) + 1
@@ -336,9 +470,21 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, bandwid
                                       timing["between_ms"])  # fmt: skip
         if exposed <= HIDDEN_COST * plain_ms:
             pcie_hidden = max(pcie_hidden, sum(moved) / GB)
+    profiles = {}
+    for row in [r for r in args.profile.split(",") if r] if args.profile else []:
+        if row not in rows:
+            profiles[row] = {"error": f"no row {row!r} here; the rows: {', '.join(rows)}"}
+            continue
+        work = Workload(name, smoke, device, checkpointed=row in CHECKPOINTED)
+        offload = None if rows[row] is None else offloader(work, rows[row], smoke)  # type: ignore[arg-type]
+        trace = os.path.join(args.out, f"offload_trace_{name}_{row}.json")
+        profiles[row] = {"trace": os.path.basename(trace), **profiled_step(work, offload, args.warmup, trace)}
+        del work, offload
+        _free(device)
     return {
         "blocks": n,
         "block_bytes": [block_bytes.get(i, 0) for i in range(n)],
+        "profiles": profiles,
         "plain_step_ms": plain_ms,
         "block_times": timing,
         "rows": results,
@@ -356,6 +502,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--profile", default="", help="rows to profile one step of (comma-separated: plain, all, first_K, ...)"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.rounds, args.steps, args.warmup = 2, 1, 1

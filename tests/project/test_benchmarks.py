@@ -407,8 +407,13 @@ def test_families_runs_each_rows_steps_inside_its_plans_offload_and_leaves_offlo
 def test_offload_smoke_moves_only_each_blocks_input_where_every_block_is_checkpointed(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     offload = _benchmark("offload")
-    _smoke(offload, ["offload.py", "--smoke", "--models", "gpt2", "--out", str(tmp_path)], monkeypatch)
+    argv = ["offload.py", "--smoke", "--models", "gpt2", "--out", str(tmp_path), "--profile", "checkpointed_inputs,x"]
+    _smoke(offload, argv, monkeypatch)
     result = json.loads((tmp_path / "offload.json").read_text())["models"]["gpt2"]
+    # a row profiled: its trace beside the results, read (on the CPU no CUDA stream: nothing on one); a row unknown
+    profiled = result["profiles"]["checkpointed_inputs"]
+    assert (tmp_path / profiled["trace"]).exists() and profiled["compute_stream"] is None
+    assert "no row 'x' here" in result["profiles"]["x"]["error"]
     rows = {row["row"]: row for row in result["rows"]}
     assert list(rows)[-2:] == ["checkpointed", "checkpointed_inputs"]
     assert rows["checkpointed"]["moved_gb"] == 0 and rows["checkpointed"]["cost_vs_checkpointed_pct"] == 0
@@ -419,3 +424,35 @@ def test_offload_smoke_moves_only_each_blocks_input_where_every_block_is_checkpo
     hidden = result["blocks"] * 2 * 64 * 64 * 4 / 1e9
     assert hidden <= inputs["moved_gb"] < 1.05 * hidden < rows["all"]["moved_gb"] / 10
     assert "cost_vs_checkpointed_pct" in inputs and result["gradients"]["bit_identical"]
+
+
+def test_a_steps_trace_says_how_much_of_each_copy_ran_beside_a_kernel_and_what_the_host_waited_on():
+    offload = _benchmark("offload")
+
+    def span(cat, name, ts, dur, stream=None):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {} if stream is None else {
+            "stream": stream}}  # fmt: skip
+
+    trace = [
+        span("kernel", "gemm", 0, 1000, 7), span("kernel", "gelu", 1000, 500, 7),  # busy 0-1500 us
+        span("kernel", "gemm", 2500, 1000, 7),  # after a 1000 us gap: idle
+        span("kernel", "gemm", 3550, 10, 7),  # after 50 us: not idle
+        span("kernel", "copy", 0, 100, 9),  # a kernel on another stream: not the compute stream's
+        span("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 1200, 600, 20),  # 300 us beside a kernel, 300 not
+        span("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 2400, 200, 21),  # 100 beside
+        span("gpu_memset", "Memset (Device)", 3600, 5, 7),
+        span("cuda_runtime", "cudaMemcpyAsync", 1100, 700), span("cuda_runtime", "cudaMemcpyAsync", 2000, 20),
+        span("cuda_runtime", "cudaLaunchKernel", 0, 5),  # not a call that waits
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 0},  # no duration: not a span
+    ]  # fmt: skip
+    summary = offload.stream_summary(trace)
+    assert summary["compute_stream"] == 7
+    assert summary["streams"]["7"] == {"busy_ms": 2.515, "kernels": 4}
+    assert summary["streams"]["20"] == {"busy_ms": 0.6, "kernels": 0}
+    assert (summary["idle_gaps"], summary["idle_gaps_ms"]) == (1, 1.0)
+    assert summary["copies"] == {
+        "to_host": {"count": 1, "ms": 0.6, "hidden_ms": 0.3},
+        "to_device": {"count": 1, "ms": 0.2, "hidden_ms": 0.1},
+    }
+    assert summary["host_waits"] == {"cudaMemcpyAsync": {"calls": 2, "ms": 0.72, "longest_ms": 0.7}}
+    assert offload.stream_summary([])["compute_stream"] is None
