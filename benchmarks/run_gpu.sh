@@ -9,7 +9,9 @@
 # minutes), families (timm and Hugging Face against their own switches; FAMILY_MODELS=a,b picks a part: the twelve
 # models take two calls, the vision ones by default, then FAMILY_MODELS=gpt2,llama,bert,t5,whisper; each within 9 minutes), checkpoint_overhead (timm's switch against ours and the ablations
 # between them, profiled; CKPT_MODEL=resnet50, vit_small_patch16_224 or bert, gpt2, llama, t5, whisper (the switch's own blocks beside ours and the fused loss) for another model than convnext_tiny; 3-4 minutes),
-# offload (overlapped activation offload's cost per GB moved, GPT-2 small and ResNet50, about 4 minutes),
+# offload (overlapped activation offload's cost per GB moved, GPT-2 small and ResNet50, and every block checkpointed with
+# and without its input offloaded, about 6 minutes; OFFLOAD_ARGS="--models gpt2 --profile first_1,checkpointed_inputs"
+# also records and summarises one step's trace of those rows),
 # autocast_cache (the language models' peak with autocast's weight cache kept and off inside the checkpoints, 2 minutes).
 # Results and plots land in OUT_DIR; copy them to benchmarks/results/ and docs/,
 # then update the README's "Measured" section.
@@ -56,7 +58,7 @@ want families && TAIL=80 run timeout 540 python3 benchmarks/families.py \
     --out "$out/families.json"
 want checkpoint_overhead && TAIL=200 run timeout 420 python3 benchmarks/checkpoint_overhead.py \
     --model "${CKPT_MODEL:-convnext_tiny}" --profile --out "$out/checkpoint_overhead.json"
-want offload && TAIL=40 run timeout 300 python3 benchmarks/offload.py --out "$out"
+want offload && TAIL=40 run timeout 540 python3 benchmarks/offload.py ${OFFLOAD_ARGS:-} --out "$out"
 want autocast_cache && TAIL=6 run timeout 240 python3 benchmarks/autocast_cache.py --out "$out/autocast_cache.json"
 want sharded && TAIL=4 run timeout 420 python3 benchmarks/sharded.py --out "$out/sharded.json"
 want adapt && TAIL=4 run timeout 420 python3 benchmarks/adapt.py --out "$out/adapt.json"
