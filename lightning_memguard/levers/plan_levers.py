@@ -161,8 +161,8 @@ def plan_levers(
             small, 1.1 GB moved: 6.5 % slower, where the prediction said 0 ms; docs/measured.md), so a plan that
             takes it may cost more than it predicts.
         bandwidth_gb_s: the host link's bandwidth each way, for offload's exposed copies.
-        max_host_bytes: the most pinned host memory offload may hold (default: no bound beyond what
-            ``ActivationOffload`` allows when it is entered).
+        max_host_bytes: the most pinned host memory offload may hold: the choice's bound, and the plan's
+            ``ActivationOffload``'s (default: no bound beyond what ``ActivationOffload`` allows when it is entered).
         injected: levers measured and applied elsewhere (:class:`InjectedLever`), of kinds not offered here.
         clock: seconds, read as a pointwise recomputation starts and ends (:func:`~.pointwise.measure_pointwise`'s;
             a test injects one).
@@ -212,7 +212,7 @@ def plan_levers(
     levers.offload = offload
     levers.pointwise, levers.clock = pointwise, clock
     levers.bandwidth_gb_s = bandwidth_gb_s
-    levers.streams = offload_streams
+    levers.streams, levers.host_limit = offload_streams, host_limit
     levers.loss_name, levers.loss_model, reason = find_loss_target(model)
     if not fused_loss:
         reason = "not offered (fused_loss=False)"
@@ -384,6 +384,7 @@ class _Levers:
         self.units: Units = "auto"
         self.bandwidth_gb_s = 25.0
         self.streams: CopyStreams | None = None  # offload's copies (None: CUDA's side streams)
+        self.host_limit: int | None = None  # the most host memory offload may hold (None: ActivationOffload's own)
         self.offloader: ActivationOffload | None = None
         self.tried = False  # the fused loss was measured
         self.checkpointed: list[str] = []
@@ -427,7 +428,9 @@ class _Levers:
         offloaded = [i for i, link in enumerate(chain) if proposal.links.get(link.name, _NONE).kind in OFFLOADED]
         if offloaded:  # a checkpointed block's forward saves only its input, which is what goes to the host
             blocks = [link.modules[0][1] for link in chain]
-            self.offloader = ActivationOffload(blocks, offloaded=offloaded, streams=self.streams)
+            self.offloader = ActivationOffload(
+                blocks, offloaded=offloaded, streams=self.streams, max_host_bytes=self.host_limit
+            )
 
     def peak(self) -> int:
         meter = self.meter()

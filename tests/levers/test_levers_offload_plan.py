@@ -93,7 +93,7 @@ def test_a_block_with_its_input_offloaded_holds_a_budget_below_the_floor_of_reco
     # with offload, at a slow link (its copies of whole blocks show; an input's copies cost less than recomputing)
     model = _model()
     copies = HostCopies()
-    plan = _plan(model, 0.12, offload=True, offload_streams=copies, bandwidth_gb_s=0.05)
+    plan = _plan(model, 0.12, offload=True, offload_streams=copies, bandwidth_gb_s=0.05, max_host_bytes="1GB")
     assert plan.held and plan.measured_bytes < recomputed.measured_bytes
     offloaded = plan.kinds()["block_offload"]
     assert offloaded and set(offloaded) <= set(plan.checkpointed)  # checkpointed whole, and offloaded
@@ -107,6 +107,7 @@ def test_a_block_with_its_input_offloaded_holds_a_budget_below_the_floor_of_reco
     # the gradients through the plan's levers, its offload entered: the plain model's, bit for bit
     copies.to_host_calls = 0
     got = _gradients(model, x, plan.offload)
+    assert plan.offload.max_host_bytes == 10**9  # the planner's host bound is the offload's own
     assert copies.to_host_calls == len(offloaded)  # one tensor each: the block's input, what its checkpoint saves
     assert plan.offload.block_bytes == {int(name): ROWS * WIDTH * 4 for name in offloaded}
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
