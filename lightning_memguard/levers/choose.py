@@ -230,6 +230,8 @@ class LeverPlan:
             the ``units`` the plan was made with).
         pointwise: the links whose pointwise chains are recomputed (``recompute_pointwise(model, units=...)``, after
             the checkpoints), by name; empty where an injected lever took that kind.
+        offloaded: the modules the offload holds the tensors of, by name in the model (a link's module: a stem's
+            too), as ``ActivationOffload([model.get_submodule(name) for name in offloaded])`` takes them.
         loss_module: the module whose loss is fused, by name in the model (``""``: the model itself; a Hugging Face
             model held by a LightningModule: its attribute's name).
     """
@@ -251,6 +253,7 @@ class LeverPlan:
     checkpointed: list[str] = field(default_factory=list)
     pointwise: list[str] = field(default_factory=list)
     loss_module: str = ""
+    offloaded: list[str] = field(default_factory=list)
 
     @property
     def held(self) -> bool:
@@ -292,9 +295,12 @@ class LeverPlan:
             lines.append(f"recompute_pointwise(model, units={self.pointwise!r})")
         elif "pointwise" in kinds:
             lines.append(f"the injected pointwise lever's apply(model, {kinds['pointwise']!r})")
-        offloaded = [name for kind in OFFLOADED for name in kinds.get(kind, [])]
-        if offloaded:
-            lines.append(f"with plan.offload:  # ActivationOffload of {offloaded!r}, around the training steps")
+        offloaded = self.offloaded or [name for kind in OFFLOADED for name in kinds.get(kind, [])]
+        if offloaded:  # plan.offload holds the planned model's modules: a fresh copy needs its own
+            lines.append(
+                f"offload = ActivationOffload([model.get_submodule(name) for name in {offloaded!r}])  # enter it"
+                " around the training steps: with offload: ..."
+            )
         return lines
 
     def record(self) -> dict[str, Any]:

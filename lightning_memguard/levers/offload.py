@@ -24,8 +24,7 @@ import psutil
 import torch
 from torch import nn
 
-from lightning_memguard._autograd import kept, version, view_root
-from lightning_memguard._ledger import counting, kept_unseen
+from lightning_memguard._autograd import checkpoint_hook, kept, saved_tensors_hooks_in_force, version, view_root
 from lightning_memguard.core.checks import check_callable, check_fraction, check_size
 from lightning_memguard.core.units import format_size
 
@@ -183,6 +182,18 @@ def exposed_transfer_ms(
             clock = max(clock, back[i])
         clock += backward_ms[i]
     return round(clock - plain, 6)
+
+
+_Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]  # a pack hook and its unpack hook
+
+
+class _HandedOn:
+    """A tensor an offloaded block saved and the offload did not move, as the hooks outside its own packed it."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed: Any, unpack: Callable[[Any], torch.Tensor]) -> None:
+        self.packed, self.unpack = packed, unpack
 
 
 class _BlockCall:
@@ -378,8 +389,10 @@ class ActivationOffload:
             call = _BlockCall(index, self._seq)
             self._seq += 1
             hooks = None
-            if index in self.offloaded and index not in self.dropped:
-                hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(call, t), self._unpack)
+            outer = saved_tensors_hooks_in_force()
+            inside_checkpoint = outer is not None and checkpoint_hook(outer[0])  # it keeps nothing: nothing to move
+            if index in self.offloaded and index not in self.dropped and not inside_checkpoint:
+                hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(call, t, outer), self._unpack)
                 hooks.__enter__()
             self._stack.append((call, hooks))
 
@@ -409,9 +422,9 @@ class ActivationOffload:
             return False
         return not _is_cast_parameter(t)
 
-    def _pack(self, call: _BlockCall, t: torch.Tensor) -> Any:
+    def _pack(self, call: _BlockCall, t: torch.Tensor, outer: _Hooks | None) -> Any:
         if call.index in self.dropped or not self._offloadable(t):
-            return self._keep(t)
+            return self._keep(t, outer)
         key = _key(t)
         if key in self._held:
             handle = self._held[key][1]()
@@ -420,7 +433,7 @@ class ActivationOffload:
         nbytes = t.numel() * t.element_size()
         bucket = self._take(bucket_size(nbytes), call.index, nbytes)
         if bucket is None:
-            return self._keep(t)
+            return self._keep(t, outer)
         stride = torch.empty_like(t, device="meta").stride()  # the device tensor's layout, where it is dense
         host = bucket[:nbytes].view(t.dtype).as_strided(t.shape, stride)
         self._streams.to_host(t, host)  # type: ignore[union-attr]
@@ -433,13 +446,14 @@ class ActivationOffload:
         return handle
 
     @staticmethod
-    def _keep(t: torch.Tensor) -> torch.Tensor:
-        """``t`` kept on the device, as autograd would keep it. These hooks hide it from the counts of saved tensors
-        outside them (the planner's measurement, the memory report, the spill emulator), so it is handed to them
-        (:func:`~lightning_memguard._ledger.kept_unseen`): they count what stays on the device, not what went."""
-        if counting():
-            kept_unseen((t,))
-        return kept(t)
+    def _keep(t: torch.Tensor, outer: _Hooks | None) -> Any:
+        """``t`` not moved: handed on to the saved-tensor hooks that were in force outside these (the planner's
+        measurement, the memory report, the spill emulator: each then counts it, or moves it, by its own rules, as
+        without the offload), else kept as autograd would keep it. What was moved none of them sees."""
+        if outer is None:
+            return kept(t)
+        pack, unpack = outer
+        return _HandedOn(pack(t), unpack)
 
     # --- host memory: a pool of power-of-two buffers, bounded ---------------------------------------------------
 
@@ -512,6 +526,8 @@ class ActivationOffload:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
+        if isinstance(packed, _HandedOn):
+            return packed.unpack(packed.packed)
         call = packed.call
         if packed.device is None:  # the gradient did not pass the block's output first
             self._before_backward(call)

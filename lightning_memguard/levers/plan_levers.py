@@ -228,7 +228,7 @@ def plan_levers(
     assert plan is not None
     plan.loss_refused = reason
     plan.offload, plan.checkpointed = levers.offloader, levers.checkpointed  # the last proposal's: the plan's own
-    plan.pointwise = levers.pointwised
+    plan.pointwise, plan.offloaded = levers.pointwised, levers.offloaded
     plan.loss_module = levers.loss_name if plan.loss else ""
     return plan
 
@@ -386,6 +386,7 @@ class _Levers:
         self.streams: CopyStreams | None = None  # offload's copies (None: CUDA's side streams)
         self.host_limit: int | None = None  # the most host memory offload may hold (None: ActivationOffload's own)
         self.offloader: ActivationOffload | None = None
+        self.offloaded: list[str] = []  # the offloaded links' modules, by name in the model
         self.tried = False  # the fused loss was measured
         self.checkpointed: list[str] = []
         self.parts: dict[str, list[str]] = {}  # each link's parts that free memory, as last measured
@@ -403,7 +404,7 @@ class _Levers:
         self.pointwised = []
         remove_checkpointing(self.model)
         remove_fused_loss(self.loss_model)
-        self.offloader = None
+        self.offloader, self.offloaded = None, []
 
     def apply(self, proposal: Proposal) -> None:
         """The proposal's levers, in place of the last proposal's."""
@@ -428,6 +429,7 @@ class _Levers:
         offloaded = [i for i, link in enumerate(chain) if proposal.links.get(link.name, _NONE).kind in OFFLOADED]
         if offloaded:  # a checkpointed block's forward saves only its input, which is what goes to the host
             blocks = [link.modules[0][1] for link in chain]
+            self.offloaded = [chain[i].modules[0][0] for i in offloaded]
             self.offloader = ActivationOffload(
                 blocks, offloaded=offloaded, streams=self.streams, max_host_bytes=self.host_limit
             )
@@ -499,7 +501,8 @@ class _Levers:
         """Each link offloaded alone: it frees what checkpointing it would, holds its saved bytes in host buffers,
         and costs the copies :func:`~.offload.exposed_transfer_ms` says would not hide. And each link checkpointed
         whole with its input offloaded (:func:`block_input_bytes`): it frees what checkpointing it would and that
-        input too, for its recomputation and that input's copies (its backward then recomputes it first)."""
+        input too, for its recomputation and that input's copies (its backward then recomputes it first); not where
+        that input is under ``MIN_BYTES`` (the offload would keep it)."""
         forward = [p.forward_ms for p in profiles]
         backward = [ms * BACKWARD_PER_FORWARD for ms in forward]
         for i, (link, p) in enumerate(zip(self.links, profiles, strict=True)):
@@ -531,19 +534,20 @@ class _Levers:
 
 
 def block_input_bytes(profiles: Sequence[BlockProfile], i: int) -> int:
-    """The bytes of link ``i``'s input that its checkpoint keeps, as the links' profiles count them: its own
-    ``input_bytes`` (its input, where no earlier link counts it) and the ``output_bytes`` of the link before it (the
-    same tensor, where that link saved its own output). Offloaded, they leave the device where no other saved tensor
-    holds them: a plain link before it that saved its output keeps it there (the plan's measurement says so).
+    """The bytes of link ``i``'s input that offloading what its checkpoint keeps frees, as far as the links' profiles
+    tell it whatever the other links' levers: its ``input_bytes`` (its input, where no earlier link counts it: a
+    transformer layer's, saved by its first norm and by nothing before it). An input the link before saved as its
+    own output (its ``output_bytes``: a ResNet block's last ReLU) is left out: it leaves the device only where that
+    link is checkpointed or offloaded too, and options are weighed one by one. An input other links keep too (an
+    encoder's output, which every decoder layer takes) may stay on the device: the plan's measurement says so.
 
     Example:
         >>> a = BlockProfile("a", saved_bytes=100, input_bytes=10, output_bytes=20, forward_ms=1.0)
         >>> b = BlockProfile("b", saved_bytes=100, input_bytes=0, output_bytes=20, forward_ms=1.0)
         >>> block_input_bytes([a, b], 0), block_input_bytes([a, b], 1)
-        (10, 20)
+        (10, 0)
     """
-    before = profiles[i - 1].output_bytes if i > 0 else 0
-    return profiles[i].input_bytes + before
+    return profiles[i].input_bytes
 
 
 class _NoOption:

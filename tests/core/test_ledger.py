@@ -319,3 +319,54 @@ def test_a_step_that_raises_under_the_saved_tensor_hooks_leaves_nothing_alive(ho
         net(torch.randn(32, 8))
     gc.collect()
     assert len(made) == 4 and [ref() for ref in made] == [None] * 4
+
+
+# ---------------------------------------------------------------- what an offload keeps, past the hooks outside it
+
+
+class _HostCopies:
+    """Copy streams on the CPU for ``ActivationOffload``: each copy made at once."""
+
+    def to_host(self, tensor: torch.Tensor, host: torch.Tensor) -> None:
+        host.copy_(tensor)
+
+    def to_host_event(self) -> None:
+        return None
+
+    def to_device(self, pairs: Any, after: Any) -> None:
+        for host, device in pairs:
+            device.copy_(host)
+
+    def wait(self, event: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_what_an_offload_keeps_on_the_device_is_counted_alike_by_all_three_and_what_it_moves_by_none(moved):
+    from lightning_memguard.levers.offload import ActivationOffload
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    x = torch.randn(512, 256)  # each activation 0.5 MiB: under the offload's own floor, kept unless min_bytes=1
+
+    def counts(offload: ActivationOffload | None) -> tuple[int, int, int]:
+        def run() -> torch.Tensor:
+            return net(x).sum()
+
+        with offload or contextlib.nullcontext():
+            planner = StepMeter(net, x, lambda out: out.sum()).peak()
+            report = measure_step(net, run, batch=x).activations
+            emulator = SysmemSpillEmulator(capacity="1TB")  # as a context manager: no model, no batch known
+            with emulator:
+                run().backward()
+        return planner, report, emulator.resident_bytes
+
+    activation = 512 * 256 * 4
+    plain = counts(None)
+    assert plain == (2 * activation,) * 3  # net.1's input; the ReLU's output, which net.3 saves too
+    offload = ActivationOffload([net[0], net[1], net[3]], min_bytes=1 if moved else 2**20, streams=_HostCopies())
+    offloaded = counts(offload)
+    # moved: the batch (net.0's input: it existed before, and is held by its caller), net.1's input, and net.3's,
+    # whose storage the ReLU (not offloaded) still keeps on the device. Kept: the batch too, which none counts
+    assert offload.moved_bytes == (3 * activation if moved else 0)
+    assert offloaded == tuple(count - (activation if moved else 0) for count in plain)

@@ -6,6 +6,9 @@ same plan on a CUDA card, with its side streams: tests/gpu/test_gpu_offload.py."
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -101,9 +104,20 @@ def test_a_block_with_its_input_offloaded_holds_a_budget_below_the_floor_of_reco
     assert plan.offload is not None and plan.offload.offloaded == [int(name) for name in offloaded]
     assert plan.measured_bytes == plan.predicted_bytes  # the input it moves is the one the prediction freed
     assert "block recomputed, its input offloaded in" in plan.summary()
-    assert plan.calls()[-1].startswith("with plan.offload:")
+    assert plan.offloaded == offloaded  # the modules, by name: here the links' own
     with pytest.raises(ValueError, match="offload is a context around the training steps"):
         plan.record()
+    # the plan's calls, run on a fresh copy (its ActivationOffload with the test's copies): the same levers
+    fresh = _model()
+    calls = {"model": fresh, "apply_plan": apply_plan,
+             "ActivationOffload": functools.partial(ActivationOffload, streams=HostCopies())}  # fmt: skip
+    for line in plan.calls():
+        exec(line, calls)  # noqa: S102 - the plan's own advice, as a user would paste it
+    again = calls["offload"]
+    assert [name for name in plan.checkpointed if is_checkpointed(fresh.get_submodule(name))] == plan.checkpointed
+    assert again.blocks == [fresh.get_submodule(name) for name in offloaded]
+    assert all(torch.equal(a, b) for a, b in zip(_gradients(fresh, x, again), expected, strict=True))
+    assert again.moved_bytes == len(offloaded) * ROWS * WIDTH * 4
     # the gradients through the plan's levers, its offload entered: the plain model's, bit for bit
     copies.to_host_calls = 0
     got = _gradients(model, x, plan.offload)
@@ -152,3 +166,25 @@ def test_a_plan_measured_at_zero_bytes_is_held():
     plan = LeverPlan(False, {"h.0": LinkOption("offload", 10, 1.0)}, 100, 50, measured_bytes=0)
     assert plan.held and plan.peak_bytes == 0
     assert "measured 0 B" in plan.summary() and "not met" not in plan.summary()
+
+
+def test_offload_is_not_offered_on_the_cpu_where_it_would_move_nothing():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not even ActivationOffload's "does nothing on the CPU"
+        plan = _plan(_model(), 0.12, offload=True)
+    assert sorted(plan.kinds()) == ["block"] and plan.offload is None and not plan.held
+
+
+def test_the_offload_of_a_plan_holds_the_blocks_of_the_chain_it_names_past_a_stem_of_several_modules():
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    images = torch.randn(16, 3, 64, 64)
+    # the stem (conv1, bn1, relu, maxpool) is a link, but not one of the offload's chain: its indices skip it
+    plan = plan_levers(model, images, 0.5, pointwise=False, offload=True, offload_streams=HostCopies())
+    offloaded = plan.kinds().get("offload", [])
+    assert offloaded and "stem" not in offloaded and plan.offloaded == offloaded
+    assert [plan.offload.blocks[i] for i in plan.offload.offloaded] == [model.get_submodule(n) for n in offloaded]
+    # a ResNet block's input is the block before's ReLU output: offloading it frees nothing unless that block is
+    # checkpointed too, so no block is offered with its input offloaded
+    assert "block_offload" not in plan.kinds()

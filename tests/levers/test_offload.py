@@ -229,3 +229,26 @@ def test_copies_hide_behind_the_next_blocks_compute_except_the_last_blocks():
     # 40 more, and each block's copy back takes 40 ms behind a 20 ms backward: 130 + 40 + 3 * 20
     assert exposed_transfer_ms([10] * 4, [20] * 4, [10**9] * 4, 25.0) == 230.0
     assert exposed_transfer_ms([10] * 4, [20] * 4, [10**9, 10**9, 0, 0], 100.0, between_ms=5) == 0.0
+
+
+def test_inside_a_checkpoint_it_moves_nothing_the_checkpoint_keeps_nothing_there():
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    model, plain = _model(), _model()
+    wrapped = nn.Sequential(Checkpointed(model[:2]), *model[2:])  # blocks 0 and 1 inside one checkpoint
+    x = torch.randn(BATCH, 64)
+    copies = RecordedCopies()
+    grads = _step(wrapped, x, _offload(model, copies))
+    assert all(torch.equal(a, b) for a, b in zip(grads, _step(plain, x), strict=True))
+    # blocks 2 and 3 go to the host as ever; 0 and 1 save nothing of their own in the checkpoint's forward, nor in
+    # its recomputation, where their tensors live until their backward only
+    assert {k for way, k in copies.log if way == "to_host"} == {0, 1}  # the k-th call with tensors moved: 2 and 3
+    assert len(copies.copied) == 3 + 2  # block 2's input too: block 1, in the checkpoint, did not move its output
