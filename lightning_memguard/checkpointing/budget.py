@@ -48,6 +48,9 @@ class BlockProfile:
         recomputable: a checkpoint may recompute it. False where it changes its input in place in its forward (its
             recomputation would start from the changed input) or its forward runs past the hooks (nothing is known
             of it): it is never chosen.
+        input_storages: ``input_bytes`` storage by storage: each one's bytes charged to this link, and whether
+            another link takes it as an input too (an encoder's output, which every decoder layer is given): what
+            moving this link's input alone would, or would not, take off the device.
     """
 
     name: str
@@ -59,6 +62,7 @@ class BlockProfile:
     one_tensor: bool = True
     calls: int = 1
     recomputable: bool = True
+    input_storages: tuple[tuple[int, bool], ...] = ()
 
     @property
     def recomputed(self) -> int:

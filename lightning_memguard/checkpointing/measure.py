@@ -250,6 +250,8 @@ class StepMeter:
                 continue
             ms = sum(start.elapsed_time(end) if self.cuda else (end - start) * 1e3 for start, end in spans[link.name])
             own = saved[link.name]
+            others = {key for other in links if other.name != link.name for key in inputs[other.name]}
+            given_in = tuple((own[k], k in others) for k in sorted(inputs[link.name]) if own.get(k, 0))
             profiles.append(
                 BlockProfile(
                     link.name,
@@ -259,6 +261,7 @@ class StepMeter:
                     forward_ms=ms,
                     one_tensor=one_tensor.get(link.name, True),
                     calls=calls.get(link.name, 1),
+                    input_storages=given_in,
                 )
             )
         return profiles

@@ -533,21 +533,29 @@ class _Levers:
         return LossOption(peak - fused_peak, (fused_s - plain_s) * 1e3)
 
 
-def block_input_bytes(profiles: Sequence[BlockProfile], i: int) -> int:
+def block_input_bytes(profiles: Sequence[BlockProfile], i: int, min_bytes: int = MIN_BYTES) -> int:
     """The bytes of link ``i``'s input that offloading what its checkpoint keeps frees, as far as the links' profiles
-    tell it whatever the other links' levers: its ``input_bytes`` (its input, where no earlier link counts it: a
-    transformer layer's, saved by its first norm and by nothing before it). An input the link before saved as its
-    own output (its ``output_bytes``: a ResNet block's last ReLU) is left out: it leaves the device only where that
-    link is checkpointed or offloaded too, and options are weighed one by one. An input other links keep too (an
-    encoder's output, which every decoder layer takes) may stay on the device: the plan's measurement says so.
+    tell it whatever the other links' levers: of its ``input_bytes`` (its input, where no earlier link counts it: a
+    transformer layer's, saved by its first norm and by nothing before it), the storages of at least ``min_bytes``
+    (the offload keeps smaller ones) that no other link takes as an input. An input the link before saved as its own
+    output (a ResNet block's last ReLU's) is not among them: it leaves the device only where that link is
+    checkpointed or offloaded too, and options are weighed one by one; nor is one other links are given too (an
+    encoder's output, which every decoder layer takes), which stays on the device while any of them holds it. Where
+    the profile has no storages (one made by hand), its ``input_bytes``.
 
     Example:
         >>> a = BlockProfile("a", saved_bytes=100, input_bytes=10, output_bytes=20, forward_ms=1.0)
         >>> b = BlockProfile("b", saved_bytes=100, input_bytes=0, output_bytes=20, forward_ms=1.0)
         >>> block_input_bytes([a, b], 0), block_input_bytes([a, b], 1)
         (10, 0)
+        >>> decoder = BlockProfile("dec.0", 300, 68, 0, 1.0, input_storages=((40, False), (20, True), (8, False)))
+        >>> block_input_bytes([decoder], 0, min_bytes=16)  # the encoder's output and a small mask left out
+        40
     """
-    return profiles[i].input_bytes
+    profile = profiles[i]
+    if not profile.input_storages:
+        return profile.input_bytes
+    return sum(size for size, shared in profile.input_storages if size >= min_bytes and not shared)
 
 
 class _NoOption:

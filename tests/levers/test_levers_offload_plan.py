@@ -11,13 +11,15 @@ import warnings
 
 import pytest
 import torch
+from conftest import ticking_planner_clocks
 from torch import nn
 
 from lightning_memguard.checkpointing import apply_plan, is_checkpointed
 from lightning_memguard.checkpointing.measure import StepMeter
+from lightning_memguard.checkpointing.model_map import map_model
 from lightning_memguard.levers.choose import LeverPlan, LinkOption, choose_levers
 from lightning_memguard.levers.offload import ActivationOffload
-from lightning_memguard.levers.plan_levers import plan_levers
+from lightning_memguard.levers.plan_levers import block_input_bytes, plan_levers
 
 WIDTH, ROWS = 512, 1024  # each block's input: 2 MiB of float32, above the offload's 1 MiB floor
 MIB = 2**20
@@ -84,7 +86,10 @@ def _plan(model: nn.Module, budget: float, **kwargs) -> LeverPlan:
     return plan_levers(model, _example(), budget, units=[Block], loss_fn=_loss, pointwise=False, **kwargs)
 
 
-def test_a_block_with_its_input_offloaded_holds_a_budget_below_the_floor_of_recomputation_with_the_same_gradients():
+def test_a_block_with_its_input_offloaded_holds_a_budget_below_the_floor_of_recomputation_with_the_same_gradients(
+    monkeypatch,
+):
+    ticking_planner_clocks(monkeypatch)  # each link's time from the step's structure, not this machine's load
     plain = _model()
     x = _example()
     expected = _gradients(plain, x)
@@ -168,14 +173,16 @@ def test_a_plan_measured_at_zero_bytes_is_held():
     assert "measured 0 B" in plan.summary() and "not met" not in plan.summary()
 
 
-def test_offload_is_not_offered_on_the_cpu_where_it_would_move_nothing():
+def test_offload_is_not_offered_on_the_cpu_where_it_would_move_nothing(monkeypatch):
+    ticking_planner_clocks(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # not even ActivationOffload's "does nothing on the CPU"
         plan = _plan(_model(), 0.12, offload=True)
     assert sorted(plan.kinds()) == ["block"] and plan.offload is None and not plan.held
 
 
-def test_the_offload_of_a_plan_holds_the_blocks_of_the_chain_it_names_past_a_stem_of_several_modules():
+def test_the_offload_of_a_plan_holds_the_blocks_of_the_chain_it_names_past_a_stem_of_several_modules(monkeypatch):
+    ticking_planner_clocks(monkeypatch)
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10)
@@ -188,3 +195,47 @@ def test_the_offload_of_a_plan_holds_the_blocks_of_the_chain_it_names_past_a_ste
     # a ResNet block's input is the block before's ReLU output: offloading it frees nothing unless that block is
     # checkpointed too, so no block is offered with its input offloaded
     assert "block_offload" not in plan.kinds()
+
+
+class Decoder(nn.Module):
+    """A decoder layer: its own input, and the encoder's output it is given as every decoder layer is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.own = nn.Linear(WIDTH, WIDTH)
+        self.cross = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return x + self.own(self.norm(x)) + self.cross(memory)
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(WIDTH, WIDTH)
+        self.embed = nn.Linear(WIDTH, WIDTH)
+        self.layers = nn.ModuleList(Decoder() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        memory, h = torch.tanh(self.encoder(x)), self.embed(x)
+        for layer in self.layers:
+            h = layer(h, memory)
+        return h
+
+
+def test_an_input_other_links_are_given_too_is_not_counted_as_freed_by_offloading_one_links():
+    torch.manual_seed(0)
+    model = EncoderDecoder()
+    links = map_model(model, [Decoder]).links
+    profiles = StepMeter(model, _example(), _loss).profile(links)
+    tensor = ROWS * WIDTH * 4
+    # layer 0 is charged its own input and the encoder's output (it saved it first); layer 1 its own input only
+    assert [p.input_bytes for p in profiles] == [2 * tensor, tensor]
+    assert profiles[0].input_storages == ((tensor, False), (tensor, True)) or profiles[0].input_storages == (
+        (tensor, True),
+        (tensor, False),
+    )
+    # offloading layer 0's input frees its own: the encoder's output stays, layer 1 keeps it
+    assert [block_input_bytes(profiles, i) for i in range(2)] == [tensor, tensor]
+    assert block_input_bytes(profiles, 0, min_bytes=tensor + 1) == 0  # under the offload's floor: kept, not freed
