@@ -50,30 +50,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import environment, write_json  # noqa: E402
 
 from lightning_memguard.checkpointing import checkpoint_blocks  # noqa: E402
-from lightning_memguard.levers.offload import ActivationOffload, exposed_transfer_ms  # noqa: E402
+from lightning_memguard.levers.offload import ActivationOffload, HostCopies, exposed_transfer_ms  # noqa: E402
 
 GB = 10**9
 PCIE4_GB_S = 25.0
 HIDDEN_COST = 0.03  # a cost this small counts as hidden
 TARGETS_GB = (1, 2, 4)
 CHECKPOINTED = ("checkpointed", "checkpointed_inputs")  # rows with every block checkpointed whole
-
-
-class HostCopies:
-    """The copy streams of ``--smoke`` on the CPU: each copy made at once."""
-
-    def to_host(self, tensor: torch.Tensor, host: torch.Tensor) -> None:
-        host.copy_(tensor)
-
-    def to_host_event(self) -> None:
-        return None
-
-    def to_device(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: Any) -> None:
-        for host, device in pairs:
-            device.copy_(host)
-
-    def wait(self, event: Any) -> None:
-        pass
 
 
 class Workload:

@@ -7,7 +7,8 @@ tensors, and the saved-tensor hooks in force, which torch offers no public way t
 - :func:`saved_input`: the input the node that made a tensor saved (``_saved_input``): a BatchNorm's, which the
   rebuild of a ResNet stem's ReLU recomputes from.
 - :func:`saved_tensors_hooks_in_force`: the saved-tensor hooks around the code now running
-  (``torch._C._autograd._top_saved_tensors_default_hooks``), which a block's own hooks hand on to;
+  (``torch._C._autograd._top_saved_tensors_default_hooks``), which a block's own hooks hand on to (:func:`hooks_around`,
+  :func:`hand_on`, :func:`handed_back`: the rebuild's recipes, the memory report's recorder, the offload lever);
   :func:`checkpoint_hook`: whether a pack hook is ``torch.utils.checkpoint``'s own (inside a checkpoint nothing is
   kept anyway).
 - :func:`version`: a tensor's version counter (``_version``), which in-place changes move: a recipe holds only
@@ -69,10 +70,47 @@ def saved_input(output: Any) -> Any:
     return getattr(output.grad_fn, "_saved_input", None)
 
 
-def saved_tensors_hooks_in_force() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+"""A pack hook and its unpack hook."""
+
+
+def saved_tensors_hooks_in_force() -> Hooks | None:
     """The innermost saved-tensor hooks in force (pack, unpack), None if there are none."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return top(False) if top is not None else None
+
+
+def hooks_around() -> tuple[bool, Hooks | None]:
+    """Whether a block's own saved-tensor hooks may keep anything here (not inside a checkpoint, whose forward and
+    recomputation keep nothing anyway), and the hooks in force around them, to hand on to (:func:`hand_on`)."""
+    outer = saved_tensors_hooks_in_force()
+    return outer is None or not checkpoint_hook(outer[0]), outer
+
+
+class HandedOn:
+    """A tensor a block's own hooks did not keep themselves, packed by the hooks in force around them; its
+    ``unpack()`` is theirs."""
+
+    __slots__ = ("_unpack", "packed")
+
+    def __init__(self, packed: Any, unpack: Callable[[Any], torch.Tensor]) -> None:
+        self.packed, self._unpack = packed, unpack
+
+    def unpack(self) -> torch.Tensor:
+        return self._unpack(self.packed)
+
+
+def hand_on(tensor: torch.Tensor, outer: Hooks | None) -> Any:
+    """``tensor`` as the hooks around a block's own would save it: packed by ``outer`` (a :class:`HandedOn`, that
+    :func:`handed_back` unpacks), or kept as autograd keeps it where there are none. So the counts and movers of
+    saved tensors outside (the planner's measurement, the memory report, the spill emulator) see what the block's
+    hooks leave as they would see it without them."""
+    return kept(tensor) if outer is None else HandedOn(outer[0](tensor), outer[1])
+
+
+def handed_back(saved: Any) -> torch.Tensor:
+    """What :func:`hand_on` saved, as a tensor again."""
+    return saved.unpack() if isinstance(saved, HandedOn) else saved
 
 
 def checkpoint_hook(pack: Any) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -238,6 +239,8 @@ class StepMeter:
                 if name is not None:
                     for key, size in shares.items():
                         saved[name][key] = saved[name].get(key, 0) + size
+        given_to = Counter(key for link in links for key in inputs[link.name])  # how many links take each storage
+        chain = {link.name for link in links}
         profiles = []
         for link in every:
             if not spans[link.name] or link.name in changes_input:
@@ -250,8 +253,8 @@ class StepMeter:
                 continue
             ms = sum(start.elapsed_time(end) if self.cuda else (end - start) * 1e3 for start, end in spans[link.name])
             own = saved[link.name]
-            others = {key for other in links if other.name != link.name for key in inputs[other.name]}
-            given_in = tuple((own[k], k in others) for k in sorted(inputs[link.name]) if own.get(k, 0))
+            mine = int(link.name in chain)  # a part is no link: any link's taking it counts (its block's does)
+            given_in = tuple((own[k], given_to[k] > mine) for k in sorted(inputs[link.name]) if own.get(k, 0))
             profiles.append(
                 BlockProfile(
                     link.name,

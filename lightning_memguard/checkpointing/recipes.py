@@ -196,18 +196,7 @@ def batch_stats(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     return None
 
 
-_Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
-"""A pack hook and its unpack hook."""
-_Outer = _Hooks | None
-
-
-class _Passed:
-    """A tensor packed by the hooks around the block, to be unpacked by them."""
-
-    __slots__ = ("packed",)
-
-    def __init__(self, packed: Any) -> None:
-        self.packed = packed
+_Outer = _autograd.Hooks | None
 
 
 def may_rebuild(module: nn.Module) -> tuple[bool, _Outer]:
@@ -215,8 +204,7 @@ def may_rebuild(module: nn.Module) -> tuple[bool, _Outer]:
     checkpoint, which frees everything already), and the saved-tensor hooks around it."""
     if not torch.is_grad_enabled() or not module.training or _compiler.compiling():
         return False, None
-    outer = _autograd.saved_tensors_hooks_in_force()  # the hooks around the block's forward
-    return outer is None or not _autograd.checkpoint_hook(outer[0]), outer
+    return _autograd.hooks_around()  # the hooks around the block's forward
 
 
 _RECIPES: dict[int, tuple[weakref.ref[torch.Tensor], _Saved, int | None]] = {}
@@ -260,7 +248,7 @@ def registered(t: Any) -> Recipe | None:
     return recipe if isinstance(recipe, Recipe) else None
 
 
-def recipe_hooks(outer: _Outer) -> _Hooks:
+def recipe_hooks(outer: _Outer) -> _autograd.Hooks:
     """Pack and unpack hooks that save a recipe where a tensor has one, and hand anything else to ``outer``."""
 
     def pack(t: torch.Tensor) -> Any:
@@ -268,12 +256,12 @@ def recipe_hooks(outer: _Outer) -> _Hooks:
         if recipe is not None:
             recipe.packed += 1
             return recipe
-        return _autograd.kept(t) if outer is None else _Passed(outer[0](t))
+        return _autograd.hand_on(t, outer)
 
     def unpack(saved: Any) -> torch.Tensor:
         if isinstance(saved, Recipe | Activated):
             return saved.rebuild()
-        return saved if outer is None else outer[1](saved.packed)
+        return _autograd.handed_back(saved)
 
     return pack, unpack
 

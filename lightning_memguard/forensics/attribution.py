@@ -149,17 +149,12 @@ class SavedTensorRecorder:
 
         return hook
 
-    def _saved_pair(self, outer: Any) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
-        outer_pack, outer_unpack = outer if outer is not None else (None, None)
-
+    def _saved_pair(self, outer: _autograd.Hooks | None) -> _autograd.Hooks:
         def pack(tensor: torch.Tensor) -> Any:
             self._count(tensor)
-            return outer_pack(tensor) if outer_pack is not None else _autograd.kept(tensor)
+            return _autograd.hand_on(tensor, outer)
 
-        def unpack(packed: Any) -> torch.Tensor:
-            return outer_unpack(packed) if outer_unpack is not None else packed
-
-        return pack, unpack
+        return pack, _autograd.handed_back
 
     def _count(self, tensor: torch.Tensor) -> None:
         if not _autograd.in_backward():  # a checkpoint's recomputation is not the forward

@@ -295,13 +295,17 @@ class LeverPlan:
             lines.append(f"recompute_pointwise(model, units={self.pointwise!r})")
         elif "pointwise" in kinds:
             lines.append(f"the injected pointwise lever's apply(model, {kinds['pointwise']!r})")
-        offloaded = self.offloaded or [name for kind in OFFLOADED for name in kinds.get(kind, [])]
+        offloaded = self.offloaded or self._offloaded_links()
         if offloaded:  # plan.offload holds the planned model's modules: a fresh copy needs its own
             lines.append(
                 f"offload = ActivationOffload([model.get_submodule(name) for name in {offloaded!r}])  # enter it"
                 " around the training steps: with offload: ..."
             )
         return lines
+
+    def _offloaded_links(self) -> list[str]:
+        """The links an offload holds the tensors of (:data:`OFFLOADED` kinds), by name."""
+        return [name for name, option in self.links.items() if option.kind in OFFLOADED]
 
     def record(self) -> dict[str, Any]:
         """What was chosen as plain data (bools, strings, lists of strings), to keep beside a checkpoint and hand to
@@ -316,8 +320,7 @@ class LeverPlan:
             >>> LeverPlan(True, links, 100, 50, checkpointed=["h.0"], pointwise=["h.1"], loss_module="model").record()
             {'version': 1, 'fused_loss': True, 'loss_module': 'model', 'checkpointed': ['h.0'], 'pointwise': ['h.1']}
         """
-        kinds = self.kinds()
-        offloaded = [name for kind in OFFLOADED for name in kinds.get(kind, [])]
+        offloaded = self._offloaded_links()
         if offloaded:
             raise ValueError(
                 f"the plan offloads {offloaded!r}: offload is a context around the training steps (enter"

@@ -24,7 +24,7 @@ import psutil
 import torch
 from torch import nn
 
-from lightning_memguard._autograd import checkpoint_hook, kept, saved_tensors_hooks_in_force, version, view_root
+from lightning_memguard._autograd import Hooks, hand_on, handed_back, hooks_around, version, view_root
 from lightning_memguard.core.checks import check_callable, check_fraction, check_size
 from lightning_memguard.core.units import format_size
 
@@ -105,6 +105,37 @@ class CudaCopyStreams:
         self._compute().wait_event(event)
 
 
+class HostCopies:
+    """:class:`CopyStreams` that make each copy at once, on the calling thread: offload's bookkeeping, and the levers'
+    planner's choice with it (``plan_levers(..., offload_streams=HostCopies())``), run on the CPU, where no side
+    stream hides anything (a test, a dry run). ``to_host_calls``: the copies to the host made so far.
+
+    Example:
+        >>> copies = HostCopies()
+        >>> host = torch.empty(3)
+        >>> copies.to_host(torch.ones(3), host)
+        >>> host.tolist(), copies.to_host_calls
+        ([1.0, 1.0, 1.0], 1)
+    """
+
+    def __init__(self) -> None:
+        self.to_host_calls = 0
+
+    def to_host(self, tensor: torch.Tensor, host: torch.Tensor) -> None:
+        host.copy_(tensor)
+        self.to_host_calls += 1
+
+    def to_host_event(self) -> None:
+        return None
+
+    def to_device(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: Any) -> None:
+        for host, device in pairs:
+            device.copy_(host)
+
+    def wait(self, event: Any) -> None:
+        return None
+
+
 def pinned_buffer(nbytes: int) -> torch.Tensor:
     """A host buffer of ``nbytes`` bytes (``uint8``), the default host allocator: pinned where CUDA is there to pin
     it (copy streams injected on a machine without it get plain host memory)."""
@@ -182,18 +213,6 @@ def exposed_transfer_ms(
             clock = max(clock, back[i])
         clock += backward_ms[i]
     return round(clock - plain, 6)
-
-
-_Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]  # a pack hook and its unpack hook
-
-
-class _HandedOn:
-    """A tensor an offloaded block saved and the offload did not move, as the hooks outside its own packed it."""
-
-    __slots__ = ("packed", "unpack")
-
-    def __init__(self, packed: Any, unpack: Callable[[Any], torch.Tensor]) -> None:
-        self.packed, self.unpack = packed, unpack
 
 
 class _BlockCall:
@@ -389,9 +408,8 @@ class ActivationOffload:
             call = _BlockCall(index, self._seq)
             self._seq += 1
             hooks = None
-            outer = saved_tensors_hooks_in_force()
-            inside_checkpoint = outer is not None and checkpoint_hook(outer[0])  # it keeps nothing: nothing to move
-            if index in self.offloaded and index not in self.dropped and not inside_checkpoint:
+            may_keep, outer = hooks_around()  # inside a checkpoint nothing is kept: nothing to move
+            if index in self.offloaded and index not in self.dropped and may_keep:
                 hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(call, t, outer), self._unpack)
                 hooks.__enter__()
             self._stack.append((call, hooks))
@@ -422,9 +440,11 @@ class ActivationOffload:
             return False
         return not _is_cast_parameter(t)
 
-    def _pack(self, call: _BlockCall, t: torch.Tensor, outer: _Hooks | None) -> Any:
+    def _pack(self, call: _BlockCall, t: torch.Tensor, outer: Hooks | None) -> Any:
+        # what is not moved is handed on to the hooks outside these (the planner's count, the memory report, the
+        # spill emulator), which count it, or move it, by their own rules, as without the offload
         if call.index in self.dropped or not self._offloadable(t):
-            return self._keep(t, outer)
+            return hand_on(t, outer)
         key = _key(t)
         if key in self._held:
             handle = self._held[key][1]()
@@ -433,7 +453,7 @@ class ActivationOffload:
         nbytes = t.numel() * t.element_size()
         bucket = self._take(bucket_size(nbytes), call.index, nbytes)
         if bucket is None:
-            return self._keep(t, outer)
+            return hand_on(t, outer)
         stride = torch.empty_like(t, device="meta").stride()  # the device tensor's layout, where it is dense
         host = bucket[:nbytes].view(t.dtype).as_strided(t.shape, stride)
         self._streams.to_host(t, host)  # type: ignore[union-attr]
@@ -444,16 +464,6 @@ class ActivationOffload:
         self.moved_bytes += nbytes
         self.block_bytes[call.index] = self.block_bytes.get(call.index, 0) + nbytes
         return handle
-
-    @staticmethod
-    def _keep(t: torch.Tensor, outer: _Hooks | None) -> Any:
-        """``t`` not moved: handed on to the saved-tensor hooks that were in force outside these (the planner's
-        measurement, the memory report, the spill emulator: each then counts it, or moves it, by its own rules, as
-        without the offload), else kept as autograd would keep it. What was moved none of them sees."""
-        if outer is None:
-            return kept(t)
-        pack, unpack = outer
-        return _HandedOn(pack(t), unpack)
 
     # --- host memory: a pool of power-of-two buffers, bounded ---------------------------------------------------
 
@@ -524,16 +534,15 @@ class ActivationOffload:
             call.waited = False
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        if isinstance(packed, _HandedOn):
-            return packed.unpack(packed.packed)
+        if not isinstance(packed, _Offloaded):
+            return handed_back(packed)
         call = packed.call
         if packed.device is None:  # the gradient did not pass the block's output first
             self._before_backward(call)
         if not call.waited:
             self._streams.wait(call.fetched)  # type: ignore[union-attr]
             call.waited = True
+        assert packed.device is not None  # fetched by _before_backward
         return packed.device
 
 

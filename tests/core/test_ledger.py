@@ -324,26 +324,9 @@ def test_a_step_that_raises_under_the_saved_tensor_hooks_leaves_nothing_alive(ho
 # ---------------------------------------------------------------- what an offload keeps, past the hooks outside it
 
 
-class _HostCopies:
-    """Copy streams on the CPU for ``ActivationOffload``: each copy made at once."""
-
-    def to_host(self, tensor: torch.Tensor, host: torch.Tensor) -> None:
-        host.copy_(tensor)
-
-    def to_host_event(self) -> None:
-        return None
-
-    def to_device(self, pairs: Any, after: Any) -> None:
-        for host, device in pairs:
-            device.copy_(host)
-
-    def wait(self, event: Any) -> None:
-        pass
-
-
 @pytest.mark.parametrize("moved", [False, True])
 def test_what_an_offload_keeps_on_the_device_is_counted_alike_by_all_three_and_what_it_moves_by_none(moved):
-    from lightning_memguard.levers.offload import ActivationOffload
+    from lightning_memguard.levers.offload import ActivationOffload, HostCopies
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
@@ -364,7 +347,7 @@ def test_what_an_offload_keeps_on_the_device_is_counted_alike_by_all_three_and_w
     activation = 512 * 256 * 4
     plain = counts(None)
     assert plain == (2 * activation,) * 3  # net.1's input; the ReLU's output, which net.3 saves too
-    offload = ActivationOffload([net[0], net[1], net[3]], min_bytes=1 if moved else 2**20, streams=_HostCopies())
+    offload = ActivationOffload([net[0], net[1], net[3]], min_bytes=1 if moved else 2**20, streams=HostCopies())
     offloaded = counts(offload)
     # moved: the batch (net.0's input: it existed before, and is held by its caller), net.1's input, and net.3's,
     # whose storage the ReLU (not offloaded) still keeps on the device. Kept: the batch too, which none counts

@@ -18,32 +18,11 @@ from lightning_memguard.checkpointing import apply_plan, is_checkpointed
 from lightning_memguard.checkpointing.measure import StepMeter
 from lightning_memguard.checkpointing.model_map import map_model
 from lightning_memguard.levers.choose import LeverPlan, LinkOption, choose_levers
-from lightning_memguard.levers.offload import ActivationOffload
+from lightning_memguard.levers.offload import ActivationOffload, HostCopies
 from lightning_memguard.levers.plan_levers import block_input_bytes, plan_levers
 
 WIDTH, ROWS = 512, 1024  # each block's input: 2 MiB of float32, above the offload's 1 MiB floor
 MIB = 2**20
-
-
-class HostCopies:
-    """Copy streams on the CPU: each copy made at once, counted."""
-
-    def __init__(self) -> None:
-        self.to_host_calls = 0
-
-    def to_host(self, tensor: torch.Tensor, host: torch.Tensor) -> None:
-        host.copy_(tensor)
-        self.to_host_calls += 1
-
-    def to_host_event(self) -> None:
-        return None
-
-    def to_device(self, pairs, after) -> None:
-        for host, device in pairs:
-            device.copy_(host)
-
-    def wait(self, event) -> None:
-        pass
 
 
 class Block(nn.Module):
