@@ -1,8 +1,9 @@
 """Overlapped activation offload: the tensors a chosen block saves for its backward wait in pinned host memory.
 
 While a chosen block's forward runs, ``saved_tensors_hooks`` copy each activation it saves (not parameters, not
-their autocast copies, nothing under ``min_bytes``) into a pinned host buffer on a side stream, and the device memory
-is given back once the copy is done; the forward goes on meanwhile. When the gradient reaches a block's output (just
+their autocast copies, nothing under ``min_bytes``, nothing that is not dense) into a pinned host buffer on a side
+stream; the forward goes on meanwhile, and when the next block ends the compute stream waits for those copies and
+their device memory is given back (stream-ordered: reused at once). When the gradient reaches a block's output (just
 before that block's backward), its tensors are brought back if they are not yet, and the block before it is
 prefetched on a second side stream, so each block's copies back run under the next block's backward. The compute
 stream waits on the copy's event before it uses a tensor; the gradients are the plain model's, bit for bit.
@@ -40,8 +41,9 @@ class CopyStreams(Protocol):
     GPU; a test injects one that records the calls)."""
 
     def to_host(self, tensor: torch.Tensor, host: torch.Tensor) -> None:
-        """Queue ``host.copy_(tensor)`` behind the compute stream's work so far; ``tensor``'s device memory is not
-        reused before the copy is done."""
+        """Queue ``host.copy_(tensor)`` behind the compute stream's work so far. The caller keeps ``tensor`` until the
+        compute stream waited (:meth:`wait`) for a later :meth:`to_host_event`: its memory is then given back in the
+        compute stream's order, and reused at once."""
 
     def to_host_event(self) -> Any:
         """An event that completes once every copy to the host queued so far is done."""
@@ -84,7 +86,6 @@ class CudaCopyStreams:
         self.to_host_stream.wait_stream(self._compute())  # the values are written
         with torch.cuda.stream(self.to_host_stream):
             host.copy_(tensor, non_blocking=True)
-        tensor.record_stream(self.to_host_stream)  # its memory is reused only once the copy is done
 
     def to_host_event(self) -> Any:
         event = self._event()
@@ -217,11 +218,13 @@ def exposed_transfer_ms(
 
 class _BlockCall:
     """One forward call of a block of the chain: its place in the step, its offloaded tensors (weakly: autograd owns
-    them), the event of their copies to the host and, once fetched, of their copies back."""
+    them) and the device tensors they were copied from (until the compute stream waited for the copies), the event
+    of their copies to the host and, once fetched, of their copies back."""
 
     def __init__(self, index: int, seq: int) -> None:
         self.index, self.seq = index, seq
         self.handles: list[weakref.ref[_Offloaded]] = []
+        self.sources: list[torch.Tensor] = []  # the device tensors copied, kept until the compute stream waited
         self.offloaded: Any = None
         self.fetched: Any = None
         self.waited = False
@@ -334,6 +337,7 @@ class ActivationOffload:
         self.dropped: list[int] = []
         self._pool: dict[int, list[torch.Tensor]] = {}
         self._calls: list[_BlockCall] = []  # this step's calls with tensors offloaded, in forward order
+        self._copying: list[_BlockCall] = []  # calls whose device tensors wait for their copies to the host
         self._seq = 0
         # the tensors offloaded by the block running (and the one before's output): a tensor saved again while it
         # is held here is the same tensor, and is not copied twice
@@ -380,6 +384,7 @@ class ActivationOffload:
             if entry is not None and entry[1] is not None:
                 entry[1].__exit__(None, None, None)
         self._active = False
+        self._settle()
         self._held.clear()
         self._pool.clear()  # tensors autograd still holds keep their buffers until it lets them go
         self.host_bytes = self.in_use_bytes
@@ -426,9 +431,11 @@ class ActivationOffload:
         outputs = _tensors(output)
         kept = {_key(t) for t in outputs}  # the next block may save this block's output again
         self._held = {k: v for k, v in self._held.items() if k in kept}
+        self._settle()  # the blocks before: their copies ran under this block's forward
         if call.alive:
             call.offloaded = self._streams.to_host_event()  # type: ignore[union-attr]
             self._calls.append(call)
+            self._copying.append(call)
         grad_output = next((t for t in outputs if t.requires_grad), None)
         if grad_output is not None:  # the gradient reaches the block's output: its backward is next
             grad_output.register_hook(lambda grad: self._before_backward(call))
@@ -445,6 +452,12 @@ class ActivationOffload:
         # spill emulator), which count it, or move it, by their own rules, as without the offload
         if call.index in self.dropped or not self._offloadable(t):
             return hand_on(t, outer)
+        stride = torch.empty_like(t, device="meta").stride()  # the layout of a dense tensor like it
+        if stride != t.stride():
+            # not dense (a slice, an expanded or strided view): its copy would need a dense temporary on the copy
+            # stream and, to the host, one in pageable memory that blocks the host; and the backward would get
+            # other strides. It stays on the device
+            return hand_on(t, outer)
         key = _key(t)
         if key in self._held:
             handle = self._held[key][1]()
@@ -454,9 +467,9 @@ class ActivationOffload:
         bucket = self._take(bucket_size(nbytes), call.index, nbytes)
         if bucket is None:
             return hand_on(t, outer)
-        stride = torch.empty_like(t, device="meta").stride()  # the device tensor's layout, where it is dense
         host = bucket[:nbytes].view(t.dtype).as_strided(t.shape, stride)
         self._streams.to_host(t, host)  # type: ignore[union-attr]
+        call.sources.append(t)
         handle = _Offloaded(self, call, host, bucket)
         call.handles.append(weakref.ref(handle))
         call.alive += 1
@@ -513,8 +526,18 @@ class ActivationOffload:
 
     # --- the backward: each block fetched, the offloaded one before it prefetched --------------------------------
 
+    def _settle(self) -> None:
+        """The compute stream waits for the copies to the host queued so far, and their device tensors are let go:
+        their memory is reused in the compute stream's order, at once (a tensor the copy stream merely recorded
+        stays allocated until the copy is seen done, and the host queues a step far ahead of the device)."""
+        for call in self._copying:
+            self._streams.wait(call.offloaded)  # type: ignore[union-attr]
+            call.sources.clear()
+        self._copying.clear()
+
     def _before_backward(self, call: _BlockCall) -> None:
         self._held.clear()
+        self._settle()
         if call in self._calls:
             self._fetch(call)
         earlier = [c for c in self._calls if c.seq < call.seq]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -58,8 +59,8 @@ class RecordedCopies:
         self.log.append(("to_device", after[1]))
         return ("fetched", after[1])
 
-    def wait(self, event):
-        self.log.append(("wait", event[1]))
+    def wait(self, event):  # for copies back ("wait") or, before their device tensors go, to the host ("released")
+        self.log.append(("wait" if event[0] == "fetched" else "released", event[1]))
 
 
 def _step(model, x, offload=None, log=None):
@@ -100,8 +101,11 @@ def test_each_block_copies_its_activations_out_and_gets_them_back_one_block_ahea
     assert {tuple(t.shape) for t in copies.copied} == {(BATCH, w) for w in (64, 65, 66, 67, 68)}
     assert len(copies.copied) == 3 + 2 + 2 + 2
     assert copies.log == [
-        *[("to_host", 0)] * 3, *[("to_host", k) for k in (1, 1, 2, 2, 3, 3)],  # the forward, in order
-        ("to_device", 3), ("to_device", 2),  # the gradient reaches block 3: it is fetched, block 2 prefetched
+        # the forward, in order; a block's copies are waited for (and their device tensors let go) as the next ends
+        *[("to_host", 0)] * 3, *[("to_host", 1)] * 2, ("released", 0), *[("to_host", 2)] * 2, ("released", 1),
+        *[("to_host", 3)] * 2, ("released", 2),
+        # the gradient reaches block 3: its copies waited for, it is fetched and block 2 prefetched
+        ("released", 3), ("to_device", 3), ("to_device", 2),
         ("wait", 3), ("wait", 2), ("backward", 3),  # block 3 uses its input, block 2's output (offloaded by 2)
         ("to_device", 1), ("wait", 1), ("backward", 2),  # block 2's backward: block 1 prefetched, block 2 is back
         ("to_device", 0), ("wait", 0), ("backward", 1),
@@ -252,3 +256,59 @@ def test_inside_a_checkpoint_it_moves_nothing_the_checkpoint_keeps_nothing_there
     # its recomputation, where their tensors live until their backward only
     assert {k for way, k in copies.log if way == "to_host"} == {0, 1}  # the k-th call with tensors moved: 2 and 3
     assert len(copies.copied) == 3 + 2  # block 2's input too: block 1, in the checkpoint, did not move its output
+
+
+def test_a_blocks_device_tensors_are_held_until_the_compute_stream_waited_for_their_copies_then_let_go():
+    class Watched(RecordedCopies):
+        """Copies that watch each block's device tensors: alive when the compute stream waits for their copies (the
+        copy stream still reads them), gone from the offload at once after (their memory reused in order)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.sources: dict[int, list] = {}
+            self.seen: list[tuple[int, bool, bool]] = []
+            self.batch = None
+
+        def to_host(self, tensor, host):
+            host.copy_(tensor)
+            self.sources.setdefault(self._calls, []).append(weakref.ref(tensor))
+            self.log.append(("to_host", self._calls))
+
+        def wait(self, event):
+            super().wait(event)
+            if event[0] == "offloaded":
+                k = event[1]
+                earlier = [ref for j, refs in self.sources.items() if j < k for ref in refs]
+                alive = [ref() for ref in earlier if ref() is not None and ref() is not self.batch]  # the test holds x
+                self.seen.append((k, all(ref() is not None for ref in self.sources[k]), bool(alive)))
+
+    model, plain = _model(), _model()
+    x = torch.randn(BATCH, 64)
+    copies = Watched()
+    copies.batch = x
+    grads = _step(model, x, _offload(model, copies))
+    assert all(torch.equal(a, b) for a, b in zip(grads, _step(plain, x), strict=True))
+    # each block's tensors alive when waited for, those of the blocks before already gone; block 3's at the backward
+    assert copies.seen == [(0, True, False), (1, True, False), (2, True, False), (3, True, False)]
+    assert [k for way, k in copies.log if way == "released"] == [0, 1, 2, 3]
+
+
+def test_a_saved_tensor_that_is_not_dense_stays_on_the_device_and_the_gradients_match():
+    class Sliced(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(64, 128)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            wide = self.fc(x)
+            return wide[:, :64] * wide[:, 64:]  # mul saves two column slices: strided, not dense
+
+    torch.manual_seed(0)
+    model, plain = nn.Sequential(Sliced(), nn.Linear(64, 1)), None
+    plain = copy.deepcopy(model)
+    x = torch.randn(BATCH, 64)
+    copies = RecordedCopies()
+    grads = _step(model, x, ActivationOffload([model[0]], min_bytes=1024, streams=copies, ram=lambda: 10**9))
+    assert all(torch.equal(a, b) for a, b in zip(grads, _step(plain, x), strict=True))
+    assert [tuple(t.shape) for t in copies.copied] == [(BATCH, 64)]  # the input only: the slices stayed
+    assert all(t.is_contiguous() for t in copies.copied)
