@@ -167,11 +167,12 @@ def exposed_transfer_ms(
     between_ms: float = 0.0,
 ) -> float:
     """The time a step loses to offload's copies, simulated as :class:`ActivationOffload` queues them: blocks in
-    forward order, each block's copy to the host queued as its forward ends (the forward never waits for it), the
-    head's work (``between_ms``) between the last forward and the last backward; when the gradient reaches a block,
-    its tensors are fetched if they are not yet (an offloaded last block is exposed) and the nearest offloaded block
-    before it is prefetched; one copy at a time in each direction at ``bandwidth_gb_s``; a block's backward starts
-    when its tensors are back.
+    forward order, each block's copy to the host queued as its forward ends, and waited for as the next block's
+    forward ends (its device memory is given back then: a copy slower than the next block's forward holds the
+    forward); the head's work (``between_ms``) between the last forward and the last backward, the copies still
+    running waited for as the backward begins; when the gradient reaches a block, its tensors are fetched if they
+    are not yet (an offloaded last block is exposed) and the nearest offloaded block before it is prefetched; one
+    copy at a time in each direction at ``bandwidth_gb_s``; a block's backward starts when its tensors are back.
 
     Args:
         forward_ms: each block's forward time.
@@ -185,16 +186,19 @@ def exposed_transfer_ms(
         20.0
         >>> exposed_transfer_ms([10] * 4, [20] * 4, [10**9] * 3 + [0], 100.0, between_ms=10)  # all hidden
         0.0
+        >>> exposed_transfer_ms([10] * 4, [20] * 4, [10**9, 0, 0, 0], 25.0)  # block 1's forward waits 30 ms
+        30.0
     """
     per_ms = bandwidth_gb_s * 1e6
-    clock, to_host_free, offloaded = 0.0, 0.0, {}
+    clock, to_host_free, offloaded, copying = 0.0, 0.0, {}, 0.0
     for i, (ms, nbytes) in enumerate(zip(forward_ms, moved_bytes, strict=True)):
-        clock += ms
+        clock = max(clock + ms, copying)  # the blocks before this one: their copies waited for as it ends
+        copying = 0.0
         if nbytes:
             to_host_free = max(to_host_free, clock) + nbytes / per_ms
-            offloaded[i] = to_host_free
-    clock += between_ms
-    plain = clock + sum(backward_ms)
+            offloaded[i] = copying = to_host_free
+    clock = max(clock + between_ms, copying)
+    plain = sum(forward_ms) + between_ms + sum(backward_ms)
     to_device_free, back = 0.0, {}
     order = sorted(offloaded, reverse=True)
 

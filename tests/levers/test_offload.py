@@ -233,6 +233,9 @@ def test_copies_hide_behind_the_next_blocks_compute_except_the_last_blocks():
     # 40 more, and each block's copy back takes 40 ms behind a 20 ms backward: 130 + 40 + 3 * 20
     assert exposed_transfer_ms([10] * 4, [20] * 4, [10**9] * 4, 25.0) == 230.0
     assert exposed_transfer_ms([10] * 4, [20] * 4, [10**9, 10**9, 0, 0], 100.0, between_ms=5) == 0.0
+    # a block's copy is waited for as the next block's forward ends (its memory is given back then): a 40 ms copy
+    # behind a 10 ms forward holds the forward 30 ms, however long the head after it
+    assert exposed_transfer_ms([10] * 4, [20] * 4, [10**9, 0, 0, 0], 25.0, between_ms=100) == 30.0
 
 
 def test_inside_a_checkpoint_it_moves_nothing_the_checkpoint_keeps_nothing_there():
