@@ -393,7 +393,9 @@ class LeverSearch:
        against freed as predicted) says would close it, so that a miss that grows with the set (a share of each
        link's bytes) is caught as well as one that does not (the one block recomputed in backward). The
        :data:`ROUNDS`-th set is the one that frees the most (the floor). The result is the first set measured within
-       the budget, else the one of the lowest peak; the last proposal is always the result's own set, measured.
+       the budget, else the one of the lowest peak; where that one offloads, the floor without offload is measured
+       as well and the lower taken (copies that do not free on the card what they free in the count cannot make a
+       plan worse than recomputation alone). The last proposal is always the result's own set, measured.
 
     Args:
         budget: the peak to stay under, bytes, or a fraction of the first measured peak (a float).
@@ -433,6 +435,7 @@ class LeverSearch:
         self._loss_bytes: int | None = None
         self._choices: list[tuple[Choice, int, int]] = []  # each set measured: its choice, predicted, measured peak
         self._final: tuple[Choice, int, int] | None = None
+        self._copyless = False  # the floor without offload was proposed (an offloading set measured over the budget)
         self._last = Proposal(False)
         self.tried: list[tuple[str, int]] = []
 
@@ -468,7 +471,7 @@ class LeverSearch:
         elif self._phase == "links":
             choice, predicted, _ = self._choices[-1]
             self._choices[-1] = (choice, predicted, measured.peak)
-            if measured.peak <= self.budget:  # type: ignore[operator]
+            if measured.peak <= self.budget or self._copyless:  # type: ignore[operator]
                 self._finish()
             else:
                 self._choose()
@@ -533,9 +536,22 @@ class LeverSearch:
         return max(need, gap)
 
     def _finish(self) -> None:
-        """The first set measured within the budget, else the one of the lowest peak."""
+        """The first set measured within the budget, else the one of the lowest peak. Where none held and the lowest
+        offloads (its copies may hold memory the prediction freed: a card's streams, not the CPU's ledger), the floor
+        without offload is measured too, once, and the lower of the two taken."""
         held = [c for c in self._choices if c[2] <= self.budget]  # type: ignore[operator]
-        self._end(*(held[0] if held else min(self._choices, key=lambda c: c[2])))
+        lowest = min(self._choices, key=lambda c: c[2])
+        if not held and not self._copyless and any(o.kind in OFFLOADED for o in lowest[0].links.values()):
+            self._copyless = True
+            assert self._start is not None
+            options = {name: [o for o in held_options if o.kind not in OFFLOADED]
+                       for name, held_options in self._start.links.items()}  # fmt: skip
+            choice = choose_levers(options, float("inf"), self.host_limit)
+            if choice.links and all(choice.links != c[0].links for c in self._choices):
+                self._choices.append((choice, self._start.peak - choice.freed_bytes, self._start.peak))
+                self._phase, self._pending = "links", Proposal(self._loss, choice.links)
+                return
+        self._end(*(held[0] if held else lowest))
 
     def _end(self, choice: Choice, predicted: int, peak: int) -> None:
         """Settle for ``choice``: done where the model is as it says (the last proposal), else measured once more."""

@@ -258,3 +258,28 @@ def test_the_chooser_imports_neither_torch_nor_lightning():
     imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not [m for m in imported if m.split(".")[0] in ("torch", "lightning")]
     assert all(not m.startswith("lightning_memguard") or m == "lightning_memguard.core.units" for m in imported)
+
+
+def test_where_offloaded_inputs_do_not_free_on_the_card_what_they_count_the_floor_without_offload_is_measured_too():
+    links = {f"h.{i}": [block(100, 1.0), LinkOption("block_offload", 130, 1.5, host_bytes=32)] for i in range(4)}
+
+    def card(copies: int):  # the copies hold ``copies`` bytes more than the count says
+        def measure(proposal: Proposal) -> Measurement:
+            held = copies if any(o.kind == "block_offload" for o in proposal.links.values()) else 0
+            return Measurement(1000 - sum(o.freed_bytes for o in proposal.links.values()) + held, "h.0", links)
+
+        return measure
+
+    search = LeverSearch(budget=500)
+    proposals = run(search, card(200))
+    kinds = [sorted({o.kind for o in p.links.values()}) for p in proposals]
+    # the floor with every input offloaded measures 680, recomputation alone 600: that one is the plan, measured last
+    assert kinds[1] == ["block_offload"] and kinds[-1] == ["block"]
+    plan = search.result
+    assert not plan.held and plan.measured_bytes == 600 and set(plan.kinds()) == {"block"} and plan.host_bytes == 0
+    assert proposals[-1].links == plan.links
+    # where the offloaded floor is the lower, it stays the plan; and recomputation's floor is measured once only
+    search = LeverSearch(budget=400)
+    proposals = run(search, card(0))
+    assert set(search.result.kinds()) == {"block_offload"} and search.result.measured_bytes == 480
+    assert sum(1 for p in proposals if {o.kind for o in p.links.values()} == {"block"}) == 1
