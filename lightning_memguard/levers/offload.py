@@ -524,6 +524,9 @@ class ActivationOffload:
         else:
             self.host_bytes -= size
         call = handle.call
+        if handle.device is not None and not call.waited:  # fetched, never used (a backward cut short): the compute
+            self._streams.wait(call.fetched)  # type: ignore[union-attr]  # stream must not reuse it mid-copy
+            call.waited = True
         call.alive -= 1
         if not call.alive and call in self._calls:
             self._calls.remove(call)

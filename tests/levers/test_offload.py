@@ -315,3 +315,28 @@ def test_a_saved_tensor_that_is_not_dense_stays_on_the_device_and_the_gradients_
     assert all(torch.equal(a, b) for a, b in zip(grads, _step(plain, x), strict=True))
     assert [tuple(t.shape) for t in copies.copied] == [(BATCH, 64)]  # the input only: the slices stayed
     assert all(t.is_contiguous() for t in copies.copied)
+
+
+def test_tensors_fetched_for_a_backward_cut_short_are_waited_for_before_their_memory_goes_back():
+    model = _model()
+    x = torch.randn(BATCH, 64)
+    copies = RecordedCopies()
+    offload = _offload(model, copies)
+
+    def cut(grad):
+        raise RuntimeError("out of memory (a test)")
+
+    def on_output(module, args, out):
+        out.register_hook(cut)
+
+    with offload:
+        hook = model[2].register_forward_hook(on_output)
+        loss = model(x).square().mean()
+        with pytest.raises(RuntimeError, match="a test"):
+            loss.backward()  # the gradient reached block 2's output: block 1 prefetched, and never used
+        assert copies.log[-1] == ("to_device", 1) and offload.in_use_bytes > 0
+        copies.copied.clear()  # the recorder's hold on the graph
+        del loss  # the graph goes: the compute stream waits for block 1's copies back before it reuses that memory
+    assert copies.log[-1] == ("wait", 1)
+    assert offload.in_use_bytes == 0
+    hook.remove()
