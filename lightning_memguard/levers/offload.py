@@ -458,9 +458,9 @@ class ActivationOffload:
             return hand_on(t, outer)
         stride = torch.empty_like(t, device="meta").stride()  # the layout of a dense tensor like it
         if stride != t.stride():
-            # not dense (a slice, an expanded or strided view): its copy would need a dense temporary on the copy
-            # stream and, to the host, one in pageable memory that blocks the host; and the backward would get
-            # other strides. It stays on the device
+            # not dense (a slice, an expanded or strided view): its copy would first make it dense in a kernel on
+            # the copy stream, in memory of that stream's own pool, and the backward would get other strides. It
+            # stays on the device
             return hand_on(t, outer)
         key = _key(t)
         if key in self._held:
