@@ -720,7 +720,10 @@ def test_a_cpu_sweep_on_an_emulated_card_shows_the_spill_as_a_slowdown():
     assert spills.samples_per_sec < fits.samples_per_sec
 
 
-def test_plan_levers_prints_the_levers_plan_every_set_measured_and_the_calls(capsys):
+def test_plan_levers_prints_the_levers_plan_every_set_measured_and_the_calls(capsys, monkeypatch):
+    from conftest import ticking_planner_clocks
+
+    ticking_planner_clocks(monkeypatch)  # the plan follows the step's structure, not this machine's load
     assert main(["plan", *TINY, "--effective-batch", "8", "--levers", "0.5"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("levers: block recomputed in stem, ") and "no fused loss: ResNet is not a Hugging Face" in out
@@ -730,7 +733,11 @@ def test_plan_levers_prints_the_levers_plan_every_set_measured_and_the_calls(cap
 
 def test_plan_levers_pastes_the_pointwise_lever_after_the_checkpoints(capsys, monkeypatch):
     """With the pointwise chains' recomputation measured at 0 ms (an injected clock), they are the cheapest way for
-    every block but the stem (several modules: none of its own); their call is pasted after the checkpoints'."""
+    every block but the stem (several modules: none of its own); their call is pasted after the checkpoints'. The
+    blocks' clocks tick (conftest), so that a block is never timed at about 0 ms on a loaded machine."""
+    from conftest import ticking_planner_clocks
+
+    ticking_planner_clocks(monkeypatch)
     levers = importlib.import_module("lightning_memguard.levers.plan_levers")
     monkeypatch.setattr(levers, "plan_levers", functools.partial(levers.plan_levers, clock=lambda: 0.0))
     assert main(["plan", *TINY, "--effective-batch", "8", "--levers", "0.5"]) == 0
