@@ -544,8 +544,7 @@ class LeverSearch:
         if not held and not self._copyless and any(o.kind in OFFLOADED for o in lowest[0].links.values()):
             self._copyless = True
             assert self._start is not None
-            options = {name: [o for o in held_options if o.kind not in OFFLOADED]
-                       for name, held_options in self._start.links.items()}  # fmt: skip
+            options = {name: [o for o in each if o.kind not in OFFLOADED] for name, each in self._start.links.items()}
             choice = choose_levers(options, float("inf"), self.host_limit)
             if choice.links and all(choice.links != c[0].links for c in self._choices):
                 self._choices.append((choice, self._start.peak - choice.freed_bytes, self._start.peak))

@@ -449,18 +449,17 @@ class ActivationOffload:
             return False
         if isinstance(t, nn.Parameter) or t.data_ptr() in self._params or (t.is_leaf and t.requires_grad):
             return False
+        if torch.empty_like(t, device="meta").stride() != t.stride():
+            # not dense (a slice, an expanded or strided view): its copy would first make it dense in a kernel on
+            # the copy stream, in memory of that stream's own pool, and the backward would get other strides. It
+            # stays on the device
+            return False
         return not _is_cast_parameter(t)
 
     def _pack(self, call: _BlockCall, t: torch.Tensor, outer: Hooks | None) -> Any:
         # what is not moved is handed on to the hooks outside these (the planner's count, the memory report, the
         # spill emulator), which count it, or move it, by their own rules, as without the offload
         if call.index in self.dropped or not self._offloadable(t):
-            return hand_on(t, outer)
-        stride = torch.empty_like(t, device="meta").stride()  # the layout of a dense tensor like it
-        if stride != t.stride():
-            # not dense (a slice, an expanded or strided view): its copy would first make it dense in a kernel on
-            # the copy stream, in memory of that stream's own pool, and the backward would get other strides. It
-            # stays on the device
             return hand_on(t, outer)
         key = _key(t)
         if key in self._held:
@@ -471,7 +470,7 @@ class ActivationOffload:
         bucket = self._take(bucket_size(nbytes), call.index, nbytes)
         if bucket is None:
             return hand_on(t, outer)
-        host = bucket[:nbytes].view(t.dtype).as_strided(t.shape, stride)
+        host = bucket[:nbytes].view(t.dtype).as_strided(t.shape, t.stride())  # dense: its own layout
         self._streams.to_host(t, host)  # type: ignore[union-attr]
         call.sources.append(t)
         handle = _Offloaded(self, call, host, bucket)
